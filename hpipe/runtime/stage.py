@@ -1,0 +1,145 @@
+"""One pipeline stage: the units it holds and the three steps of running a micro-batch.
+
+1. `prepare_inputs(segments)`: positions, the attention mask(s) and rotary embeddings, all derived
+   from the schedule alone (every stage computes the same from the same segments);
+2. `forward(inputs, x)`: the stage's units, through transformers' own modules;
+3. the transfer of the hidden states is the worker's business (`hpipe.runtime.comm`).
+
+Keeping the steps apart is what lets SiPipe's token-safe execution prepare the next micro-batch's
+inputs while this one computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hpipe import models
+from hpipe.runtime.kv import BatchCache, KVStore, Segment, layout_of
+
+
+@dataclass
+class StageInputs:
+    segments: list[Segment]
+    layout: str                       # "rows" or "packed" (see hpipe.runtime.kv)
+    shape: tuple[int, int]            # (rows, tokens per row) of the hidden states
+    positions: torch.Tensor           # [rows, tokens]
+    masks: dict                       # sliding window (None = full) -> attention mask
+    rotary: tuple | None              # (cos, sin) for RoPE models
+    cache: BatchCache | None
+    sample_rows: torch.Tensor         # flat token indices whose logits are sampled
+
+
+class StageRunner:
+    def __init__(self, model_dir: Path, config, units: range, device: str = "cpu", dtype: str = "float32",
+                 attn_implementation: str = "sdpa"):
+        self.config = config
+        self.units = units
+        self.device = torch.device(device)
+        self.dtype = models.torch_dtype(dtype)
+        self.attn_implementation = attn_implementation
+        self.model = models.build_model_units(model_dir, config, units, device, dtype, attn_implementation)
+        self.rotary = models.rotary_embedding(self.model, config, device)
+        self.n_units = models.num_units(config)
+        self.gpt2 = config.model_type in models.GPT2_LIKE
+        self.hidden_size = int(config.hidden_size)
+        self.blocks = sorted({(u - 1) // 2 for u in units if 0 < u < self.n_units - 1})
+        self.windows = sorted({models.sliding_window_of_block(config, b) for b in self.blocks},
+                              key=lambda w: -1 if w is None else w)
+        self.kv = KVStore(device, self.dtype)
+        self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
+
+    @property
+    def first(self) -> bool:
+        return self.units.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.units.stop == self.n_units
+
+    # ---------------------------------------------------------------- step 1: input preparation
+    def prepare_inputs(self, segments: list[Segment]) -> StageInputs:
+        layout = layout_of(segments)
+        dev = self.device
+        if layout == "rows":
+            n, length = len(segments), segments[0].length
+            starts = torch.tensor([s.start for s in segments], device=dev)
+            positions = starts[:, None] + torch.arange(length, device=dev)[None, :]
+            key_pos = torch.arange(max(s.end for s in segments), device=dev)
+            q = positions[:, None, :, None]                     # [n, 1, L, 1]
+            k = key_pos[None, None, None, :]                    # [1, 1, 1, K]
+            same_seq = None
+            ends = torch.cumsum(torch.full((n,), length, device=dev), 0)
+        else:
+            positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments])[None, :]
+            q_seq = torch.cat([torch.full((s.length,), i, device=dev) for i, s in enumerate(segments)])
+            key_pos = torch.cat([torch.arange(s.end, device=dev) for s in segments])
+            k_seq = torch.cat([torch.full((s.end,), i, device=dev) for i, s in enumerate(segments)])
+            q = positions[0][None, None, :, None]
+            k = key_pos[None, None, None, :]
+            same_seq = (q_seq[:, None] == k_seq[None, :])[None, None]
+            ends = torch.cumsum(torch.tensor([s.length for s in segments], device=dev), 0)
+        masks = {}
+        if self.blocks:
+            for w in self.windows:
+                allowed = k <= q
+                if w is not None:
+                    allowed = allowed & (k > q - w)
+                if same_seq is not None:
+                    allowed = allowed & same_seq
+                masks[w] = self._mask_for_attention(allowed)
+        rotary = None
+        if self.rotary is not None and self.blocks:
+            probe = torch.empty(0, dtype=self.dtype, device=dev)
+            rotary = self.rotary(probe, positions)
+        sample_rows = torch.tensor([int(e) - 1 for e, s in zip(ends.tolist(), segments) if s.sample],
+                                   dtype=torch.long, device=dev)
+        shape = (len(segments), segments[0].length) if layout == "rows" else (1, int(ends[-1]))
+        cache = BatchCache(self.kv, segments) if self.blocks else None
+        return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
+
+    def _mask_for_attention(self, allowed: torch.Tensor) -> torch.Tensor:
+        if self.attn_implementation == "sdpa":
+            return allowed
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+
+    # ---------------------------------------------------------------- step 2: the forward
+    @torch.inference_mode()
+    def forward(self, inputs: StageInputs, x: torch.Tensor) -> torch.Tensor:
+        """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. Returns hidden
+        states [T, H], or on the last stage the logits [rows sampled, V] (float32)."""
+        rows, per_row = inputs.shape
+        h = x.to(self.device).view(rows, per_row) if self.first else \
+            x.to(self.device, self.dtype).view(rows, per_row, self.hidden_size)
+        for u in self.units:
+            h = self._run_unit(u, h, inputs)
+        if self.last:
+            return h.float()
+        return h.reshape(rows * per_row, self.hidden_size)
+
+    def _run_unit(self, u: int, h: torch.Tensor, inputs: StageInputs) -> torch.Tensor:
+        mods = self._mods[u]
+        if u == 0:
+            if self.gpt2:
+                wte, wpe = mods
+                return wte(h) + wpe(inputs.positions)
+            return mods[0](h)
+        if u == self.n_units - 1:
+            norm, head = mods
+            flat = h.reshape(-1, h.shape[-1]).index_select(0, inputs.sample_rows)
+            return head(norm(flat))
+        block = (u - 1) // 2
+        norm, module = mods
+        residual = h
+        if u % 2 == 1:  # attention half
+            mask = inputs.masks[models.sliding_window_of_block(self.config, block)]
+            if self.gpt2:
+                out, _ = module(norm(h), past_key_values=inputs.cache, attention_mask=mask)
+            else:
+                out, _ = module(hidden_states=norm(h), position_embeddings=inputs.rotary,
+                                attention_mask=mask, past_key_values=inputs.cache)
+            return residual + out
+        return residual + module(norm(h))
