@@ -1,0 +1,164 @@
+"""The `hpipe` command line.
+
+    hpipe plan   --model MODEL (--stages N | --cluster FILE) [--cuts ...] [--slices ...] -o plan.json
+    hpipe launch plan.json --local --prompts prompts.jsonl --out results.jsonl [...]
+    hpipe demo
+
+Errors the user can fix are printed as one line (`hpipe: error: ...`) with exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+
+from hpipe import __version__
+from hpipe.errors import HpipeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Plan and launch pipeline-parallel LLM inference on mixed commodity hardware.")
+
+
+def _ints(text: Optional[str], option: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HpipeError(f"{option} {text!r}: expected comma-separated integers, e.g. {option} 20,41") from None
+    if not values:
+        raise HpipeError(f"{option}: give at least one integer")
+    return values
+
+
+def _note(msg: str) -> None:
+    typer.echo(msg, err=True)
+
+
+@app.command()
+def plan(
+    model: str = typer.Option("smollm2", "--model", help="'smollm2', a Hugging Face directory or a .gguf file"),
+    stages: Optional[int] = typer.Option(None, "--stages", help="number of local stages (one per process)"),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="cluster inventory TOML: one stage per device"),
+    device: str = typer.Option("cpu", "--device", help="with --stages: the device of every stage"),
+    cuts: Optional[str] = typer.Option(None, "--cuts", help="N-1 interior cut positions in units, e.g. 20,41"),
+    slices: Optional[str] = typer.Option(None, "--slices", help="slice lengths in tokens, e.g. 512,384,256"),
+    num_slices: Optional[int] = typer.Option(None, "--num-slices", help="uniform slices per prompt "
+                                             "(default: 2 x stages)"),
+    granularity: int = typer.Option(16, "--granularity", help="uniform slices are multiples of this"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
+    out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
+):
+    """Make a plan: where to cut the model between stages and how to slice prompts."""
+    from hpipe import formats, models
+    from planner import make_plan
+
+    if (stages is None) == (cluster is None):
+        raise HpipeError("give exactly one of --stages N (local processes) or --cluster FILE")
+    if stages is not None:
+        if stages < 1:
+            raise HpipeError(f"--stages must be at least 1, got {stages}")
+        formats.check_device("--device", "value", device)
+        devices = [("local", device)] * stages
+    else:
+        devices = formats.load_inventory(cluster).devices()
+    if num_slices is not None and num_slices < 1:
+        raise HpipeError(f"--num-slices must be at least 1, got {num_slices}")
+    if granularity < 1:
+        raise HpipeError(f"--granularity must be at least 1, got {granularity}")
+    if dtype not in formats.DTYPES:
+        raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
+    source = models.resolve_model(model, progress=_note)
+    config = models.load_config(source.path)
+    name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
+    p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
+                  granularity, dtype)
+    formats.write_plan(p, out)
+    desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
+    typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")
+
+
+@app.command()
+def launch(
+    plan_path: str = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`"),
+    local: bool = typer.Option(False, "--local", help="run every stage as a process on this machine"),
+    prompts: str = typer.Option(..., "--prompts", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"input_ids\"}"),
+    out: str = typer.Option(..., "--out", help="results JSONL, one line per prompt as it finishes"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    seed: int = typer.Option(0, "--seed"),
+    max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
+    logits_out: Optional[str] = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
+    timeline_out: Optional[str] = typer.Option(None, "--timeline-out", help="JSON of every stage's busy intervals"),
+    resume: bool = typer.Option(False, "--resume", help="skip prompts whose ids are already in --out"),
+    model: Optional[str] = typer.Option(None, "--model", help="load this model instead of the plan's"),
+    quiet: bool = typer.Option(False, "--quiet", help="do not stream the workers' logs"),
+):
+    """Run a plan: start the stage workers and pipeline the prompts through them."""
+    import json
+
+    from launcher.jobs import LaunchSettings, busy_fractions, prepare
+    from launcher.local import launch_local
+
+    if not local:
+        raise HpipeError("only --local launches exist in this version; add --local")
+    if max_batch < 1:
+        raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
+    settings = LaunchSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                              max_batch=max_batch, logits_out=logits_out, resume=resume)
+    job = prepare(plan_path, prompts, out, settings, model=model, progress=_note)
+    if job.skipped:
+        _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
+    report = launch_local(job, plan_path, out, settings, quiet=quiet)
+    if timeline_out:
+        with open(timeline_out, "w") as f:
+            json.dump({"version": 1, "stages": [report.output.timelines[r] for r in sorted(report.output.timelines)]}, f)
+    s = report.output.summary or {}
+    busy = busy_fractions(report.output.timelines)
+    typer.echo(f"{len(report.output.results)} prompts done -> {out}; "
+               f"{s.get('generated_tokens', 0)} tokens in {s.get('wall_s', 0):.2f} s "
+               f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +
+               ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
+
+
+@app.command()
+def demo(
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
+    stages: int = typer.Option(2, "--stages"),
+):
+    """Plan a 2-stage local pipeline on the default model and answer a question about a long document."""
+    from hpipe.demo import run_demo
+
+    run_demo(stages=stages, max_new_tokens=max_new_tokens)
+
+
+@app.command()
+def version():
+    """Print hpipe's version."""
+    typer.echo(f"hpipe {__version__}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        app(args=argv, standalone_mode=False)
+        return 0
+    except HpipeError as e:
+        typer.echo(f"hpipe: error: {e}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        typer.echo("hpipe: interrupted", err=True)
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        typer.echo("hpipe: interrupted", err=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

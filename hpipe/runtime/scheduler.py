@@ -1,0 +1,162 @@
+"""The scheduler: the one place that decides what every micro-batch holds.
+
+It runs on stage 0. Each call to `next_microbatch()` returns the segments of the next micro-batch
+(which prompt slices, which decode tokens) or None when nothing may start now; `on_sampled()`
+takes the ids the last stage sampled for a micro-batch. It knows nothing of torch or processes,
+so it can be tested alone and its policy replaced (gLLM's token throttling goes here).
+
+The policy of this first version:
+- at most `max_batch` sequences are active at once; each gets a KV-cache slot;
+- prefill first: a prompt's slices (the plan's slicing) go out one per micro-batch, back to back,
+  so slice i+1 enters stage 0 while slice i runs on stage 1 (HPipe's token-dimension pipeline);
+- decode: sequences whose last token came back are grouped, at most ceil(decoding / stages) per
+  micro-batch, so that as many micro-batches as stages are in flight and every stage works;
+- at most `max_inflight` micro-batches are in the pipeline at once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hpipe.runtime.kv import Segment
+
+
+@dataclass(frozen=True)
+class Request:
+    seq: int
+    id: str
+    input_ids: tuple[int, ...]
+
+
+@dataclass
+class MicroBatch:
+    id: int
+    segments: list[Segment]
+    tokens: list[int]          # the input token ids of all segments, concatenated
+
+    @property
+    def kind(self) -> str:
+        return microbatch_kind(self.segments)
+
+
+def microbatch_kind(segments: list[Segment]) -> str:
+    """'decode' (one new token per sequence), 'prefill' (one prompt slice) or 'mixed'."""
+    if all(s.length == 1 and s.start > 0 for s in segments):
+        return "decode"
+    return "prefill" if len(segments) == 1 else "mixed"
+
+
+@dataclass
+class SequenceState:
+    request: Request
+    slot: int
+    slices: list[int]
+    pos: int = 0                               # tokens of this sequence already sent into the pipeline
+    output: list[int] = field(default_factory=list)
+    waiting: bool = False                      # a token of it is in flight
+    finish_reason: str | None = None
+    t_admit: float = 0.0
+    t_first: float | None = None
+    t_last: float | None = None
+
+    @property
+    def prefilled(self) -> bool:
+        return not self.slices
+
+
+class Scheduler:
+    def __init__(self, requests: list[Request], slices_for: Callable[[int], list[int]], n_stages: int,
+                 max_new_tokens: int, eos_ids: list[int], max_batch: int = 16, max_inflight: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        self.queue = list(requests)
+        self.slices_for = slices_for
+        self.n_stages = n_stages
+        self.max_new_tokens = max_new_tokens
+        self.eos = set(eos_ids)
+        self.max_batch = max(1, max_batch)
+        self.max_inflight = max_inflight or 2 * n_stages
+        self.clock = clock
+        self.active: list[SequenceState] = []
+        self.free_slots: list[int] = []
+        self.n_slots = 0
+        self.inflight: dict[int, MicroBatch] = {}
+        self.next_id = 0
+        self.t0 = clock()
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and not self.active and not self.inflight
+
+    def _admit(self) -> None:
+        while self.queue and len(self.active) < self.max_batch:
+            req = self.queue.pop(0)
+            if self.free_slots:
+                slot = self.free_slots.pop()
+            else:
+                slot, self.n_slots = self.n_slots, self.n_slots + 1
+            slices = self.slices_for(len(req.input_ids))
+            assert sum(slices) == len(req.input_ids), (slices, len(req.input_ids))
+            self.active.append(SequenceState(req, slot, list(slices), t_admit=self.clock()))
+
+    def _emit(self, segments: list[Segment], tokens: list[int]) -> MicroBatch:
+        mb = MicroBatch(self.next_id, segments, tokens)
+        self.next_id += 1
+        self.inflight[mb.id] = mb
+        return mb
+
+    def next_microbatch(self) -> MicroBatch | None:
+        if len(self.inflight) >= self.max_inflight:
+            return None
+        self._admit()
+        for st in self.active:  # prefill first, in admission order
+            if st.slices:
+                n = st.slices.pop(0)
+                seg = Segment(st.request.seq, st.slot, st.pos, n, sample=not st.slices)
+                tokens = list(st.request.input_ids[st.pos:st.pos + n])
+                st.pos += n
+                st.waiting = seg.sample
+                return self._emit([seg], tokens)
+        decoding = [st for st in self.active if st.prefilled and st.finish_reason is None]
+        ready = [st for st in decoding if not st.waiting]
+        if not ready:
+            return None
+        cap = math.ceil(len(decoding) / self.n_stages)
+        group = ready[:cap]
+        segments = []
+        for st in group:
+            segments.append(Segment(st.request.seq, st.slot, st.pos, 1, sample=True))
+            st.pos += 1
+            st.waiting = True
+        return self._emit(segments, [st.output[-1] for st in group])
+
+    def on_sampled(self, mb_id: int, ids: list[int]) -> list[SequenceState]:
+        """Takes the ids sampled for micro-batch `mb_id` (one per sampling segment, in order) and
+        returns the sequences that finished."""
+        mb = self.inflight.pop(mb_id)
+        sampled = [s for s in mb.segments if s.sample]
+        if len(sampled) != len(ids):
+            raise RuntimeError(f"micro-batch {mb_id}: {len(ids)} ids for {len(sampled)} sampling segments")
+        by_seq = {st.request.seq: st for st in self.active}
+        now = self.clock()
+        finished = []
+        for seg, token in zip(sampled, ids):
+            st = by_seq[seg.seq]
+            st.output.append(token)
+            st.waiting = False
+            st.t_first = now if st.t_first is None else st.t_first
+            st.t_last = now
+            if token in self.eos:
+                st.finish_reason = "eos"
+            elif len(st.output) >= self.max_new_tokens:
+                st.finish_reason = "length"
+            if st.finish_reason:
+                finished.append(st)
+        for st in finished:
+            self.active.remove(st)
+            self.free_slots.append(st.slot)
+        return finished

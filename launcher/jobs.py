@@ -1,0 +1,140 @@
+"""What every launch does, wherever its workers run: check the plan against the model, turn prompts
+into token ids, take the workers' reports (`@@hpipe {json}` lines) and write results as they
+finish. `launcher.local` runs the workers as local processes; the SSH launcher runs the same
+worker command on remote hosts and feeds its output through the same `JobOutput`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpipe import formats, models
+from hpipe.errors import HpipeError
+
+MARKER = "@@hpipe "
+
+
+@dataclass
+class LaunchSettings:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    max_batch: int = 16
+    logits_out: str | None = None
+    resume: bool = False
+    attn: str = "sdpa"
+
+
+@dataclass
+class PreparedJob:
+    plan: formats.Plan
+    source: models.ModelSource
+    config: object
+    tokenizer: object
+    requests: list[dict]            # {seq, id, input_ids} for the prompts still to run
+    skipped: list[str]              # ids already in the results file (--resume)
+    eos: list[int]
+
+
+def encode_prompt(tokenizer, record: formats.PromptRecord) -> list[int]:
+    if record.input_ids is not None:
+        return list(record.input_ids)
+    if not record.raw and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": record.prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(record.prompt)["input_ids"]]
+
+
+def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSettings,
+            model: str | None = None, progress=None) -> PreparedJob:
+    plan = formats.load_plan(plan_path)
+    if settings.max_new_tokens < 1:
+        raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
+    if settings.temperature < 0:
+        raise HpipeError(f"--temperature must be >= 0, got {settings.temperature}")
+    source = models.resolve_model(model or plan.model.name, progress=progress)
+    config = models.load_config(source.path)
+    models.check_plan_matches(plan, config, source.name)
+    prompts = formats.load_prompts(prompts_path)
+    done_ids: set[str] = set()
+    if os.path.exists(out_path) and os.path.getsize(out_path) > 0:
+        if not settings.resume:
+            raise HpipeError(f"{out_path}: results file already exists; pass --resume to skip the prompts "
+                             f"it holds, or choose another --out")
+        done_ids = {r["id"] for r in formats.load_results(out_path)}
+    tokenizer = models.load_tokenizer(source.path)
+    ctx = models.context_length(config)
+    vocab = int(config.vocab_size)
+    requests = []
+    for line_no, rec in enumerate(prompts):
+        if rec.id in done_ids:
+            continue
+        ids = encode_prompt(tokenizer, rec)
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise HpipeError(f"{prompts_path}: prompt {rec.id!r}: token id {bad[0]} is outside the vocabulary "
+                             f"(size {vocab})")
+        if len(ids) + settings.max_new_tokens > ctx:
+            raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has {len(ids)} tokens; with --max-new-tokens "
+                             f"{settings.max_new_tokens} that exceeds the model's context of {ctx} tokens; "
+                             f"shorten the prompt or lower --max-new-tokens")
+        requests.append({"seq": len(requests), "id": rec.id, "input_ids": ids})
+    return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids),
+                       models.eos_token_ids(source.path, config))
+
+
+def write_requests(job: PreparedJob, path: Path) -> None:
+    with open(path, "w") as f:
+        for r in job.requests:
+            f.write(json.dumps(r) + "\n")
+
+
+@dataclass
+class JobOutput:
+    """Collects the workers' reports and appends each finished prompt to the results file."""
+
+    out_path: str
+    tokenizer: object
+    results: list[dict] = field(default_factory=list)
+    timelines: dict[int, dict] = field(default_factory=dict)
+    summary: dict | None = None
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def take(self, rank: int, line: str) -> bool:
+        """Handles one stdout line of a worker; False if it is not a report (a log line)."""
+        if not line.startswith(MARKER):
+            return False
+        try:
+            msg = json.loads(line[len(MARKER):])
+        except json.JSONDecodeError:
+            return False
+        kind = msg.pop("type", None)
+        if kind == "result":
+            record = {"id": msg["id"], "output_ids": msg["output_ids"],
+                      "text": self.tokenizer.decode(msg["output_ids"], skip_special_tokens=True), **msg}
+            formats.append_result(self.out_path, record)
+            self.results.append(record)
+        elif kind == "timeline":
+            self.timelines[msg["rank"]] = msg
+        elif kind == "summary":
+            self.summary = msg
+        elif kind == "error":
+            self.errors[rank] = msg.get("message", "")
+        return True
+
+
+def busy_fractions(timelines: dict[int, dict]) -> dict[int, float]:
+    """Per stage: the share of the run (first to last activity of any stage) spent computing."""
+    if not timelines:
+        return {}
+    start = min(t["start"] for t in timelines.values())
+    end = max(t["end"] for t in timelines.values())
+    span = max(end - start, 1e-9)
+    return {r: sum(i["end"] - i["start"] for i in t["intervals"] if i["what"] == "compute") / span
+            for r, t in sorted(timelines.items())}
