@@ -147,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         app(args=argv, standalone_mode=False)
         return 0
     except HpipeError as e:
-        typer.echo(f"hpipe: error: {e}", err=True)
+        typer.echo("hpipe: error: " + " ".join(str(e).split()), err=True)
         return 2
     except click.exceptions.Abort:
         typer.echo("hpipe: interrupted", err=True)

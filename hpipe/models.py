@@ -339,9 +339,15 @@ def rotary_embedding(model, config, device: str):
     return rotary_cls(config=config).to(device)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: Path):
+    """The model's tokenizer, or None when the directory has none (prompts must then be token ids)."""
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:

@@ -39,9 +39,12 @@ class PreparedJob:
     eos: list[int]
 
 
-def encode_prompt(tokenizer, record: formats.PromptRecord) -> list[int]:
+def encode_prompt(tokenizer, record: formats.PromptRecord, where: str = "") -> list[int]:
     if record.input_ids is not None:
         return list(record.input_ids)
+    if tokenizer is None:
+        raise HpipeError(f"{where}prompt {record.id!r} is text, but the model has no tokenizer files; "
+                         f"give \"input_ids\" instead")
     if not record.raw and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": record.prompt}],
                                             add_generation_prompt=True, tokenize=True)
@@ -72,10 +75,10 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
     ctx = models.context_length(config)
     vocab = int(config.vocab_size)
     requests = []
-    for line_no, rec in enumerate(prompts):
+    for rec in prompts:
         if rec.id in done_ids:
             continue
-        ids = encode_prompt(tokenizer, rec)
+        ids = encode_prompt(tokenizer, rec, f"{prompts_path}: ")
         bad = [t for t in ids if t >= vocab]
         if bad:
             raise HpipeError(f"{prompts_path}: prompt {rec.id!r}: token id {bad[0]} is outside the vocabulary "
@@ -116,8 +119,8 @@ class JobOutput:
             return False
         kind = msg.pop("type", None)
         if kind == "result":
-            record = {"id": msg["id"], "output_ids": msg["output_ids"],
-                      "text": self.tokenizer.decode(msg["output_ids"], skip_special_tokens=True), **msg}
+            text = self.tokenizer.decode(msg["output_ids"], skip_special_tokens=True) if self.tokenizer else None
+            record = {"id": msg["id"], "output_ids": msg["output_ids"], "text": text, **msg}
             formats.append_result(self.out_path, record)
             self.results.append(record)
         elif kind == "timeline":

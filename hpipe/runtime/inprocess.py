@@ -1,0 +1,42 @@
+"""All stages of a plan in one process, one after another: the same scheduler, stage and sampling
+code as the distributed runtime, without processes or transfers. Used by tests (exactness against
+transformers over many random plans) and by benchmarks (the one-process baseline)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from hpipe.runtime.scheduler import Request, Scheduler
+from hpipe.runtime.stage import StageRunner
+from hpipe.sampling import Sampler
+
+
+def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
+                  max_new_tokens: int, eos_ids: list[int], sampler: Sampler | None = None, max_batch: int = 16,
+                  n_stages: int | None = None, keep_logits: bool = False) -> dict:
+    """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}."""
+    sampler = sampler or Sampler()
+    ids = {r.seq: r.id for r in requests}
+    for r in requests:
+        sampler.add(r.seq, r.id)
+    sched = Scheduler(requests, slices_for, n_stages or len(runners), max_new_tokens, eos_ids, max_batch)
+    logits: dict[int, list] = {}
+    out: dict[str, dict] = {}
+    while not sched.done:
+        mb = sched.next_microbatch()
+        assert mb is not None, "the scheduler stalled with nothing in flight"
+        x = torch.tensor(mb.tokens, dtype=torch.long)
+        for runner in runners:
+            x = runner.forward(runner.prepare_inputs(mb.segments), x)
+        seqs = [s.seq for s in mb.segments if s.sample]
+        if keep_logits:
+            for i, s in enumerate(seqs):
+                logits.setdefault(s, []).append(x[i].detach().float().cpu())
+        for st in sched.on_sampled(mb.id, sampler.sample_next(x, seqs)):
+            out[st.request.id] = {"output_ids": st.output, "finish_reason": st.finish_reason}
+    if keep_logits:
+        for s, rows in logits.items():
+            out[ids[s]]["logits"] = torch.stack(rows)
+    return out

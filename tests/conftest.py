@@ -1,0 +1,92 @@
+"""Shared fixtures: small random-init models of every supported family, built in the test (no
+download), saved as Hugging Face directories; and the transformers reference they are checked
+against."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+VOCAB = 256
+
+
+def tiny_config(family: str):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=24)  # short window: prompts cross it
+    if family == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=512,
+                          bos_token_id=1, eos_token_id=2)
+    raise ValueError(family)
+
+
+def build_tiny_model(family: str, directory: Path, sharded: bool = False) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3, "gpt2": 4}[family])
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    # larger weights than the default init: logits spread out, so greedy ties are rare
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(directory, max_shard_size="200KB" if sharded else "5GB")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {f: build_tiny_model(f, root / f, sharded=(f == "qwen2")) for f in FAMILIES}
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_models(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return {f: AutoModelForCausalLM.from_pretrained(p).eval() for f, p in tiny_models.items()}
+
+
+def reference_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Logits of one full-sequence transformers forward at the last prompt position and at every
+    generated position but the last: the rows the pipeline produced, [len(output), V]."""
+    ids = torch.tensor([prompt + output[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    return logits[len(prompt) - 1:]
+
+
+def reference_greedy(model, prompt: list[int], n: int, eos: int | None) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_equal(model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
+    """Greedy tokens must be equal; if they part, the reference's top two logits at that step must
+    be a genuine tie (within float32 noise), else the pipeline is wrong."""
+    if ours == theirs:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    ids = torch.tensor([prompt + theirs[:k]])
+    with torch.no_grad():
+        top2 = model(ids).logits[0, -1].topk(2).values
+    gap = float(top2[0] - top2[1])
+    assert gap < 1e-4, f"greedy tokens differ at step {k} where the reference is not a tie (gap {gap}): " \
+                       f"{ours} vs {theirs}"
