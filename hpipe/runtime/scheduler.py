@@ -36,14 +36,12 @@ class MicroBatch:
     id: int
     segments: list[Segment]
     tokens: list[int]          # the input token ids of all segments, concatenated
-
-    @property
-    def kind(self) -> str:
-        return microbatch_kind(self.segments)
+    phase: str                 # "prefill" (a prompt slice) or "decode" (one new token per sequence)
 
 
 def microbatch_kind(segments: list[Segment]) -> str:
-    """'decode' (one new token per sequence), 'prefill' (one prompt slice) or 'mixed'."""
+    """What a stage can tell from the segments alone, for timelines: 'decode' (one token per
+    sequence after some context), 'prefill' (one prompt slice) or 'mixed'."""
     if all(s.length == 1 and s.start > 0 for s in segments):
         return "decode"
     return "prefill" if len(segments) == 1 else "mixed"
@@ -103,8 +101,8 @@ class Scheduler:
             assert sum(slices) == len(req.input_ids), (slices, len(req.input_ids))
             self.active.append(SequenceState(req, slot, list(slices), t_admit=self.clock()))
 
-    def _emit(self, segments: list[Segment], tokens: list[int]) -> MicroBatch:
-        mb = MicroBatch(self.next_id, segments, tokens)
+    def _emit(self, segments: list[Segment], tokens: list[int], phase: str) -> MicroBatch:
+        mb = MicroBatch(self.next_id, segments, tokens, phase)
         self.next_id += 1
         self.inflight[mb.id] = mb
         return mb
@@ -120,7 +118,7 @@ class Scheduler:
                 tokens = list(st.request.input_ids[st.pos:st.pos + n])
                 st.pos += n
                 st.waiting = seg.sample
-                return self._emit([seg], tokens)
+                return self._emit([seg], tokens, "prefill")
         decoding = [st for st in self.active if st.prefilled and st.finish_reason is None]
         ready = [st for st in decoding if not st.waiting]
         if not ready:
@@ -132,7 +130,7 @@ class Scheduler:
             segments.append(Segment(st.request.seq, st.slot, st.pos, 1, sample=True))
             st.pos += 1
             st.waiting = True
-        return self._emit(segments, [st.output[-1] for st in group])
+        return self._emit(segments, [st.output[-1] for st in group], "decode")
 
     def on_sampled(self, mb_id: int, ids: list[int]) -> list[SequenceState]:
         """Takes the ids sampled for micro-batch `mb_id` (one per sampling segment, in order) and

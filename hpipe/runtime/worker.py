@@ -217,7 +217,7 @@ def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
         inputs = runner.prepare_inputs(mb.segments)
         out = runner.forward(inputs, torch.tensor(mb.tokens, dtype=torch.long))
         sync()
-        timeline.add("compute", t, time.time(), mb.id, mb.kind, len(mb.tokens))
+        timeline.add("compute", t, time.time(), mb.id, mb.phase, len(mb.tokens))
         if world == 1:
             handle(mb.id, sample(out, mb.segments))
         else:

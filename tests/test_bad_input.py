@@ -1,0 +1,158 @@
+"""Bad input gets one clear line naming what is wrong and where, a non-zero exit, no traceback;
+a crash after k prompts leaves k complete results and --resume finishes the rest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpipe.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err
+
+
+def one_error_line(err, *needles):
+    lines = [l for l in err if l.startswith("hpipe: error:")]
+    assert len(lines) == 1, err
+    assert not any("Traceback" in l for l in err), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def llama_plan(tiny_models, tmp_path):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(tiny_models["llama"]), "--stages", "2", "-o", str(plan)]) == 0
+    return plan
+
+
+def test_unknown_and_missing_model(capsys, tmp_path):
+    code, err = run_cli(capsys, "plan", "--model", "no-such-model", "--stages", "2", "-o", str(tmp_path / "p.json"))
+    assert code == 2
+    one_error_line(err, "no-such-model")
+    code, err = run_cli(capsys, "plan", "--model", str(tmp_path / "missing.gguf"), "--stages", "2",
+                        "-o", str(tmp_path / "p.json"))
+    assert code == 2
+    one_error_line(err, "missing.gguf", "not found")
+    (tmp_path / "emptydir").mkdir()
+    code, err = run_cli(capsys, "plan", "--model", str(tmp_path / "emptydir"), "--stages", "2", "-o", "x.json")
+    one_error_line(err, "config.json")
+
+
+def test_cuts_out_of_range(capsys, tiny_models, tmp_path):
+    for cuts in ("0", "10", "5,3", "4,4"):
+        code, err = run_cli(capsys, "plan", "--model", str(tiny_models["llama"]), "--stages",
+                            str(len(cuts.split(",")) + 1), "--cuts", cuts, "-o", str(tmp_path / "p.json"))
+        assert code == 2
+        one_error_line(err, "--cuts")
+    code, err = run_cli(capsys, "plan", "--model", str(tiny_models["llama"]), "--stages", "3", "--cuts", "4",
+                        "-o", str(tmp_path / "p.json"))
+    one_error_line(err, "3 stages need 2")
+
+
+def test_plan_for_another_model(capsys, tiny_models, llama_plan, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+    code, err = run_cli(capsys, "launch", str(llama_plan), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"), "--model", str(tiny_models["gpt2"]))
+    assert code == 2
+    one_error_line(err, "plan was made for model", "gpt2")
+
+
+def test_plan_file_with_bad_fields(capsys, llama_plan, tmp_path):
+    data = json.loads(llama_plan.read_text())
+    data["stages"][1]["units"] = [5, 99]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+    code, err = run_cli(capsys, "launch", str(bad), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"))
+    assert code == 2
+    one_error_line(err, "bad.json", "stages[1].units")
+    data["stages"][0]["device"] = "gpu0"
+    bad.write_text(json.dumps(data))
+    code, err = run_cli(capsys, "launch", str(bad), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"))
+    one_error_line(err, "stages[0].device", "gpu0")
+
+
+def test_prompt_longer_than_context(capsys, llama_plan, tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "long", "input_ids": [5] * 500}) + "\n")
+    code, err = run_cli(capsys, "launch", str(llama_plan), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "20")
+    assert code == 2
+    one_error_line(err, "'long'", "500 tokens", "context of 512")
+
+
+@pytest.mark.parametrize("content,needles", [
+    ('{"id": "a", "input_ids": [1, 2]}\n{"id": "b", "input_ids": [1, 2]\n', ("line 2", "not valid JSON")),
+    ('{"id": "a", "input_ids": [1, 2]}\n\n{"id": "a", "input_ids": [3]}\n', ("line 3", "used twice")),
+    ('{"id": "a", "text": "hi"}\n', ("line 1", "unknown key 'text'")),
+    ('{"id": "a", "input_ids": [1, -2]}\n', ("line 1", "input_ids")),
+    ('[1, 2, 3]\n', ("line 1", "expected an object")),
+])
+def test_malformed_prompts(capsys, llama_plan, tmp_path, content, needles):
+    (tmp_path / "p.jsonl").write_text(content)
+    code, err = run_cli(capsys, "launch", str(llama_plan), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"))
+    assert code == 2
+    one_error_line(err, "p.jsonl", *needles)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_existing_results_need_resume(capsys, llama_plan, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+    (tmp_path / "o.jsonl").write_text('{"version": 1, "id": "z", "output_ids": [], "text": "", "ttft_s": 0, '
+                                      '"tpot_s": 0}\n')
+    code, err = run_cli(capsys, "launch", str(llama_plan), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"))
+    one_error_line(err, "o.jsonl", "--resume")
+
+
+@pytest.mark.slow
+def test_crash_keeps_finished_results_and_resume_completes(tiny_models, llama_plan, tmp_path):
+    prompts = [{"id": f"q{i}", "input_ids": [3 + i, 7, 9, 11 + i]} for i in range(8)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = tmp_path / "o.jsonl"
+    cmd = [sys.executable, "-m", "hpipe.cli", "launch", str(llama_plan), "--local", "--prompts",
+           str(tmp_path / "p.jsonl"), "--out", str(out), "--max-new-tokens", "200", "--max-batch", "1", "--quiet"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 2):
+        time.sleep(0.05)
+    assert out.exists(), proc.communicate()
+    workers = subprocess.run(["pgrep", "-f", f"hpipe.runtime.worker --plan {llama_plan}"], capture_output=True,
+                             text=True).stdout.split()
+    assert workers, "no worker processes found"
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    t_kill = time.time()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.time() - t_kill < 10
+    errors = [l for l in stderr.splitlines() if l.startswith("hpipe: error:")]
+    assert len(errors) == 1 and "stage 1" in errors[0] and "results were written" in errors[0], stderr
+    kept = [json.loads(l) for l in out.read_text().splitlines()]
+    assert 2 <= len(kept) < len(prompts)
+    assert all(set(r) >= {"id", "output_ids", "text", "ttft_s", "tpot_s"} for r in kept)
+    assert not subprocess.run(["pgrep", "-f", f"hpipe.runtime.worker --plan {llama_plan}"],
+                              capture_output=True).stdout, "workers left running"
+    # resume: only the missing ids run, and the file ends with every prompt once
+    assert main(["launch", str(llama_plan), "--local", "--prompts", str(tmp_path / "p.jsonl"), "--out", str(out),
+                 "--max-new-tokens", "200", "--max-batch", "1", "--resume", "--quiet"]) == 0
+    final = [json.loads(l) for l in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in final) == sorted(p["id"] for p in prompts)
+    assert final[:len(kept)] == kept

@@ -1,0 +1,76 @@
+"""The scheduler against an independent model of a pipeline: micro-batches leave in order after
+passing every stage, tokens come from a fixed function of (sequence, step). Checks every
+invariant the stages rely on."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpipe.formats import Slicing
+from hpipe.runtime.scheduler import Request, Scheduler
+
+EOS = 0
+
+
+def token_for(seq: int, step: int) -> int:
+    return EOS if (seq * 7 + step * 3) % 23 == 0 and step > 0 else 1 + (seq + step) % 50
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=8), n_stages=st.integers(1, 5),
+       max_batch=st.integers(1, 6), new_tokens=st.integers(1, 9), slice_len=st.integers(1, 25),
+       eos=st.booleans())
+def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_len, eos):
+    requests = [Request(i, f"r{i}", tuple(range(1, n + 1))) for i, n in enumerate(lengths)]
+    slicing = Slicing(lengths=(slice_len,) * 3)
+    sched = Scheduler(requests, slicing.slices_for, n_stages, new_tokens, [EOS] if eos else [], max_batch)
+    pipe: deque = deque()
+    cached = {}            # seq -> tokens the stages hold
+    fed: dict[int, list[int]] = {r.seq: [] for r in requests}
+    produced: dict[int, list[int]] = {r.seq: [] for r in requests}
+    finished = {}
+    while not sched.done:
+        mb = sched.next_microbatch()
+        if mb is not None:
+            assert len(sched.inflight) <= sched.max_inflight
+            active_slots = [st.slot for st in sched.active]
+            assert len(active_slots) == len(set(active_slots)) and len(active_slots) <= max_batch
+            seqs = [s.seq for s in mb.segments]
+            assert len(seqs) == len(set(seqs))
+            offset = 0
+            for seg in mb.segments:
+                assert seg.start == cached.get(seg.seq, 0), "segments of a sequence must be contiguous"
+                cached[seg.seq] = seg.end
+                fed[seg.seq] += mb.tokens[offset:offset + seg.length]
+                offset += seg.length
+            assert offset == len(mb.tokens)
+            if mb.phase == "decode":
+                decoding = sum(1 for st in sched.active if st.prefilled and st.finish_reason is None)
+                assert len(mb.segments) <= math.ceil(decoding / n_stages)
+            pipe.append(mb)
+            continue
+        assert pipe, "the scheduler stalled with nothing in flight"
+        done_mb = pipe.popleft()
+        ids = []
+        for seg in done_mb.segments:
+            if seg.sample:
+                ids.append(token_for(seg.seq, len(produced[seg.seq])))
+                produced[seg.seq].append(ids[-1])
+        for st in sched.on_sampled(done_mb.id, ids):
+            finished[st.request.seq] = st
+    for r in requests:
+        st = finished[r.seq]
+        out = produced[r.seq]
+        assert st.output == out
+        # every prompt token, then every produced token but the last, was fed exactly once, in order
+        assert fed[r.seq] == list(r.input_ids) + out[:-1]
+        if eos and EOS in out:
+            assert out.index(EOS) == len(out) - 1 and st.finish_reason == "eos"
+        else:
+            assert len(out) == new_tokens and st.finish_reason == "length"
+        slices_seen = slicing.slices_for(len(r.input_ids))
+        assert sum(slices_seen) == len(r.input_ids)
