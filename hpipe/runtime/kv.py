@@ -1,7 +1,8 @@
 """The KV cache of one stage.
 
-Storage, per attention layer: one tensor [slots, kv_heads, capacity, head_dim] for keys and one
-for values, grown by doubling. A sequence owns a slot while it runs; a new sequence in a reused
+Storage, per attention layer: one tensor [slots, capacity, kv_heads, head_dim] for keys and one
+for values, grown by doubling (position-major, so that writing a micro-batch's new keys is one
+indexed copy per layer whatever its size). A sequence owns a slot while it runs; a new sequence in a reused
 slot simply overwrites from position 0, since a micro-batch only ever reads a sequence's keys up
 to its own end.
 
@@ -61,14 +62,14 @@ class KVStore:
             return
         for store in (self.keys, self.values):
             for layer, old in store.items():
-                grown = old.new_zeros((new_slots, old.shape[1], new_cap, old.shape[3]))
-                grown[: old.shape[0], :, : old.shape[2]] = old
+                grown = old.new_zeros((new_slots, new_cap, old.shape[2], old.shape[3]))
+                grown[: old.shape[0], : old.shape[1]] = old
                 store[layer] = grown
         self.slots, self.capacity = new_slots, new_cap
 
     def _layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
-            shape = (self.slots, like.shape[1], self.capacity, like.shape[3])
+            shape = (self.slots, self.capacity, like.shape[1], like.shape[3])
             self.keys[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.values[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self.keys[layer], self.values[layer]
@@ -85,28 +86,38 @@ class BatchCache:
         self.segments = segments
         self.layout = layout_of(segments)
         store.reserve(max(s.slot for s in segments) + 1, max(s.end for s in segments))
-        self._slots = torch.tensor([s.slot for s in segments], device=store.device)
+        dev = store.device
         self._max_end = max(s.end for s in segments)
+        slots = [s.slot for s in segments]
+        # rows whose slots are consecutive are read as a view, without a gather
+        self._slot_range = (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) \
+            else None
+        self._slots = torch.tensor(slots, device=dev)
+        if self.layout == "rows":
+            length = segments[0].length
+            self._write_slots = self._slots[:, None].expand(len(segments), length)
+            self._write_pos = torch.tensor([s.start for s in segments], device=dev)[:, None] + \
+                torch.arange(length, device=dev)[None, :]
+        else:
+            self._write_slots = torch.cat([torch.full((s.length,), s.slot, device=dev) for s in segments])[None]
+            self._write_pos = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments])[None]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states, value_states: [rows, kv_heads, tokens, head_dim] of the new tokens."""
         keys, values = self.store._layer(layer_idx, key_states)
+        keys[self._write_slots, self._write_pos] = key_states.transpose(1, 2)
+        values[self._write_slots, self._write_pos] = value_states.transpose(1, 2)
         segs = self.segments
         if self.layout == "rows":
-            for i, s in enumerate(segs):
-                keys[s.slot, :, s.start:s.end] = key_states[i]
-                values[s.slot, :, s.start:s.end] = value_states[i]
-            if len(segs) == 1:
-                s = segs[0]
-                return keys[s.slot:s.slot + 1, :, : s.end], values[s.slot:s.slot + 1, :, : s.end]
-            return (keys.index_select(0, self._slots)[:, :, : self._max_end],
-                    values.index_select(0, self._slots)[:, :, : self._max_end])
-        offset = 0
-        for s in segs:
-            keys[s.slot, :, s.start:s.end] = key_states[0, :, offset:offset + s.length]
-            values[s.slot, :, s.start:s.end] = value_states[0, :, offset:offset + s.length]
-            offset += s.length
-        return (torch.cat([keys[s.slot, :, : s.end] for s in segs], dim=1).unsqueeze(0),
-                torch.cat([values[s.slot, :, : s.end] for s in segs], dim=1).unsqueeze(0))
+            if self._slot_range is not None:
+                a, b = self._slot_range
+                k, v = keys[a:b, : self._max_end], values[a:b, : self._max_end]
+            else:
+                k, v = keys[self._slots, : self._max_end], values[self._slots, : self._max_end]
+            return k.transpose(1, 2), v.transpose(1, 2)
+        k = torch.cat([keys[s.slot, : s.end] for s in segs], dim=0)
+        v = torch.cat([values[s.slot, : s.end] for s in segs], dim=0)
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
     # transformers' attention code may ask these of a cache object
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -84,6 +84,9 @@ class StageRunner:
         masks = {}
         if self.blocks:
             for w in self.windows:
+                if self.attn_implementation == "sdpa" and _plain_causal(segments, layout, w):
+                    masks[w] = None  # SDPA's own causal kernels (flash on CUDA) need no mask
+                    continue
                 allowed = k <= q
                 if w is not None:
                     allowed = allowed & (k > q - w)
@@ -101,6 +104,7 @@ class StageRunner:
         return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
 
     def _mask_for_attention(self, allowed: torch.Tensor) -> torch.Tensor:
+        """SDPA takes the boolean mask; eager attention adds a float mask (0 or the dtype's min)."""
         if self.attn_implementation == "sdpa":
             return allowed
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -143,3 +147,14 @@ class StageRunner:
                                 attention_mask=mask, past_key_values=inputs.cache)
             return residual + out
         return residual + module(norm(h))
+
+
+def _plain_causal(segments: list[Segment], layout: str, window: int | None) -> bool:
+    """True when no mask is needed: every row attends exactly to its own tokens causally (all
+    segments start at 0 with the same length), or one new token per row after equal contexts."""
+    if layout != "rows":
+        return False
+    end = segments[0].end
+    if any(s.end != end for s in segments) or (window is not None and end > window):
+        return False
+    return segments[0].length == 1 or all(s.start == 0 for s in segments)

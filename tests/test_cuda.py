@@ -1,0 +1,81 @@
+"""CUDA paths, selected by capability: skipped where no GPU is visible (CI has none; they run on
+a lent GPU machine). Stages on a GPU against transformers on the same GPU; a GPU stage and a CPU
+stage in one pipeline (gloo, staged through host memory); bfloat16."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import VOCAB, reference_logits
+from hpipe import models
+from hpipe.cli import main
+from hpipe.formats import Slicing
+from hpipe.runtime.inprocess import run_inprocess
+from hpipe.runtime.scheduler import Request
+from hpipe.runtime.stage import StageRunner
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+
+PROMPTS = [[5, 9, 11, 200, 17, 3, 44, 90] * 6, [7] * 33, [12, 13]]
+
+
+def run_on(path, bounds, device, dtype):
+    config = models.load_config(path)
+    runners = [StageRunner(path, config, range(a, b), device=device, dtype=dtype) for a, b in zip(bounds, bounds[1:])]
+    requests = [Request(i, f"p{i}", tuple(p)) for i, p in enumerate(PROMPTS)]
+    return run_inprocess(runners, requests, Slicing(lengths=(16, 8)).slices_for, 12, [2], max_batch=2,
+                         keep_logits=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_cuda_stages_match_transformers_on_cuda(family, tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models[family]
+    reference = AutoModelForCausalLM.from_pretrained(path).eval().to("cuda")
+    results = run_on(path, [0, 2, 5, 10], "cuda", "float32")
+    for i, p in enumerate(PROMPTS):
+        r = results[f"p{i}"]
+        ids = torch.tensor([p + r["output_ids"][:-1]], device="cuda")
+        with torch.no_grad():
+            ref = reference(ids).logits[0, len(p) - 1:].float().cpu()
+        assert float((r["logits"].cpu() - ref).abs().max()) < 1e-4
+
+
+def test_cuda_bfloat16_close_to_transformers_bfloat16(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["llama"]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().to("cuda")
+    results = run_on(path, [0, 3, 10], "cuda", "bfloat16")
+    for i, p in enumerate(PROMPTS):
+        r = results[f"p{i}"]
+        ids = torch.tensor([p + r["output_ids"][:-1]], device="cuda")
+        with torch.no_grad():
+            ref = reference(ids).logits[0, len(p) - 1:].float().cpu()
+        scale = float(ref.abs().max())
+        assert float((r["logits"].cpu() - ref).abs().max()) < 0.05 * scale
+
+
+def test_gpu_and_cpu_stages_in_one_pipeline(tiny_models, reference_models, tmp_path):
+    path = tiny_models["llama"]
+    plan, prompts, out, logits = (tmp_path / n for n in ("plan.json", "p.jsonl", "o.jsonl", "l.npz"))
+    assert main(["plan", "--model", str(path), "--stages", "3", "--cuts", "4,7", "--slices", "16,8",
+                 "-o", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    data["stages"][0]["device"] = "cuda:0"
+    data["stages"][2]["device"] = "cuda:0"
+    plan.write_text(json.dumps(data))
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    assert main(["launch", str(plan), "--local", "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "12", "--logits-out", str(logits), "--quiet"]) == 0
+    saved = np.load(logits)
+    for line in out.read_text().splitlines():
+        r = json.loads(line)
+        p = PROMPTS[int(r["id"][1:])]
+        ref = reference_logits(reference_models["llama"], p, r["output_ids"])
+        assert float((torch.from_numpy(saved[r["id"]]) - ref).abs().max()) < 1e-4
