@@ -14,7 +14,6 @@ re-implements attention or an MLP.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -129,6 +128,7 @@ def _convert_gguf_into(gguf: Path, out: Path) -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own progress bar
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)
@@ -375,15 +375,3 @@ def peak_rss_bytes() -> int:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    old = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(old)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VOCAB, reference_logits
+from conftest import reference_logits
 from hpipe import models
 from hpipe.cli import main
 from hpipe.formats import Slicing

@@ -37,7 +37,7 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
         mb = sched.next_microbatch()
         if mb is not None:
             assert len(sched.inflight) <= sched.max_inflight
-            active_slots = [st.slot for st in sched.active]
+            active_slots = [a.slot for a in sched.active]
             assert len(active_slots) == len(set(active_slots)) and len(active_slots) <= max_batch
             seqs = [s.seq for s in mb.segments]
             assert len(seqs) == len(set(seqs))
@@ -49,7 +49,7 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
                 offset += seg.length
             assert offset == len(mb.tokens)
             if mb.phase == "decode":
-                decoding = sum(1 for st in sched.active if st.prefilled and st.finish_reason is None)
+                decoding = sum(1 for a in sched.active if a.prefilled and a.finish_reason is None)
                 assert len(mb.segments) <= math.ceil(decoding / n_stages)
             pipe.append(mb)
             continue
@@ -60,17 +60,17 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
             if seg.sample:
                 ids.append(token_for(seg.seq, len(produced[seg.seq])))
                 produced[seg.seq].append(ids[-1])
-        for st in sched.on_sampled(done_mb.id, ids):
-            finished[st.request.seq] = st
+        for state in sched.on_sampled(done_mb.id, ids):
+            finished[state.request.seq] = state
     for r in requests:
-        st = finished[r.seq]
+        state = finished[r.seq]
         out = produced[r.seq]
-        assert st.output == out
+        assert state.output == out
         # every prompt token, then every produced token but the last, was fed exactly once, in order
         assert fed[r.seq] == list(r.input_ids) + out[:-1]
         if eos and EOS in out:
-            assert out.index(EOS) == len(out) - 1 and st.finish_reason == "eos"
+            assert out.index(EOS) == len(out) - 1 and state.finish_reason == "eos"
         else:
-            assert len(out) == new_tokens and st.finish_reason == "length"
+            assert len(out) == new_tokens and state.finish_reason == "length"
         slices_seen = slicing.slices_for(len(r.input_ids))
         assert sum(slices_seen) == len(r.input_ids)

@@ -21,7 +21,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 
 MARKER = "@@hpipe "
 
@@ -73,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--eos", default="", help="comma-separated EOS token ids (default: the model's)")
+    p.add_argument("--eos", default=None, help="comma-separated EOS token ids, '' for none (default: the model's)")
     p.add_argument("--logits-out", help="last stage: write an .npz of logits per request id")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -115,6 +114,10 @@ def run(args) -> None:
     models.check_plan_matches(plan, config, source.name)
     units = range(*stage.units)
     runner = StageRunner(source.path, config, units, stage.device, plan.dtype, args.attn)
+    if args.eos is None:
+        args.eos = models.eos_token_ids(source.path, config)
+    else:
+        args.eos = [int(x) for x in args.eos.split(",") if x.strip()]
     load_s = time.time() - t_load
     requests = read_requests(args.requests)
     ids_by_seq = {r.seq: r.id for r in requests}
@@ -163,14 +166,11 @@ def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
     """Stage 0: the scheduler loop. Sampled ids come back from the last stage on a thread."""
     import torch
 
-    from hpipe import models
     from hpipe.runtime import comm
     from hpipe.runtime.scheduler import Scheduler
 
     world = args.world_size
-    eos = [int(x) for x in args.eos.split(",") if x.strip()] if args.eos else \
-        models.eos_token_ids(models.resolve_model(args.model or plan.model.name).path, runner.config)
-    sched = Scheduler(requests, plan.slicing.slices_for, world, args.max_new_tokens, eos, args.max_batch)
+    sched = Scheduler(requests, plan.slicing.slices_for, world, args.max_new_tokens, args.eos, args.max_batch)
     t0 = sched.t0
     wall0 = time.time()
     back: queue.Queue = queue.Queue()

@@ -1,0 +1,49 @@
+"""`hpipe plan` without a profile: uniform and hand-made plans, from --stages or a cluster file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hpipe import formats, models
+from hpipe.cli import main
+from planner import uniform_cuts
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "profiles" / "examples" / "office.toml"
+
+
+@given(n_units=st.integers(3, 400), data=st.data())
+def test_uniform_cuts_are_balanced(n_units, data):
+    n_stages = data.draw(st.integers(1, n_units))
+    bounds = [0, *uniform_cuts(n_units, n_stages), n_units]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert len(sizes) == n_stages and min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_plan_from_cluster_file(tiny_models, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(tiny_models["gpt2"]), "--cluster", str(EXAMPLE), "-o", str(out)]) == 0
+    plan = formats.load_plan(out)
+    assert [(s.host, s.device) for s in plan.stages] == [("workstation", "cuda:0"), ("workstation", "cuda:1"),
+                                                         ("nas", "cpu")]
+    assert [s.units for s in plan.stages] == [(0, 3), (3, 7), (7, 10)]
+    assert plan.model.family == "gpt2" and plan.model.units == 10 and plan.model.blocks == 4
+
+
+def test_hand_made_plan_and_unit_names(tiny_models, tmp_path):
+    out = tmp_path / "plan.json"
+    path = tiny_models["llama"]
+    assert main(["plan", "--model", str(path), "--stages", "3", "--cuts", "2,7", "--slices", "64,32",
+                 "--granularity", "8", "-o", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [s["units"] for s in data["stages"]] == [[0, 2], [2, 7], [7, 10]]
+    assert data["slicing"]["lengths"] == [64, 32] and data["slicing"]["granularity"] == 8
+    assert data["model"]["name"] == str(path.resolve())
+    config = models.load_config(path)
+    names = [models.unit_name(config, u) for u in range(models.num_units(config))]
+    assert names[:4] == ["embed", "block0.attn", "block0.mlp", "block1.attn"] and names[-1] == "head"
+    # unit 2 (block 0's MLP half) starts stage 1: the cut falls inside block 0
+    assert names[data["stages"][1]["units"][0]] == "block0.mlp"
