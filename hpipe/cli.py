@@ -40,6 +40,51 @@ def _note(msg: str) -> None:
 
 
 @app.command()
+def profile(
+    model: str = typer.Option("smollm2", "--model", help="'smollm2', a Hugging Face directory, a .gguf file, "
+                              "or (with --estimate) an architecture name such as llama-7b"),
+    local: bool = typer.Option(False, "--local", help="measure devices of this machine"),
+    devices: str = typer.Option("cpu", "--devices", help="with --local: comma-separated, e.g. cpu,cuda:0"),
+    cluster: Optional[str] = typer.Option(None, "--cluster", help="cluster inventory TOML"),
+    estimate: bool = typer.Option(False, "--estimate", help="with --cluster: roofline estimates from the device "
+                                  "catalog (device_types) and the inventory's links, nothing measured"),
+    quick: bool = typer.Option(False, "--quick", help="a coarse grid and fewer repeats"),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="longest prompt to plan for "
+                                              "(default: 2048 or the model's context)"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
+    threads: int = typer.Option(0, "--threads", help="CPU threads per measured device (0: all cores); profile "
+                                "with what each stage will get, e.g. 1 for two local CPU stages on 2 cores"),
+    out: str = typer.Option(..., "-o", "--out", help="where to write the profile (JSON)"),
+):
+    """Measure (or estimate) per-unit compute times, memory and links for a model on a cluster."""
+    from hpipe import formats
+    from profiler.run import profile_estimate, profile_local, summarize
+
+    if dtype not in formats.DTYPES:
+        raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
+    if local == (cluster is not None):
+        raise HpipeError("give exactly one of --local (this machine) or --cluster FILE")
+    if estimate:
+        if cluster is None:
+            raise HpipeError("--estimate needs --cluster FILE with device_types and [[links]]")
+        result = profile_estimate(model, formats.load_inventory(cluster), out, dtype, max_seq_len)
+    elif cluster is not None:
+        formats.load_inventory(cluster)
+        raise HpipeError("measuring remote hosts runs through the SSH launcher, which this version does not have "
+                         "yet; use --local on each machine, or --estimate with catalog device types")
+    else:
+        device_list = [d.strip() for d in devices.split(",") if d.strip()]
+        if not device_list:
+            raise HpipeError("--devices: name at least one device, e.g. --devices cpu")
+        result = profile_local(model, device_list, out, quick, max_seq_len, dtype, threads=threads)
+    typer.echo(summarize(result))
+    typer.echo(f"wrote {out}")
+    if result.get("errors"):
+        raise HpipeError(f"{len(result['errors'])} device(s) or link(s) failed (see above); what was measured "
+                         f"is in {out}")
+
+
+@app.command()
 def plan(
     model: str = typer.Option("smollm2", "--model", help="'smollm2', a Hugging Face directory or a .gguf file"),
     stages: Optional[int] = typer.Option(None, "--stages", help="number of local stages (one per process)"),
@@ -50,7 +95,13 @@ def plan(
     num_slices: Optional[int] = typer.Option(None, "--num-slices", help="uniform slices per prompt "
                                              "(default: 2 x stages)"),
     granularity: int = typer.Option(16, "--granularity", help="uniform slices are multiples of this"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the "
+                                        "profile's, else float32)"),
+    profile_path: Optional[str] = typer.Option(None, "--profile", help="profile from `hpipe profile`: cut where "
+                                               "the measured times balance (DP), within memory"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="with --profile: the prompt length to plan for"),
+    batch: int = typer.Option(1, "--batch", help="with --profile: sequences per batch"),
+    margin: float = typer.Option(0.1, "--margin", help="with --profile: share of free memory kept free"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
@@ -70,16 +121,38 @@ def plan(
         raise HpipeError(f"--num-slices must be at least 1, got {num_slices}")
     if granularity < 1:
         raise HpipeError(f"--granularity must be at least 1, got {granularity}")
-    if dtype not in formats.DTYPES:
+    if dtype is not None and dtype not in formats.DTYPES:
         raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
-    source = models.resolve_model(model, progress=_note)
-    config = models.load_config(source.path)
-    name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
-    p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
-                  granularity, dtype)
+    if model in models.ARCHITECTURES:  # an architecture without weights: plans for hardware not at hand
+        config, name = models.config_for(model), model
+    else:
+        config = models.load_config(models.resolve_model(model, progress=_note).path)
+        name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
+    if profile_path is None:
+        if seq_len is not None:
+            raise HpipeError("--seq-len plans from measured times: add --profile FILE")
+        p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
+                      granularity, dtype or "float32")
+    else:
+        from planner.profiled import check_profile_matches, plan_from_profile
+
+        if cuts is not None:
+            raise HpipeError("--cuts and --profile exclude each other: the profile decides the cuts")
+        if seq_len is None:
+            raise HpipeError("--profile needs --seq-len N, the prompt length to plan for")
+        prof = formats.load_profile(profile_path)
+        check_profile_matches(prof, config, model, profile_path)
+        slicing = formats.Slicing(count=num_slices or 2 * len(devices), lengths=tuple(_ints(slices, "--slices") or ()),
+                                  granularity=granularity)
+        p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype)
     formats.write_plan(p, out)
     desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
     typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")
+    if p.predicted:
+        pr = p.predicted
+        typer.echo(f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens: {pr['makespan_s']:.3f} s "
+                   f"({pr['throughput_tokens_per_s']:.0f} tokens/s), uniform cuts: {pr['uniform_makespan_s']:.3f} s; "
+                   f"utilization " + ", ".join(f"{u:.0%}" for u in pr["utilization"]))
 
 
 @app.command()

@@ -83,6 +83,15 @@ class Host:
     port: int = 22
     user: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    device_types: tuple[str, ...] = ()       # catalog names, for estimated profiles
+    intra_link: tuple[float, float] = (10e-6, 12e9)  # (latency s, bandwidth B/s) between its devices
+
+
+@dataclass(frozen=True)
+class Link:
+    hosts: tuple[str, str]
+    latency_s: float
+    bandwidth_bytes_per_s: float
 
 
 @dataclass(frozen=True)
@@ -90,10 +99,21 @@ class Inventory:
     ssh: SSHSettings
     hosts: tuple[Host, ...]
     path: str = ""
+    links: tuple[Link, ...] = ()
 
     def devices(self) -> list[tuple[str, str]]:
         """(host name, device) for every device, in inventory order: the default pipeline order."""
         return [(h.name, d) for h in self.hosts for d in h.devices]
+
+    def link(self, a: str, b: str) -> tuple[float, float]:
+        """(latency s, bandwidth B/s) between hosts a and b as the inventory states it."""
+        if a == b:
+            return next(h.intra_link for h in self.hosts if h.name == a)
+        for link in self.links:
+            if set(link.hosts) == {a, b}:
+                return link.latency_s, link.bandwidth_bytes_per_s
+        raise HpipeError(f"{self.path}: no [[links]] entry between hosts {a!r} and {b!r}; add one with "
+                         f"hosts = [\"{a}\", \"{b}\"], bandwidth_gbps and latency_ms")
 
 
 def load_inventory(path: str | os.PathLike) -> Inventory:
@@ -109,7 +129,7 @@ def load_inventory(path: str | os.PathLike) -> Inventory:
 
 
 def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
-    _no_unknown_keys(path, "top level", data, {"version", "ssh", "hosts"})
+    _no_unknown_keys(path, "top level", data, {"version", "ssh", "hosts", "links"})
     _check_version(path, data, INVENTORY_VERSION, "cluster inventories")
     ssh_table = data.get("ssh", {})
     _expect(path, "[ssh]", ssh_table, dict, "a table")
@@ -136,7 +156,8 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
     for i, h in enumerate(hosts_list):
         where = f"hosts[{i}]"
         _expect(path, where, h, dict, "a table")
-        _no_unknown_keys(path, where, h, {"name", "address", "port", "user", "python", "devices", "env"})
+        _no_unknown_keys(path, where, h, {"name", "address", "port", "user", "python", "devices", "env",
+                                          "device_types", "intra_link"})
         for key in ("name", "address", "python", "devices"):
             if key not in h:
                 raise _fail(path, where, f"missing required key {key!r}")
@@ -171,9 +192,40 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
                 raise _fail(path, f"{where}.env", f"{k!r} is not a valid environment variable name")
             _expect(path, f"{where}.env.{k}", v, str, "a string")
+        types = h.get("device_types", [])
+        _expect(path, f"{where}.device_types", types, list, "a list of catalog device types")
+        if types and len(types) != len(devices):
+            raise _fail(path, f"{where}.device_types", f"{len(types)} types for {len(devices)} devices")
+        for j, t in enumerate(types):
+            _expect(path, f"{where}.device_types[{j}]", t, str, "a catalog name such as \"RTX3090\"")
+        intra = h.get("intra_link", {})
+        _expect(path, f"{where}.intra_link", intra, dict, "a table {bandwidth_gbps, latency_us}")
+        _no_unknown_keys(path, f"{where}.intra_link", intra, {"bandwidth_gbps", "latency_us"})
+        intra_bw = _expect(path, f"{where}.intra_link.bandwidth_gbps", intra.get("bandwidth_gbps", 96), (int, float),
+                           "gigabits per second")
+        intra_lat = _expect(path, f"{where}.intra_link.latency_us", intra.get("latency_us", 10), (int, float),
+                            "microseconds")
+        if intra_bw <= 0 or intra_lat < 0:
+            raise _fail(path, f"{where}.intra_link", "bandwidth must be > 0 and latency >= 0")
         hosts.append(Host(name=name, address=address, python=python, devices=tuple(devices), port=port,
-                          user=user, env=dict(env)))
-    return Inventory(ssh=ssh, hosts=tuple(hosts), path=path)
+                          user=user, env=dict(env), device_types=tuple(types),
+                          intra_link=(intra_lat * 1e-6, intra_bw * 1e9 / 8)))
+    links = []
+    raw_links = data.get("links", [])
+    _expect(path, "links", raw_links, list, "a list of [[links]] tables")
+    for i, link in enumerate(raw_links):
+        where = f"links[{i}]"
+        _expect(path, where, link, dict, "a table")
+        _no_unknown_keys(path, where, link, {"hosts", "bandwidth_gbps", "latency_ms"})
+        pair = link.get("hosts")
+        if not (isinstance(pair, list) and len(pair) == 2 and all(p in seen for p in pair) and pair[0] != pair[1]):
+            raise _fail(path, f"{where}.hosts", f"expected two different host names of this file, got {pair!r}")
+        bw = _expect(path, f"{where}.bandwidth_gbps", link.get("bandwidth_gbps"), (int, float), "gigabits per second")
+        lat = _expect(path, f"{where}.latency_ms", link.get("latency_ms", 0.2), (int, float), "milliseconds")
+        if bw <= 0 or lat < 0:
+            raise _fail(path, where, "bandwidth must be > 0 and latency >= 0")
+        links.append(Link(hosts=(pair[0], pair[1]), latency_s=lat * 1e-3, bandwidth_bytes_per_s=bw * 1e9 / 8))
+    return Inventory(ssh=ssh, hosts=tuple(hosts), path=path, links=tuple(links))
 
 
 # --------------------------------------------------------------------------------------------
@@ -483,3 +535,118 @@ def load_results(path: str | os.PathLike) -> list[dict]:
                              f"this hpipe writes {RESULTS_VERSION}")
         out.append(obj)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Profile (JSON)
+
+PROFILE_VERSION = 1
+UNIT_KINDS = ("embed", "attn", "mlp", "head")
+
+
+def _check_table(path, where, table, context_dependent: bool):
+    _expect(path, where, table, dict, "a table {s, c, t}")
+    for key in ("s", "c", "t"):
+        if key not in table:
+            raise _fail(path, where, f"missing {key!r}")
+    s, c, t = table["s"], table["c"], table["t"]
+    if not (isinstance(s, list) and s and all(isinstance(x, int) and x >= 1 for x in s) and s == sorted(set(s))):
+        raise _fail(path, f"{where}.s", "expected increasing positive token counts")
+    if not (isinstance(c, list) and c and all(isinstance(x, int) and x >= 0 for x in c) and c == sorted(set(c))):
+        raise _fail(path, f"{where}.c", "expected increasing context lengths (>= 0)")
+    if not context_dependent and c != [0]:
+        raise _fail(path, f"{where}.c", "this unit kind does not depend on context: expected [0]")
+    if not isinstance(t, list) or len(t) != len(s) or any(not isinstance(row, list) or len(row) != len(c) for row in t):
+        raise _fail(path, f"{where}.t", f"expected a {len(s)} x {len(c)} table of seconds (null where not measured)")
+    for row in t:
+        for v in row:
+            if v is not None and (not isinstance(v, (int, float)) or v < 0 or v != v):
+                raise _fail(path, f"{where}.t", f"{v!r} is not a time in seconds")
+    if all(v is None for row in t for v in row):
+        raise _fail(path, f"{where}.t", "no measured value")
+
+
+def validate_profile(data: Any, path: str = "<profile>") -> dict:
+    """Checks a profile (as loaded from JSON); returns it. Fields are documented in docs/formats.md."""
+    _expect(path, "top level", data, dict, "a JSON object")
+    _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "max_seq_len",
+                                              "quick", "bytes", "devices", "links", "errors"})
+    if data.get("version") != PROFILE_VERSION:
+        raise _fail(path, "version", f"this hpipe reads profile version {PROFILE_VERSION}, "
+                                     f"the file says {data.get('version')!r}")
+    for key in ("model", "bytes", "devices", "links", "max_seq_len", "dtype"):
+        if key not in data:
+            raise _fail(path, "top level", f"missing required key {key!r}")
+    m = _expect(path, "model", data["model"], dict, "an object")
+    for key, typ in (("name", str), ("family", str), ("units", int), ("blocks", int), ("fingerprint", str)):
+        if key not in m:
+            raise _fail(path, "model", f"missing required key {key!r}")
+        _expect(path, f"model.{key}", m[key], typ, typ.__name__)
+    units = m["units"]
+    if data["dtype"] not in DTYPES:
+        raise _fail(path, "dtype", f"{data['dtype']!r} is not one of {', '.join(DTYPES)}")
+    b = _expect(path, "bytes", data["bytes"], dict, "an object")
+    for key, n in (("weights_per_unit", units), ("kv_per_token_per_unit", units),
+                   ("activation_per_token_at_cut", units + 1)):
+        v = b.get(key)
+        if not isinstance(v, list) or len(v) != n or not all(isinstance(x, int) and x >= 0 for x in v):
+            raise _fail(path, f"bytes.{key}", f"expected {n} non-negative integers")
+    devices = _expect(path, "devices", data["devices"], list, "a list of device profiles")
+    seen = set()
+    for i, d in enumerate(devices):
+        where = f"devices[{i}]"
+        _expect(path, where, d, dict, "an object")
+        for key in ("id", "host", "device", "type", "source", "identity", "memory", "compute"):
+            if key not in d:
+                raise _fail(path, where, f"missing required key {key!r}")
+        if d["id"] in seen:
+            raise _fail(path, f"{where}.id", f"{d['id']!r} appears twice")
+        seen.add(d["id"])
+        if d["source"] not in ("measured", "estimated"):
+            raise _fail(path, f"{where}.source", "expected 'measured' or 'estimated'")
+        check_device(path, f"{where}.device", d["device"])
+        mem = _expect(path, f"{where}.memory", d["memory"], dict, "an object")
+        if not isinstance(mem.get("free_bytes"), int) or mem["free_bytes"] < 0:
+            raise _fail(path, f"{where}.memory.free_bytes", "expected a byte count")
+        compute = _expect(path, f"{where}.compute", d["compute"], dict, "an object")
+        for kind in UNIT_KINDS:
+            if kind not in compute:
+                raise _fail(path, f"{where}.compute", f"missing unit kind {kind!r}")
+            _check_table(path, f"{where}.compute.{kind}", compute[kind], kind == "attn")
+        for key in ("decode", "fit_error"):
+            if key in d:
+                _expect(path, f"{where}.{key}", d[key], dict, "an object")
+    links = _expect(path, "links", data["links"], list, "a list of links")
+    for i, link in enumerate(links):
+        where = f"links[{i}]"
+        _expect(path, where, link, dict, "an object")
+        for key in ("src", "dst", "alpha_s", "beta_bytes_per_s", "source"):
+            if key not in link:
+                raise _fail(path, where, f"missing required key {key!r}")
+        if link["src"] not in seen or link["dst"] not in seen:
+            raise _fail(path, where, f"names a device that is not in devices: {link['src']!r} -> {link['dst']!r}")
+        if not link["alpha_s"] >= 0 or not link["beta_bytes_per_s"] > 0:
+            raise _fail(path, where, "latency must be >= 0 and bandwidth > 0")
+    return data
+
+
+def write_profile(data: dict, path: str | os.PathLike) -> None:
+    validate_profile(data, str(path))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_profile(path: str | os.PathLike) -> dict:
+    path = str(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise HpipeError(f"{path}: profile not found; make one with `hpipe profile ... -o {path}`") from None
+    except json.JSONDecodeError as e:
+        raise HpipeError(f"{path}: not valid JSON: {e}") from None
+    return validate_profile(data, path)

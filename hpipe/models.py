@@ -69,6 +69,9 @@ def resolve_model(spec: str, progress=None) -> ModelSource:
     directory with config.json and safetensors weights (GGUF is converted once and cached)."""
     if spec == DEFAULT_MODEL:
         return ModelSource(spec, convert_gguf(smollm2_gguf_path(), progress=progress))
+    if spec in ARCHITECTURES:
+        raise HpipeError(f"{spec!r} names an architecture for planning only (no weights); to run, give a Hugging "
+                         f"Face directory or a .gguf file")
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -149,6 +152,27 @@ def _convert_gguf_into(gguf: Path, out: Path) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Config, identity and units
+
+# Architectures known by name, for planning hardware and models not at hand (estimated profiles):
+# the config alone, no weights.
+ARCHITECTURES = {
+    "llama-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                     max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama2-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                       num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                       max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+
+
+def config_for(spec: str):
+    """A model's config: an architecture known by name, or any MODEL `resolve_model` takes."""
+    if spec in ARCHITECTURES:
+        from transformers import AutoConfig
+
+        fields = dict(ARCHITECTURES[spec])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return load_config(resolve_model(spec).path)
 
 
 def load_config(path: Path):
@@ -234,6 +258,36 @@ def sliding_window_of_block(config, b: int) -> int | None:
     if config.model_type == "mistral":
         return int(window)
     return None
+
+
+def unit_bytes(config, dtype: str = "float32") -> dict:
+    """From the model itself: weight bytes per unit, KV-cache bytes per token per unit, and
+    activation bytes per token crossing each possible cut (index c = the cut before unit c;
+    0 = token ids in, U = token ids back)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
+    elem = torch.tensor([], dtype=torch_dtype(dtype)).element_size()
+    n = num_units(config)
+    weights = []
+    for u in range(n):
+        seen = set()
+        total = 0
+        for path in unit_modules(config, u):
+            for p in model.get_submodule(path).parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * elem
+        weights.append(total)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    kv = [2 * kv_heads * head_dim * elem if unit_kind(config, u) == "attn" else 0 for u in range(n)]
+    hidden = int(config.hidden_size) * elem
+    activation = [8] + [hidden] * (n - 1) + [8]
+    return {"weights_per_unit": weights, "kv_per_token_per_unit": kv, "activation_per_token_at_cut": activation}
 
 
 def check_plan_matches(plan, config, model_name: str) -> None:

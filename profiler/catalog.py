@@ -1,0 +1,89 @@
+"""Estimated profiles: a catalog of devices with their published peak throughput and memory
+bandwidth, and roofline estimates of the same per-unit tables the profiler measures.
+
+A unit's time is max(flops / (peak x compute efficiency), bytes / (bandwidth x memory efficiency))
+plus a fixed per-unit overhead (kernel launches, Python). The efficiencies are typical achieved
+fractions, not measurements: an estimated profile is marked `"source": "estimated"` and is meant
+for planning hardware not at hand; measure (`hpipe profile --local`) when you have it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpipe.errors import HpipeError
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    fp32_tflops: float
+    fp16_tflops: float          # dense tensor-core (or FP16 ALU) peak with FP32 accumulation
+    bandwidth_gbs: float        # memory bandwidth, GB/s
+    memory_gib: float
+    overhead_us: float = 40.0   # per unit: kernel launches and framework work
+
+
+# Vendors' published figures (data sheets); CPU is a generic 8-core AVX2 desktop.
+CATALOG = {
+    "P100": DeviceSpec("NVIDIA Tesla P100 PCIe 16GB", 9.3, 18.7, 732, 16),
+    "V100": DeviceSpec("NVIDIA Tesla V100 PCIe 32GB", 14.0, 112.0, 900, 32),
+    "T4": DeviceSpec("NVIDIA T4", 8.1, 65.0, 320, 16),
+    "RTX3090": DeviceSpec("NVIDIA GeForce RTX 3090", 35.6, 71.0, 936, 24),
+    "RTX4090": DeviceSpec("NVIDIA GeForce RTX 4090", 82.6, 165.2, 1008, 24),
+    "A10": DeviceSpec("NVIDIA A10", 31.2, 125.0, 600, 24),
+    "L4": DeviceSpec("NVIDIA L4", 30.3, 121.0, 300, 24),
+    "A100": DeviceSpec("NVIDIA A100 SXM4 80GB", 19.5, 312.0, 2039, 80),
+    "H100": DeviceSpec("NVIDIA H100 SXM5 80GB", 67.0, 989.0, 3350, 80),
+    "CPU": DeviceSpec("generic 8-core x86-64 CPU (AVX2)", 0.6, 0.3, 50, 32, overhead_us=20.0),
+}
+COMPUTE_EFFICIENCY = 0.55
+MEMORY_EFFICIENCY = 0.75
+
+
+def spec(name: str) -> DeviceSpec:
+    key = name.upper().replace(" ", "").replace("-", "")
+    if key not in CATALOG:
+        raise HpipeError(f"unknown device type {name!r}; the catalog has {', '.join(CATALOG)}")
+    return CATALOG[key]
+
+
+def _dims(config):
+    hidden = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    if config.model_type == "gpt2":
+        inter = int(getattr(config, "n_inner", None) or 4 * hidden)
+        mlp_mats = 2
+    else:
+        inter = int(config.intermediate_size)
+        mlp_mats = 3
+    return hidden, heads, head_dim, kv_heads, inter, mlp_mats, int(config.vocab_size)
+
+
+def unit_cost(config, kind: str, s, c, elem: int):
+    """(flops, bytes moved) of one unit of `kind` for s tokens after c tokens of context (numpy-friendly)."""
+    hidden, heads, head_dim, kv_heads, inter, mlp_mats, vocab = _dims(config)
+    act = 4 * s * hidden * elem
+    if kind == "embed":
+        return 0.0 * s, 2 * s * hidden * elem
+    if kind == "attn":
+        qkv = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+        flops = 2 * s * qkv + 4 * s * heads * head_dim * (c + (s + 1) / 2)
+        return flops, qkv * elem + (c + s) * 2 * kv_heads * head_dim * elem + act
+    if kind == "mlp":
+        return 2 * s * mlp_mats * hidden * inter, mlp_mats * hidden * inter * elem + act
+    if kind == "head":  # the final norm on all rows, the LM head on the sampled row
+        return 2 * hidden * vocab + 0.0 * s, hidden * vocab * elem + s * hidden * elem
+    raise ValueError(kind)
+
+
+def unit_time(config, kind: str, s, c, device: DeviceSpec, dtype: str):
+    """Roofline estimate in seconds (s, c may be numpy arrays)."""
+    flops, nbytes = unit_cost(config, kind, s, c, 4 if dtype == "float32" else 2)
+    peak = (device.fp32_tflops if dtype == "float32" else device.fp16_tflops) * 1e12 * COMPUTE_EFFICIENCY
+    bandwidth = device.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY
+    return np.maximum(flops / peak, nbytes / bandwidth) + device.overhead_us * 1e-6

@@ -1,0 +1,133 @@
+"""Measures one link between two workers through the runtime's own transport
+(`hpipe.runtime.comm`: gloo, or NCCL between distinct CUDA devices).
+
+    python -m profiler.links --rank R --master-addr A --master-port P --devices cpu,cuda:0 [--quick]
+
+Rank 0 and rank 1 each send messages of 8 B to 64 MB to the other and time the round trip with a
+one-element reply. The round trips are fitted to rtt(n) = 2 alpha + n / beta (the reply costs one
+more latency), weighting every point by 1/rtt (relative error); the one-way points kept in the
+profile are rtt(n) - alpha. Rank 0 reports `@@hpipe {"type": "link_profile", ...}` with
+both directions and the raw points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+MARKER = "@@hpipe "
+SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
+
+
+def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares of t = alpha + n / beta with relative weights; alpha >= 0, beta > 0."""
+    n = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    w = 1.0 / np.maximum(t, 1e-9)
+    a = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, t * w, rcond=None)
+    if inv_beta <= 0:  # degenerate (all tiny messages): bandwidth from the largest point
+        inv_beta = max(t[-1] - t[0], 1e-12) / max(n[-1] - n[0], 1.0)
+    if alpha < 0:
+        alpha = 0.0
+    return float(alpha), float(1.0 / inv_beta)
+
+
+def measure(rank: int, groups, device, quick: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    peer = 1 - rank
+    on_gpu = groups.backend == "nccl"
+    dev = groups.data_device if on_gpu else torch.device("cpu")
+    # a CUDA stage on gloo stages its hidden states through host memory: time that copy too
+    staged = torch.device(device) if (not on_gpu and device.startswith("cuda")) else None
+    ack = torch.zeros(1, device=dev)
+    sizes = SIZES[:-1] if quick else SIZES
+    result = {}
+    for sender in (0, 1):
+        points = []
+        for size in sizes:
+            buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=dev)  # touched: see test-hosts notes
+            src = buf.to(staged) if staged is not None else buf
+            reps = 3 if size >= 1 << 24 else (5 if quick else 10)
+            times = []
+            for r in range(reps + 1):
+                if rank == sender:
+                    if on_gpu:
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    dist.send(buf if staged is None else src.cpu(), peer, group=groups.data)
+                    dist.recv(ack, peer, group=groups.data)
+                    if on_gpu:
+                        torch.cuda.synchronize()
+                    if r:
+                        times.append(time.perf_counter() - t)
+                else:
+                    dist.recv(buf, peer, group=groups.data)
+                    if staged is not None:
+                        buf.to(staged)
+                        torch.cuda.synchronize(staged)
+                    dist.send(ack, peer, group=groups.data)
+            if rank == sender:
+                points.append((buf.numel() * 4, statistics.median(times)))
+        if rank == sender:
+            two_alpha, beta = fit_alpha_beta(points)
+            alpha = two_alpha / 2
+            result[sender] = {"alpha_s": alpha, "beta_bytes_per_s": beta,
+                              "points": [(n, max(t - alpha, 0.0)) for n, t in points],
+                              "round_trip_small_s": points[0][1]}
+    # rank 1's direction goes to rank 0 for the report
+    blob = torch.tensor(bytearray(json.dumps(result.get(1, {})).encode()), dtype=torch.uint8)
+    size = torch.tensor([blob.numel()])
+    if rank == 1:
+        dist.send(size, 0, group=groups.ctrl)
+        dist.send(blob, 0, group=groups.ctrl)
+        return {}
+    dist.recv(size, 1, group=groups.ctrl)
+    other = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(other, 1, group=groups.ctrl)
+    result[1] = json.loads(bytes(other.tolist()).decode())
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m profiler.links", description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--devices", required=True, help="the two devices, rank 0's first")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=120)
+    args = p.parse_args(argv)
+    try:
+        import torch.distributed as dist
+
+        from hpipe.runtime import comm
+
+        devices = args.devices.split(",")
+        groups = comm.init(args.rank, 2, args.master_addr, args.master_port,
+                           os.environ.get("HPIPE_JOB_TOKEN", "local"), devices, args.timeout_s)
+        result = measure(args.rank, groups, devices[args.rank], args.quick)
+        if args.rank == 0:
+            sys.stdout.write(MARKER + json.dumps({"type": "link_profile", "backend": groups.backend,
+                                                  "forward": result[0], "backward": result[1]}) + "\n")
+            sys.stdout.flush()
+        dist.barrier(group=groups.ctrl)
+        dist.destroy_process_group()
+        return 0
+    except Exception as e:
+        sys.stdout.write(MARKER + json.dumps({"type": "error", "message": f"{type(e).__name__}: {e}"}) + "\n")
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Measures one device: the profiler's worker command, run unchanged on every host.
+
+    python -m profiler.measure --model MODEL --device cpu [--quick] [--max-seq-len N] [--dtype float32]
+
+Loads only the units it times (the embedding, block 0's two halves, the final norm + head) through
+`hpipe.runtime.stage.StageRunner` — the very code the runtime runs — and times each unit kind for
+a slice of s tokens after c tokens of context over a grid, then decode steps against batch size
+and context. Reports on stdout as `@@hpipe {json}` lines: `estimate` (seconds, up front),
+`progress` (points done / total), `device_profile` (the result) or `error`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import traceback
+
+MARKER = "@@hpipe "
+
+
+def emit(kind: str, **data) -> None:
+    sys.stdout.write(MARKER + json.dumps({"type": kind, **data}) + "\n")
+    sys.stdout.flush()
+
+
+def grid(max_seq_len: int, quick: bool) -> tuple[list[int], list[int]]:
+    """Slice lengths s and contexts c, log-spaced up to the target length, with multiples of
+    8/16/64 and some non-multiples (tile quantization shows between them)."""
+    n = max_seq_len
+    if quick:
+        s = [1, 16, 64, 100, 256, 500, 1024, 2048, 4096, 8192]
+        c = [0, n // 4, n // 2, (3 * n) // 4]
+    else:
+        s = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 100, 128, 192, 250, 256, 384, 500, 512, 768, 1000, 1024,
+             1536, 2000, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 32768]
+        c = [0, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+        c = [x for x in c if x < n] + [n - 64] if n > 128 else [0]
+    s = sorted({x for x in s if x <= n} | {n})
+    c = sorted({x for x in c if 0 <= x < n})
+    return s, c
+
+
+def device_identity(device: str, torch) -> dict:
+    ident = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
+             "hostname": platform.node()}
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        ident.update(name=props.name, cuda=torch.version.cuda, total_bytes=props.total_memory,
+                     multiprocessors=props.multi_processor_count, driver=_nvidia_driver())
+    else:
+        name = platform.processor() or "cpu"
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        ident.update(name=name, cores=os.cpu_count())
+    return ident
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().strip()
+    except OSError:
+        return None
+
+
+def free_memory(device: str, torch) -> dict:
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return {"free_bytes": int(free), "total_bytes": int(total)}
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            info[key] = int(value.split()[0]) * 1024
+    return {"free_bytes": info.get("MemAvailable", info.get("MemFree", 0)), "total_bytes": info.get("MemTotal", 0)}
+
+
+def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype: str, repeats: int | None) -> dict:
+    import torch
+
+    from hpipe import models
+    from hpipe.runtime.kv import Segment
+    from hpipe.runtime.stage import StageRunner
+
+    source = models.resolve_model(model)
+    config = models.load_config(source.path)
+    ctx = models.context_length(config)
+    n = min(max_seq_len or 2048, ctx)
+    if max_seq_len and max_seq_len > ctx:
+        raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's context of {ctx} tokens")
+    n_units = models.num_units(config)
+    body = StageRunner(source.path, config, range(0, 3), device, dtype)   # embed, block 0 attn + mlp
+    head = StageRunner(source.path, config, range(n_units - 1, n_units), device, dtype)
+    dev = body.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    repeats = repeats or (5 if quick else 7)
+    hidden = int(config.hidden_size)
+    s_grid, c_grid = grid(n, quick)
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        out = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out)
+
+    def unit_fn(runner, u, segments):
+        inputs = runner.prepare_inputs(segments)
+        rows, per_row = inputs.shape
+        if u == 0:
+            x = torch.randint(0, int(config.vocab_size), (rows, per_row), device=dev)
+        else:
+            x = torch.randn(rows, per_row, hidden, device=dev, dtype=runner.dtype)
+        return lambda: runner._run_unit(u, x, inputs)
+
+    points = [(s, c) for c in c_grid for s in s_grid if s + c <= n]
+    decode_batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+    decode_ctx = sorted({x for x in ([128, n // 2, n - 1] if quick else [64, 256, 1024, n // 2, n - 1]) if 0 < x < n})
+    total = len(points) + 3 * len(s_grid) + len(decode_batches) * len(decode_ctx)
+    # up-front estimate: time the largest slice once and scale by tokens
+    with torch.inference_mode():
+        probe = unit_fn(body, 1, [Segment(0, 0, 0, min(256, n), True)])
+        probe()
+        t0 = time.perf_counter()
+        probe(), unit_fn(body, 2, [Segment(0, 0, 0, min(256, n), True)])()
+        sync()
+        per_token = (time.perf_counter() - t0) / min(256, n)
+    token_sum = sum(s for s, _ in points) + 2 * sum(s_grid) + sum(b for b in decode_batches) * len(decode_ctx)
+    emit("estimate", seconds=round(per_token * token_sum * (repeats + 1) * 1.3 + 2, 1), points=total)
+
+    done = 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        emit("progress", done=done, total=total)
+
+    tables = {k: {"s": s_grid, "c": [0], "t": [[None] for _ in s_grid]} for k in ("embed", "mlp", "head")}
+    tables["attn"] = {"s": s_grid, "c": c_grid, "t": [[None] * len(c_grid) for _ in s_grid]}
+    kind_unit = {"embed": (body, 0), "attn": (body, 1), "mlp": (body, 2), "head": (head, n_units - 1)}
+    jobs = [(k, s, 0) for k in ("embed", "mlp", "head") for s in s_grid] + [("attn", s, c) for s, c in points]
+    # a shuffled order spreads a slow spell of the machine (other tenants, frequency) over the grid
+    random.Random(0).shuffle(jobs)
+    with torch.inference_mode():
+        for kind, s, c in jobs:
+            runner, u = kind_unit[kind]
+            table = tables[kind]
+            table["t"][s_grid.index(s)][table["c"].index(c)] = timed(unit_fn(runner, u, [Segment(0, 0, c, s, True)]))
+            tick()
+        decode = {"batch": decode_batches, "context": decode_ctx,
+                  "t": {k: [[None] * len(decode_ctx) for _ in decode_batches] for k in ("attn", "mlp", "head")}}
+        for i, b in enumerate(decode_batches):
+            for j, c in enumerate(decode_ctx):
+                segs = [Segment(k, k, c, 1, True) for k in range(b)]
+                decode["t"]["attn"][i][j] = timed(unit_fn(body, 1, segs))
+                decode["t"]["mlp"][i][j] = timed(unit_fn(body, 2, segs))
+                decode["t"]["head"][i][j] = timed(unit_fn(head, n_units - 1, segs))
+                tick()
+
+    from profiler.fit import heldout_error
+
+    fit_error = {k: heldout_error(tab["s"], tab["c"], tab["t"]) for k, tab in tables.items()}
+    return {"device": device, "source": "measured", "identity": device_identity(device, torch),
+            "memory": free_memory(device, torch), "compute": tables, "decode": decode, "fit_error": fit_error,
+            "max_seq_len": n, "quick": quick, "repeats": repeats, "dtype": dtype}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m profiler.measure", description=__doc__)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--max-seq-len", type=int)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        if args.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise RuntimeError("CUDA is not available on this host")
+            index = int(args.device.split(":")[1]) if ":" in args.device else 0
+            if index >= torch.cuda.device_count():
+                raise RuntimeError(f"{args.device} does not exist here ({torch.cuda.device_count()} CUDA devices)")
+        result = measure(args.model, args.device, args.quick, args.max_seq_len, args.dtype, args.repeats)
+        emit("device_profile", **result)
+        return 0
+    except Exception as e:
+        emit("error", message=f"{type(e).__name__}: {e}" if not e.__class__.__name__ == "HpipeError" else str(e))
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

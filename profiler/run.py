@@ -1,0 +1,241 @@
+"""`hpipe profile`: runs the measurement workers, or the catalog's estimates, and writes a profile.
+
+Local devices are measured one after another (concurrent runs would share the CPU cores), each by
+the worker command `python -m profiler.measure` that the SSH launcher will run unchanged on remote
+hosts; devices with the same identity are measured once and the result stands for all of them.
+Links are measured for every ordered pair of devices (and, for CPU devices, between two processes
+on the same one, as two local stages would use it). A device or link that fails is reported in
+the profile's `errors` and the others go on; what was measured is written.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hpipe import __version__, formats, models
+from hpipe.errors import HpipeError
+from profiler import catalog
+from profiler.fit import heldout_error
+
+MARKER = "@@hpipe "
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HPIPE_JOB_TOKEN=secrets.token_hex(16))
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _reports(proc):
+    """Yields the worker's report objects as they come; log lines are kept for error messages."""
+    tail = []
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line.startswith(MARKER):
+            yield json.loads(line[len(MARKER):])
+        else:
+            tail = (tail + [line])[-5:]
+    proc.wait()
+
+
+def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick: bool) -> dict:
+    name = model_spec if model_spec in (models.DEFAULT_MODEL, *models.ARCHITECTURES) else \
+        str(Path(model_spec).expanduser().resolve())
+    return {
+        "version": formats.PROFILE_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created_by": f"hpipe {__version__}",
+        "model": {"name": name, "family": config.model_type, "units": models.num_units(config),
+                  "blocks": models.num_blocks(config), "fingerprint": models.fingerprint(config)},
+        "dtype": dtype, "max_seq_len": max_seq_len, "quick": quick,
+        "bytes": models.unit_bytes(config, dtype), "devices": [], "links": [], "errors": [],
+    }
+
+
+def _device_names(devices: list[str]) -> dict[str, str]:
+    """A cheap identity per device, to measure each kind once."""
+    names = {}
+    for d in devices:
+        if d.startswith("cuda"):
+            import torch
+
+            if torch.cuda.is_available():
+                index = int(d.split(":")[1]) if ":" in d else 0
+                names[d] = torch.cuda.get_device_name(index) if index < torch.cuda.device_count() else d
+            else:
+                names[d] = d
+        else:
+            names[d] = d
+    return names
+
+
+def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, max_seq_len: int | None,
+                  dtype: str, console: Console | None = None, host: str = "local", threads: int = 0) -> dict:
+    console = console or Console(stderr=True)
+    source = models.resolve_model(model_spec, progress=lambda m: console.print(m))
+    config = models.load_config(source.path)
+    ctx = models.context_length(config)
+    if max_seq_len is not None and not 1 <= max_seq_len <= ctx:
+        raise HpipeError(f"--max-seq-len {max_seq_len}: must be between 1 and the model's context ({ctx})")
+    n = min(max_seq_len or 2048, ctx)
+    for d in devices:
+        formats.check_device("--devices", d, d)
+    profile = profile_header(model_spec, config, dtype, n, quick)
+    names = _device_names(devices)
+    measured: dict[str, dict] = {}  # identity name -> device profile
+    threads = threads or max(1, os.cpu_count() or 1)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console) as progress:
+        for d in devices:
+            dev_id = f"{host}/{d}"
+            if names[d] in measured:
+                entry = dict(measured[names[d]], id=dev_id, host=host, device=d, measured_on=measured[names[d]]["id"])
+                profile["devices"].append(entry)
+                continue
+            task = progress.add_task(f"{dev_id} units", total=None, note="starting")
+            cmd = [sys.executable, "-m", "profiler.measure", "--model", str(source.path), "--device", d,
+                   "--dtype", dtype, "--max-seq-len", str(n), "--threads", str(threads)] + (["--quick"] if quick else [])
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                    stdin=subprocess.DEVNULL)
+            result, error = None, None
+            for msg in _reports(proc):
+                kind = msg.pop("type")
+                if kind == "estimate":
+                    progress.update(task, total=msg["points"], note=f"estimated {msg['seconds']:.0f} s")
+                elif kind == "progress":
+                    progress.update(task, completed=msg["done"])
+                elif kind == "device_profile":
+                    result = msg
+                elif kind == "error":
+                    error = msg["message"]
+            stderr = proc.stderr.read()
+            if result is None:
+                error = error or f"exit code {proc.returncode}: {' | '.join(stderr.strip().splitlines()[-3:])}"
+                profile["errors"].append({"host": host, "device": d, "message": error})
+                progress.update(task, note=f"[red]failed: {error}")
+                continue
+            entry = {"id": dev_id, "host": host, "device": d, "type": result["identity"].get("name", d), **result}
+            entry.pop("max_seq_len", None), entry.pop("dtype", None)
+            measured[names[d]] = entry
+            profile["devices"].append(entry)
+            progress.update(task, note="done")
+        ok = profile["devices"]
+        pairs = [(a, b) for a in ok for b in ok if a["id"] != b["id"]] + \
+                [(a, a) for a in ok if a["device"] == "cpu"]
+        for a, b in pairs:
+            task = progress.add_task(f"link {a['id']} -> {b['id']}", total=None, note="")
+            try:
+                link = measure_link(a["device"], b["device"], quick)
+            except HpipeError as e:
+                profile["errors"].append({"host": host, "device": f"{a['device']}->{b['device']}", "message": str(e)})
+                progress.update(task, note=f"[red]failed: {e}")
+                continue
+            for src, dst, key in ((a, b, "forward"), (b, a, "backward")):
+                if (src["id"], dst["id"]) in {(x["src"], x["dst"]) for x in profile["links"]}:
+                    continue
+                profile["links"].append({"src": src["id"], "dst": dst["id"], "backend": link["backend"],
+                                         "source": "measured", **link[key]})
+            progress.update(task, total=1, completed=1,
+                            note=f"{link['forward']['alpha_s'] * 1e6:.0f} us, "
+                                 f"{link['forward']['beta_bytes_per_s'] / 1e9:.2f} GB/s")
+    if not profile["devices"]:
+        raise HpipeError("no device could be profiled: " + "; ".join(f"{e['device']}: {e['message']}"
+                                                                    for e in profile["errors"]))
+    formats.write_profile(profile, out)
+    return profile
+
+
+def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
+    from launcher.local import free_port
+
+    port = free_port()
+    env = _env()
+    procs = [subprocess.Popen([sys.executable, "-m", "profiler.links", "--rank", str(r), "--master-port", str(port),
+                               "--devices", f"{dev_a},{dev_b}"] + (["--quick"] if quick else []),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              stdin=subprocess.DEVNULL) for r in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for line in outs[0][0].splitlines():
+        if line.startswith(MARKER):
+            msg = json.loads(line[len(MARKER):])
+            if msg["type"] == "link_profile":
+                return msg
+            if msg["type"] == "error":
+                raise HpipeError(msg["message"])
+    raise HpipeError(f"link worker failed: {' | '.join((outs[0][1] + outs[1][1]).strip().splitlines()[-3:])}")
+
+
+# --------------------------------------------------------------------------------------------
+# Estimated profiles
+
+
+def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: int) -> dict:
+    from profiler.measure import grid
+
+    s_grid, c_grid = grid(max_seq_len, quick=False)
+    tables = {}
+    for kind in formats.UNIT_KINDS:
+        cs = c_grid if kind == "attn" else [0]
+        t = [[float(catalog.unit_time(config, kind, s, c, spec, dtype)) if s + c <= max_seq_len else None
+              for c in cs] for s in s_grid]
+        tables[kind] = {"s": s_grid, "c": cs, "t": t}
+    return tables
+
+
+def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dtype: str,
+                     max_seq_len: int | None) -> dict:
+    config = models.config_for(model_spec)
+    ctx = models.context_length(config)
+    n = min(max_seq_len or 2048, ctx)
+    profile = profile_header(model_spec, config, dtype, n, quick=False)
+    by_type: dict[str, dict] = {}
+    for host in inventory.hosts:
+        if not host.device_types:
+            raise HpipeError(f"{inventory.path}: hosts[{host.name}]: --estimate needs device_types "
+                             f"(catalog names: {', '.join(catalog.CATALOG)})")
+        for device, dtype_name in zip(host.devices, host.device_types):
+            spec = catalog.spec(dtype_name)
+            if dtype_name not in by_type:
+                tables = estimated_tables(config, spec, dtype, n)
+                by_type[dtype_name] = {"compute": tables, "fit_error": {k: heldout_error(v["s"], v["c"], v["t"])
+                                                                        for k, v in tables.items()}}
+            profile["devices"].append({
+                "id": f"{host.name}/{device}", "host": host.name, "device": device, "type": dtype_name,
+                "source": "estimated", "identity": {"name": spec.name, "catalog": dtype_name},
+                "memory": {"free_bytes": int(spec.memory_gib * 2 ** 30 * 0.92), "total_bytes": int(spec.memory_gib * 2 ** 30)},
+                **by_type[dtype_name]})
+    for a in profile["devices"]:
+        for b in profile["devices"]:
+            if a is b:
+                continue
+            alpha, beta = inventory.link(a["host"], b["host"])
+            profile["links"].append({"src": a["id"], "dst": b["id"], "backend": "estimated", "source": "estimated",
+                                     "alpha_s": alpha, "beta_bytes_per_s": beta})
+    formats.write_profile(profile, out)
+    return profile
+
+
+def summarize(profile: dict) -> str:
+    rows = []
+    for d in profile["devices"]:
+        att = d["compute"]["attn"]
+        t_full = att["t"][-1][0]
+        rows.append(f"{d['id']} ({d['type']}, {d['source']}): attention half at s={att['s'][-1]} {t_full * 1e3:.2f} ms; "
+                    f"fit error " + ", ".join(f"{k} {v:.1%}" for k, v in d.get("fit_error", {}).items() if v is not None))
+    for link in profile["links"]:
+        rows.append(f"{link['src']} -> {link['dst']}: alpha {link['alpha_s'] * 1e6:.0f} us, "
+                    f"beta {link['beta_bytes_per_s'] / 1e9:.3f} GB/s")
+    for e in profile.get("errors", []):
+        rows.append(f"FAILED {e['host']}/{e['device']}: {e['message']}")
+    return "\n".join(rows)
+

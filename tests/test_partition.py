@@ -1,0 +1,78 @@
+"""HPipe's Algorithm 1 (exact DP with memory limits) against brute force, and the simulator
+against the flow-shop recurrence."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.partition import Infeasible, partition_layers
+from planner.simulate import simulate
+
+
+def brute_force(unit_time, out_comm, unit_mem, device_mem):
+    d, u = unit_time.shape
+    best, best_cuts = np.inf, None
+    for interior in itertools.combinations(range(1, u), d - 1):
+        cuts = [0, *interior, u]
+        if any(unit_mem[a:b].sum() > device_mem[j] for j, (a, b) in enumerate(zip(cuts, cuts[1:]))):
+            continue
+        worst = max(unit_time[j, a:b].sum() + out_comm[j, b - 1] for j, (a, b) in enumerate(zip(cuts, cuts[1:])))
+        if worst < best:
+            best, best_cuts = worst, cuts
+    return best, best_cuts
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), d=st.integers(1, 4), u=st.integers(1, 9))
+def test_partition_reaches_the_brute_force_optimum(data, d, u):
+    if d > u:
+        d = u
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    unit_time = np.array(data.draw(st.lists(st.lists(floats, min_size=u, max_size=u), min_size=d, max_size=d)))
+    out_comm = np.array(data.draw(st.lists(st.lists(floats, min_size=u, max_size=u), min_size=d, max_size=d)))
+    out_comm[-1] = 0.0
+    # memory in bytes: integers (float64 sums of integers are exact)
+    unit_mem = np.array(data.draw(st.lists(st.integers(0, 5 << 30), min_size=u, max_size=u)), dtype=float)
+    device_mem = np.array(data.draw(st.lists(st.integers(0, 20 << 30), min_size=d, max_size=d)), dtype=float)
+    best, cuts = brute_force(unit_time, out_comm, unit_mem, device_mem)
+    if cuts is None:
+        with pytest.raises(Infeasible):
+            partition_layers(unit_time, out_comm, unit_mem, device_mem)
+        return
+    part = partition_layers(unit_time, out_comm, unit_mem, device_mem)
+    assert part.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert part.cuts[0] == 0 and part.cuts[-1] == u and all(a < b for a, b in zip(part.cuts, part.cuts[1:]))
+    for j, (a, b) in enumerate(zip(part.cuts, part.cuts[1:])):
+        assert unit_mem[a:b].sum() <= device_mem[j] * (1 + 1e-9)
+        assert part.stage_times[j] <= part.bottleneck + 1e-12
+
+
+def test_infeasible_names_device_and_shortfall():
+    with pytest.raises(Infeasible) as e:
+        partition_layers(np.ones((2, 4)), np.zeros((2, 4)), unit_mem=[3, 3, 3, 3], device_mem=[6, 4],
+                         device_names=["box/cuda:0", "box/cuda:1"])
+    assert "box/cuda:1" in str(e.value) and "short by" in str(e.value)
+
+
+@given(st.lists(st.lists(st.floats(0.0, 5.0), min_size=3, max_size=3), min_size=1, max_size=6))
+def test_simulate_is_the_flow_shop_recurrence(t):
+    t = np.array(t)
+    m, d = t.shape
+    c = np.zeros((m + 1, d + 1))
+    for i in range(1, m + 1):
+        for j in range(1, d + 1):
+            c[i, j] = max(c[i - 1, j], c[i, j - 1]) + t[i - 1, j - 1]
+    assert simulate(t).makespan == pytest.approx(c[m, d])
+
+
+def test_simulate_with_sends():
+    # two slices, two stages; sends of 1 s overlap the next compute on stage 0
+    tl = simulate([[2, 1], [2, 1]], comm=[[1, 0], [1, 0]])
+    # slice 0: stage 0 [0,2], sent at 3, stage 1 [3,4]; slice 1: stage 0 [2,4], sent at 5, stage 1 [5,6]
+    assert tl.makespan == 6
+    assert tl.start.tolist() == [[0, 3], [2, 5]]

@@ -1,0 +1,130 @@
+"""The profiler: byte counts against transformers' own tensors, the fitted model's monotonicity,
+the profile schema, estimated profiles, and the planner's use (and refusal) of profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import FAMILIES
+from hpipe import formats, models
+from hpipe.cli import main
+from profiler.fit import GridModel
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_byte_counts_equal_transformers_tensors(family, tiny_models, reference_models):
+    from transformers import DynamicCache
+
+    config = models.load_config(tiny_models[family])
+    b = models.unit_bytes(config)
+    model = reference_models[family]
+    gpt2 = family == "gpt2"
+    base = model.transformer if gpt2 else model.model
+    layers = base.h if gpt2 else base.layers
+    nbytes = lambda mod: sum(p.nbytes for p in mod.parameters())  # noqa: E731
+    embed = nbytes(base.wte) + nbytes(base.wpe) if gpt2 else nbytes(base.embed_tokens)
+    assert b["weights_per_unit"][0] == embed
+    for i, layer in enumerate(layers):
+        attn = nbytes(layer.ln_1) + nbytes(layer.attn) if gpt2 else nbytes(layer.input_layernorm) + nbytes(layer.self_attn)
+        assert b["weights_per_unit"][1 + 2 * i] == attn
+        assert b["weights_per_unit"][1 + 2 * i] + b["weights_per_unit"][2 + 2 * i] == nbytes(layer)
+    head = (nbytes(base.ln_f) if gpt2 else nbytes(base.norm)) + model.lm_head.weight.nbytes
+    assert b["weights_per_unit"][-1] == head
+    # KV cache and activations: what a real forward of T tokens keeps and passes between blocks
+    tokens = 11
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(torch.arange(3, 3 + tokens)[None], past_key_values=cache, use_cache=True, output_hidden_states=True)
+    for i in range(len(layers)):
+        kv = cache.layers[i].keys.nbytes + cache.layers[i].values.nbytes
+        assert b["kv_per_token_per_unit"][1 + 2 * i] * tokens == kv
+        assert b["kv_per_token_per_unit"][2 + 2 * i] == 0
+    for h in out.hidden_states[1:-1]:
+        assert b["activation_per_token_at_cut"][3] * tokens == h[0].nbytes
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), n_s=st.integers(1, 6), n_c=st.integers(1, 4))
+def test_fitted_model_is_monotone(data, n_s, n_c):
+    s = sorted(data.draw(st.sets(st.integers(1, 4096), min_size=n_s, max_size=n_s)))
+    c = sorted(data.draw(st.sets(st.integers(0, 4096), min_size=n_c, max_size=n_c)))
+    t = [[data.draw(st.one_of(st.none(), st.floats(1e-6, 1.0))) for _ in c] for _ in s]
+    if all(v is None for row in t for v in row):
+        t[0][0] = 1e-3
+    model = GridModel(s, c, t)
+    qs = np.linspace(1, 5000, 60)
+    qc = np.linspace(0, 5000, 40)
+    grid = model(qs[:, None] * np.ones((1, len(qc))), np.ones((len(qs), 1)) * qc[None, :])
+    assert np.all(np.diff(grid, axis=0) >= -1e-12), "not monotone in s"
+    assert np.all(np.diff(grid, axis=1) >= -1e-12), "not monotone in c"
+
+
+def test_fit_reproduces_monotone_grid_points():
+    s, c = [1, 16, 64, 256], [0, 128]
+    t = [[1.0, 2.0], [2.0, 3.0], [4.0, 6.0], [9.0, None]]
+    model = GridModel(s, c, t)
+    for i, si in enumerate(s):
+        for j, cj in enumerate(c):
+            if t[i][j] is not None:
+                assert model(np.array([si]), np.array([cj]))[0] == pytest.approx(t[i][j])
+
+
+@pytest.mark.slow
+def test_local_profile_validates_and_reports_a_failing_device(tiny_models, tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    code = main(["profile", "--model", str(tiny_models["llama"]), "--local", "--devices", "cpu,cuda:7",
+                 "--quick", "--max-seq-len", "96", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "failed" in err
+    profile = formats.load_profile(out)  # what was measured is written, and validates
+    assert [d["id"] for d in profile["devices"]] == ["local/cpu"]
+    assert profile["errors"] and profile["errors"][0]["device"] == "cuda:7"
+    dev = profile["devices"][0]
+    assert dev["source"] == "measured" and dev["identity"]["threads"] >= 1
+    assert set(dev["compute"]) == set(formats.UNIT_KINDS) and set(dev["fit_error"]) == set(formats.UNIT_KINDS)
+    assert dev["decode"]["t"]["attn"][0][0] > 0
+    (link,) = profile["links"]
+    assert link["src"] == link["dst"] == "local/cpu" and link["beta_bytes_per_s"] > 1e7
+    assert [p[0] for p in link["points"]][-1] >= 16 * 2 ** 20
+
+
+def test_estimated_profile_of_the_paper_testbed(tmp_path):
+    out = tmp_path / "paper.json"
+    assert main(["profile", "--estimate", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--model", "llama-7b",
+                 "--dtype", "float16", "-o", str(out)]) == 0
+    profile = formats.load_profile(out)
+    assert [d["type"] for d in profile["devices"]] == ["P100"] * 4 + ["RTX3090"] * 2
+    assert all(d["source"] == "estimated" for d in profile["devices"])
+    links = {(x["src"], x["dst"]): x["beta_bytes_per_s"] for x in profile["links"]}
+    assert links[("p100-box/cuda:3", "rtx3090-box/cuda:0")] == pytest.approx(1e9 / 8)
+    assert links[("p100-box/cuda:0", "p100-box/cuda:1")] == pytest.approx(96e9 / 8)
+    p100 = GridModel(**{k: profile["devices"][0]["compute"]["attn"][k] for k in "sct"})
+    rtx = GridModel(**{k: profile["devices"][4]["compute"]["attn"][k] for k in "sct"})
+    assert p100(np.array([1024]), np.array([512]))[0] > rtx(np.array([1024]), np.array([512]))[0]
+    # a plan for that hardware: the faster RTX 3090s get more units than any P100
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-7b", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--profile",
+                 str(out), "--seq-len", "2048", "-o", str(plan)]) == 0
+    stages = json.loads(plan.read_text())["stages"]
+    sizes = [b - a for a, b in (s["units"] for s in stages)]
+    assert min(sizes[4:]) > max(sizes[:4]), sizes
+
+
+def test_planner_refuses_a_profile_for_another_model(tmp_path, capsys):
+    prof = tmp_path / "paper.json"
+    assert main(["profile", "--estimate", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--model", "llama-7b",
+                 "-o", str(prof)]) == 0
+    capsys.readouterr()
+    code = main(["plan", "--model", "llama2-13b", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--profile",
+                 str(prof), "--seq-len", "512", "-o", str(tmp_path / "plan.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "profile was made for model 'llama-7b'" in err[0], err
