@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# bench/profile.py would shadow the standard library's `profile` module: keep bench/ off the path
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
 CHILD = r"""
 import json, sys, time, torch
 from hpipe import models

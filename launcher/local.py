@@ -53,9 +53,13 @@ class LaunchReport:
     wall_s: float
 
 
-def _cpu_threads_per_stage(devices: list[str]) -> int:
-    cpu_stages = sum(1 for d in devices if d == "cpu") or 1
-    return max(1, (os.cpu_count() or 1) // cpu_stages)
+def threads_per_stage(devices: list[str]) -> list[int]:
+    """CPU threads for each local stage: the cores are shared among the CPU stages, less one core
+    for each GPU stage (its process launches the kernels and must not wait for a core)."""
+    cores = os.cpu_count() or 1
+    n_cpu = sum(1 for d in devices if d == "cpu")
+    per_cpu_stage = max(1, (cores - (len(devices) - n_cpu)) // max(1, n_cpu))
+    return [per_cpu_stage if d == "cpu" else 1 for d in devices]
 
 
 def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: LaunchSettings,
@@ -66,7 +70,7 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
     world = len(job.plan.stages)
-    threads = _cpu_threads_per_stage([s.device for s in job.plan.stages])
+    threads = threads_per_stage([s.device for s in job.plan.stages])
     port = free_port()
     env = dict(os.environ, HPIPE_JOB_TOKEN=secrets.token_hex(16), PYTHONUNBUFFERED="1")
     # so that `python -m hpipe.runtime.worker` finds this checkout even when it is not installed
@@ -83,7 +87,7 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
         try:
             for rank, stage in enumerate(job.plan.stages):
                 cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
-                                     str(job.source.path), requests_path, settings, job.eos, threads,
+                                     str(job.source.path), requests_path, settings, job.eos, threads[rank],
                                      os.path.abspath(settings.logits_out) if settings.logits_out and rank == world - 1
                                      else None)
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
