@@ -1,5 +1,5 @@
-"""HPipe's Algorithm 1 (exact DP with memory limits) against brute force, and the simulator
-against the flow-shop recurrence."""
+"""HPipe's Algorithm 1 (exact DP with memory limits) and Algorithm 2 (token slicing) against
+brute force, and the simulator against the flow-shop recurrence."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from planner.partition import Infeasible, partition_layers
 from planner.simulate import simulate
+from planner.slicing import slice_sequence
 
 
 def brute_force(unit_time, out_comm, unit_mem, device_mem):
@@ -76,3 +77,39 @@ def test_simulate_with_sends():
     # slice 0: stage 0 [0,2], sent at 3, stage 1 [3,4]; slice 1: stage 0 [2,4], sent at 5, stage 1 [5,6]
     assert tl.makespan == 6
     assert tl.start.tolist() == [[0, 3], [2, 5]]
+
+
+def all_slicings(n):
+    for k in range(1, n + 1):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = [0, *cuts, n]
+            yield [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def slicing_objective(tau, lengths, n_stages):
+    starts = np.cumsum([0] + lengths[:-1])
+    costs = tau[lengths, starts]
+    return costs.sum() + (n_stages - 1) * costs.max()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n=st.integers(1, 9), n_stages=st.integers(1, 6), ties=st.booleans())
+def test_slicing_reaches_the_brute_force_optimum(data, n, n_stages, ties):
+    values = st.integers(0, 6).map(float) if ties else st.floats(0.0, 10.0, allow_nan=False)
+    tau = np.array(data.draw(st.lists(st.lists(values, min_size=n + 1, max_size=n + 1), min_size=n + 1,
+                                      max_size=n + 1)))
+    best = min(slicing_objective(tau, lengths, n_stages) for lengths in all_slicings(n))
+    result = slice_sequence(tau, n_stages)
+    assert sum(result.lengths) == n and min(result.lengths) >= 1
+    assert result.objective == pytest.approx(best, abs=1e-9)
+    assert slicing_objective(tau, result.lengths, n_stages) == pytest.approx(result.objective, abs=1e-9)
+
+
+def test_slicing_puts_longer_slices_first_when_context_costs():
+    # attention grows with context: the optimum slices get shorter along the prompt (HPipe §3.4)
+    n = 64
+    s = np.arange(n + 1)[:, None]
+    c = np.arange(n + 1)[None, :]
+    result = slice_sequence(1.0 + 0.5 * s + 0.02 * s * (c + s / 2), n_stages=4)
+    assert len(result.lengths) > 1
+    assert result.lengths == sorted(result.lengths, reverse=True)
