@@ -142,14 +142,18 @@ def plan(
             raise HpipeError("--profile needs --seq-len N, the prompt length to plan for")
         prof = formats.load_profile(profile_path)
         check_profile_matches(prof, config, model, profile_path)
-        slicing = formats.Slicing(count=num_slices or 2 * len(devices), lengths=tuple(_ints(slices, "--slices") or ()),
-                                  granularity=granularity)
-        p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype)
+        slicing = None  # the DP slices, unless told otherwise
+        if slices is not None or num_slices is not None:
+            slicing = formats.Slicing(count=num_slices or 1, lengths=tuple(_ints(slices, "--slices") or ()),
+                                      granularity=granularity)
+        p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
+                              granularity)
     formats.write_plan(p, out)
     desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
     typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")
     if p.predicted:
         pr = p.predicted
+        typer.echo(f"slices for {pr['seq_len']} tokens: {pr['slices']}")
         typer.echo(f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens: {pr['makespan_s']:.3f} s "
                    f"({pr['throughput_tokens_per_s']:.0f} tokens/s), uniform cuts: {pr['uniform_makespan_s']:.3f} s; "
                    f"utilization " + ", ".join(f"{u:.0%}" for u in pr["utilization"]))

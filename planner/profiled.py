@@ -61,6 +61,20 @@ class CostModel:
         per_kind = {k: float(f(np.array([s]), np.array([c]))[0]) for k, f in fits.items()}
         return np.array([per_kind[k] for k in self.kinds])
 
+    def stage_time(self, j: int, a: int, b: int, s, c, last: bool) -> np.ndarray:
+        """Stage j holding units [a, b): compute of slices of s tokens after c (arrays), plus the
+        send to stage j+1 unless it is the last stage."""
+        fits = self.fits[self.entries[j]["id"]]
+        s = np.asarray(s, dtype=float)
+        out = np.zeros(s.shape)
+        for kind in set(self.kinds[a:b]):
+            count = self.kinds[a:b].count(kind)
+            out = out + count * fits[kind](s, c if kind == "attn" else 0.0)
+        if not last:
+            alpha, beta = self.link(j)
+            out = out + alpha + s * self.bytes["activation_per_token_at_cut"][b] / beta
+        return out
+
     def link(self, j: int) -> tuple[float, float]:
         a, b = self.entries[j]["id"], self.entries[j + 1]["id"]
         if (a, b) not in self.links:
@@ -72,23 +86,9 @@ class CostModel:
         return alpha + s * self.bytes["activation_per_token_at_cut"][cut] / beta
 
 
-def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
-                      seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
-                      margin: float = 0.1, dtype: str | None = None) -> formats.Plan:
-    ctx = models.context_length(config)
-    if not 1 <= seq_len <= ctx:
-        raise HpipeError(f"--seq-len {seq_len}: must be between 1 and the model's context ({ctx} tokens)")
-    if batch < 1:
-        raise HpipeError(f"--batch must be at least 1, got {batch}")
-    n_units = models.num_units(config)
-    if len(devices) > n_units:
-        raise HpipeError(f"{len(devices)} devices but the model has only {n_units} units")
-    cost = CostModel(profile, config, devices, profile_path)
-    slicing = slicing or formats.Slicing(count=2 * len(devices))
-    slices = slicing.slices_for(seq_len)
+def _workload(cost: CostModel, slices: list[int], batch: int, d: int, n_units: int):
+    """The partition's inputs for a slicing: every unit's time summed over all slices of the batch."""
     starts = np.cumsum([0] + slices[:-1])
-    d = len(devices)
-    # the partition's inputs: the whole workload (every slice of every sequence) per unit and device
     unit_time = np.zeros((d, n_units))
     out_comm = np.zeros((d, n_units))
     for j in range(d):
@@ -96,24 +96,84 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
             unit_time[j] += batch * cost.unit_times(j, s, c)
             if j < d - 1:
                 out_comm[j] += batch * np.array([cost.send_time(j, u + 1, s) for u in range(n_units)])
-    b = cost.bytes
-    unit_mem = np.array(b["weights_per_unit"], dtype=float) + \
-        np.array(b["kv_per_token_per_unit"], dtype=float) * seq_len * batch
-    act_buffer = 4 * max(slices) * max(b["activation_per_token_at_cut"])
-    device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act_buffer for e in cost.entries])
-    names = [f"{h}/{dv}" for h, dv in devices]
-    part = partition_layers(unit_time, out_comm, unit_mem, device_mem, names)
-    cuts = part.cuts
-    # the predicted pipeline of one batch: every sequence's slices in order
+    return unit_time, out_comm
+
+
+def _predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int):
+    """The simulated pipeline of one batch: every sequence's slices in order through the stages."""
+    d = len(cuts) - 1
+    starts = np.cumsum([0] + slices[:-1])
     t = np.zeros((len(slices) * batch, d))
     comm = np.zeros_like(t)
     for j in range(d):
-        a, e = cuts[j], cuts[j + 1]
-        for i, (s, c) in enumerate(zip(slices, starts)):
-            t[i::len(slices), j] = cost.unit_times(j, s, c)[a:e].sum()
-            if j < d - 1:
-                comm[i::len(slices), j] = cost.send_time(j, e, s)
-    timeline = simulate(t, comm)
+        compute = cost.stage_time(j, cuts[j], cuts[j + 1], slices, starts, last=True)
+        t[:, j] = np.tile(compute, batch)
+        if j < d - 1:
+            send = cost.stage_time(j, cuts[j + 1], cuts[j + 1], slices, starts, last=False)
+            comm[:, j] = np.tile(send, batch)
+    return simulate(t, comm)
+
+
+def _tau(cost: CostModel, cuts: list[int], seq_len: int, g: int) -> np.ndarray:
+    """tau[s, c] in units of g tokens: the slowest stage's time for that slice, its send included."""
+    n = -(-seq_len // g)
+    s_u, c_u = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    s_tok = np.clip(np.minimum((c_u + s_u) * g, seq_len) - c_u * g, 0, None).astype(float)
+    c_tok = (c_u * g).astype(float)
+    valid = (s_u >= 1) & (s_u + c_u <= n)
+    s_tok, c_tok = s_tok[valid], c_tok[valid]
+    d = len(cuts) - 1
+    worst = np.zeros(s_tok.shape)
+    for j in range(d):
+        worst = np.maximum(worst, cost.stage_time(j, cuts[j], cuts[j + 1], s_tok, c_tok, last=(j == d - 1)))
+    tau = np.full((n + 1, n + 1), np.inf)
+    tau[valid] = worst
+    return tau
+
+
+def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
+                      seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
+                      margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
+                      max_rounds: int = 6) -> formats.Plan:
+    """Cuts (Algorithm 1) and, unless `slicing` is given, token slices (Algorithm 2) from a profile,
+    iterating partition <-> slicing until the simulated makespan stops improving."""
+    from planner.slicing import slice_sequence
+
+    ctx = models.context_length(config)
+    if not 1 <= seq_len <= ctx:
+        raise HpipeError(f"--seq-len {seq_len}: must be between 1 and the model's context ({ctx} tokens)")
+    if batch < 1:
+        raise HpipeError(f"--batch must be at least 1, got {batch}")
+    n_units = models.num_units(config)
+    d = len(devices)
+    if d > n_units:
+        raise HpipeError(f"{d} devices but the model has only {n_units} units")
+    cost = CostModel(profile, config, devices, profile_path)
+    b = cost.bytes
+    unit_mem = np.array(b["weights_per_unit"], dtype=float) + \
+        np.array(b["kv_per_token_per_unit"], dtype=float) * seq_len * batch
+    names = [f"{h}/{dv}" for h, dv in devices]
+
+    def partition(slices):
+        act_buffer = 4 * max(slices) * max(b["activation_per_token_at_cut"])
+        device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act_buffer for e in cost.entries])
+        return partition_layers(*_workload(cost, slices, batch, d, n_units), unit_mem, device_mem, names), act_buffer
+
+    fixed = slicing is not None
+    slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
+    best = None
+    for _ in range(1 if fixed else max_rounds):
+        part, act_buffer = partition(slices)
+        timeline = _predict(cost, part.cuts, slices, batch)
+        if best is not None and timeline.makespan >= best[2].makespan * (1 - 1e-9):
+            break
+        best = (part, slices, timeline, act_buffer)
+        if fixed:
+            break
+        units = slice_sequence(_tau(cost, part.cuts, seq_len, granularity), d).lengths
+        slices = [min(u * granularity, seq_len - sum(x * granularity for x in units[:i])) for i, u in enumerate(units)]
+    part, slices, timeline, act_buffer = best
+    cuts = part.cuts
     busy = timeline.busy()
     predicted = {
         "profile": profile_path, "seq_len": seq_len, "batch": batch, "slices": slices,
@@ -122,26 +182,16 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "partition_bottleneck_s": part.bottleneck,
         "memory_bytes_per_stage": [float(unit_mem[cuts[j]:cuts[j + 1]].sum() + act_buffer) for j in range(d)],
         "memory_free_bytes": [int(e["memory"]["free_bytes"]) for e in cost.entries],
-        "uniform_makespan_s": _uniform_makespan(cost, uniform_cuts(n_units, d), slices, starts, batch),
+        "uniform_makespan_s": _predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
     }
+    if not fixed:
+        slicing = formats.Slicing(count=len(slices), granularity=granularity, by_seq_len={seq_len: tuple(slices)})
     identity = formats.ModelIdentity(name=model_name, family=config.model_type, units=n_units,
                                      blocks=models.num_blocks(config), fingerprint=models.fingerprint(config))
     stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]))
                    for j, (h, dv) in enumerate(devices))
     plan = formats.Plan(model=identity, stages=stages, slicing=slicing, dtype=dtype or profile["dtype"],
-                        predicted=predicted, created_by=f"hpipe {__version__} (profile, DP partition)")
+                        predicted=predicted, created_by=f"hpipe {__version__} (profile: DP partition"
+                                                        f"{'' if fixed else ' and DP slicing'})")
     formats.validate_plan(plan)
     return plan
-
-
-def _uniform_makespan(cost: CostModel, interior: list[int], slices, starts, batch) -> float:
-    cuts = [0, *interior, len(cost.kinds)]
-    d = len(cuts) - 1
-    t = np.zeros((len(slices) * batch, d))
-    comm = np.zeros_like(t)
-    for j in range(d):
-        for i, (s, c) in enumerate(zip(slices, starts)):
-            t[i::len(slices), j] = cost.unit_times(j, s, c)[cuts[j]:cuts[j + 1]].sum()
-            if j < d - 1:
-                comm[i::len(slices), j] = cost.send_time(j, cuts[j + 1], s)
-    return simulate(t, comm).makespan
