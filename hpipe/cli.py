@@ -102,6 +102,8 @@ def plan(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="with --profile: the prompt length to plan for"),
     batch: int = typer.Option(1, "--batch", help="with --profile: sequences per batch"),
     margin: float = typer.Option(0.1, "--margin", help="with --profile: share of free memory kept free"),
+    compare_baselines: bool = typer.Option(False, "--compare", help="with --profile: a table of this plan against "
+                                           "Base, GPipe, GP-B, TeraPipe and the paper's own two-step method"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
@@ -129,8 +131,8 @@ def plan(
         config = models.load_config(models.resolve_model(model, progress=_note).path)
         name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
     if profile_path is None:
-        if seq_len is not None:
-            raise HpipeError("--seq-len plans from measured times: add --profile FILE")
+        if seq_len is not None or compare_baselines:
+            raise HpipeError("--seq-len and --compare plan from measured times: add --profile FILE")
         p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
                       granularity, dtype or "float32")
     else:
@@ -148,6 +150,8 @@ def plan(
                                       granularity=granularity)
         p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
                               granularity)
+        if compare_baselines:
+            p = _with_comparison(p, prof, profile_path, config, devices, granularity)
     formats.write_plan(p, out)
     desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
     typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")
@@ -157,6 +161,31 @@ def plan(
         typer.echo(f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens: {pr['makespan_s']:.3f} s "
                    f"({pr['throughput_tokens_per_s']:.0f} tokens/s), uniform cuts: {pr['uniform_makespan_s']:.3f} s; "
                    f"utilization " + ", ".join(f"{u:.0%}" for u in pr["utilization"]))
+
+
+def _with_comparison(p, prof, profile_path, config, devices, granularity):
+    import dataclasses
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from hpipe import models
+    from planner.compare import compare
+    from planner.profiled import CostModel
+
+    pr = p.predicted
+    cuts = [s.units[0] for s in p.stages] + [p.stages[-1].units[1]]
+    rows = compare(CostModel(prof, config, devices, profile_path), models.num_units(config), pr["seq_len"],
+                   pr["batch"], granularity, cuts, pr["slices"])
+    table = Table(title=f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens on {len(devices)} devices")
+    for col in ("method", "latency s", "tokens/s", "max memory / free", "x HPipe"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in rows:
+        worst = max(m / f for m, f in zip(r["memory_bytes"], pr["memory_free_bytes"]))
+        table.add_row(r["method"], f"{r['makespan_s']:.3f}", f"{r['throughput_tokens_per_s']:.0f}",
+                      f"{worst:.0%}" + ("" if r["fits"] else " OOM"), f"{r['ratio_to_hpipe']:.2f}")
+    Console().print(table)
+    return dataclasses.replace(p, predicted={**pr, "compare": rows})
 
 
 @app.command()
