@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -25,15 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def timed(fn, sync, repeats=5):
-    fn()
-    sync()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    from profiler.measure import median_time
+
+    return median_time(fn, sync, repeats)
 
 
 def main() -> None:

@@ -330,25 +330,33 @@ class Plan:
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def write_plan(plan: Plan, path: str | os.PathLike) -> None:
-    validate_plan(plan, str(path))
+def _write_json(data, path: str | os.PathLike, indent: int) -> None:
+    """Atomically: a crash never leaves half a file."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(plan.to_json(), f, indent=2)
+        json.dump(data, f, indent=indent)
         f.write("\n")
     os.replace(tmp, path)
 
 
-def load_plan(path: str | os.PathLike) -> Plan:
-    path = str(path)
+def _read_json(path: str, what: str, command: str):
     try:
         with open(path) as f:
-            data = json.load(f)
+            return json.load(f)
     except FileNotFoundError:
-        raise HpipeError(f"{path}: plan file not found; make one with `hpipe plan ... -o {path}`") from None
+        raise HpipeError(f"{path}: {what} not found; make one with `hpipe {command} ... -o {path}`") from None
     except json.JSONDecodeError as e:
         raise HpipeError(f"{path}: not valid JSON: {e}") from None
-    return parse_plan(data, path)
+
+
+def write_plan(plan: Plan, path: str | os.PathLike) -> None:
+    validate_plan(plan, str(path))
+    _write_json(plan.to_json(), path, indent=2)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    return parse_plan(_read_json(str(path), "plan file", "plan"), str(path))
 
 
 def parse_plan(data: Any, path: str = "<plan>") -> Plan:
@@ -632,21 +640,8 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
 
 def write_profile(data: dict, path: str | os.PathLike) -> None:
     validate_profile(data, str(path))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    _write_json(data, path, indent=1)
 
 
 def load_profile(path: str | os.PathLike) -> dict:
-    path = str(path)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise HpipeError(f"{path}: profile not found; make one with `hpipe profile ... -o {path}`") from None
-    except json.JSONDecodeError as e:
-        raise HpipeError(f"{path}: not valid JSON: {e}") from None
-    return validate_profile(data, path)
+    return validate_profile(_read_json(str(path), "profile", "profile"), str(path))

@@ -46,6 +46,19 @@ def grid(max_seq_len: int, quick: bool) -> tuple[list[int], list[int]]:
     return s, c
 
 
+def median_time(fn, sync, repeats: int) -> float:
+    """One warm-up call, then the median of `repeats` timed calls, each synchronized."""
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
 def device_identity(device: str, torch) -> dict:
     ident = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
              "hostname": platform.node()}
@@ -110,15 +123,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     s_grid, c_grid = grid(n, quick)
 
     def timed(fn) -> float:
-        fn()
-        sync()
-        out = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            fn()
-            sync()
-            out.append(time.perf_counter() - t)
-        return statistics.median(out)
+        return median_time(fn, sync, repeats)
 
     def unit_fn(runner, u, segments):
         inputs = runner.prepare_inputs(segments)
