@@ -32,20 +32,29 @@ class Slicing:
     steps: int = 0            # DPs run (the Pareto walk's length)
 
 
-def _least_sum(tau_t: np.ndarray, n: int, cap: float):
-    """Least sum of slice costs, every cost <= cap; and the slicing. tau_t[c, s] = tau[s, c]."""
-    capped = np.where(tau_t <= cap, tau_t, np.inf)
+def _least_sum(tau_t: np.ndarray, n: int, cap: float, monotone: bool):
+    """Least sum of slice costs, every cost <= cap; and the slicing. tau_t[c, s] = tau[s, c].
+    When every row is non-decreasing in s (`monotone`), the slices allowed after c are a prefix."""
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
-    for c in range(n):
-        if best[c] < np.inf:
-            np.minimum(best[c + 1:], best[c] + capped[c, 1:n - c + 1], out=best[c + 1:])
+    if monotone:
+        reach = (tau_t[:, 1:] <= cap).sum(axis=1).tolist()  # the longest slice allowed after each c
+        for c in range(n):
+            k = reach[c]
+            if k and best[c] < np.inf:
+                np.minimum(best[c + 1:c + 1 + k], best[c] + tau_t[c, 1:k + 1], out=best[c + 1:c + 1 + k])
+    else:
+        capped = np.where(tau_t <= cap, tau_t, np.inf)
+        for c in range(n):
+            if best[c] < np.inf:
+                np.minimum(best[c + 1:], best[c] + capped[c, 1:n - c + 1], out=best[c + 1:])
     if not np.isfinite(best[n]):
         return np.inf, None
     lengths, x = [], n  # walk back: the same sums, so an exact match marks the chosen slice
     while x > 0:
         c = np.arange(x)
-        c = int(c[np.nonzero(best[:x] + capped[c, x - c] == best[x])[0][-1]])
+        cost = tau_t[c, x - c]
+        c = int(c[np.nonzero((cost <= cap) & (best[:x] + cost == best[x]))[0][-1]])
         lengths.append(x - c)
         x = c
     return float(best[n]), lengths[::-1]
@@ -69,6 +78,9 @@ def slice_sequence(tau, n_stages: int) -> Slicing:
     s_idx, c_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     valid = (s_idx >= 1) & (s_idx + c_idx <= n)
     tau_t = np.ascontiguousarray(np.where(valid, tau, np.inf).T)  # tau_t[c, s]; invalid never chosen
+    with np.errstate(invalid="ignore"):  # inf - inf past each row's end: nan, no order to keep
+        steps_in_s = np.diff(tau_t[:, 1:], axis=1)
+    monotone = bool(np.all((steps_in_s >= 0) | np.isnan(steps_in_s)))
     weight = float(n_stages - 1)
     values = np.unique(tau[valid])                       # every possible largest slice cost
     steps = 0
@@ -78,7 +90,7 @@ def slice_sequence(tau, n_stages: int) -> Slicing:
         nonlocal steps
         if k not in known:
             steps += 1
-            known[k] = _least_sum(tau_t, n, values[k])
+            known[k] = _least_sum(tau_t, n, values[k], monotone)
         return known[k]
 
     def evaluate(lengths: list[int]) -> tuple[float, float, float]:
