@@ -207,7 +207,7 @@ def launch(
     """Run a plan: start the stage workers and pipeline the prompts through them."""
     import json
 
-    from launcher.jobs import LaunchSettings, busy_fractions, prepare
+    from launcher.jobs import LaunchSettings, busy_fractions, plan_check, prepare
     from launcher.local import launch_local
 
     if not local:
@@ -225,6 +225,20 @@ def launch(
             json.dump({"version": 1, "stages": [report.output.timelines[r] for r in sorted(report.output.timelines)]}, f)
     s = report.output.summary or {}
     busy = busy_fractions(report.output.timelines)
+    check = plan_check(job.plan, report.output, [len(r["input_ids"]) for r in job.requests])
+    summary_path = f"{out}.summary.json"
+    with open(summary_path, "w") as f:
+        json.dump({"version": 1, "run": s, "busy_fraction": busy, "plan_check": check}, f, indent=2)
+    if check:
+        pf, mf = check["predicted_for"], check["measured_for"]
+        typer.echo(f"prefill: predicted {check['predicted_makespan_s']:.3f} s for {pf['batch']} x {pf['seq_len']} "
+                   f"tokens, measured {check['measured_makespan_s']:.3f} s for {mf['prompts']} prompts of "
+                   f"{mf['prompt_tokens']} tokens ({check['relative_difference']:+.0%}); stage busy predicted "
+                   + ", ".join(f"{x:.2f}" for x in check["predicted_stage_busy_s"] or []) + " s, measured "
+                   + ", ".join(f"{x:.2f}" for x in check["measured_stage_busy_s"]) + " s")
+        if check["reprofile_suggested"]:
+            typer.echo("the measured prefill differs from the plan's prediction by more than 15 %: the profile may "
+                       "be stale or made under other conditions; re-run `hpipe profile` and `hpipe plan`", err=True)
     typer.echo(f"{len(report.output.results)} prompts done -> {out}; "
                f"{s.get('generated_tokens', 0)} tokens in {s.get('wall_s', 0):.2f} s "
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +

@@ -141,3 +141,30 @@ def busy_fractions(timelines: dict[int, dict]) -> dict[int, float]:
     span = max(end - start, 1e-9)
     return {r: sum(i["end"] - i["start"] for i in t["intervals"] if i["what"] == "compute") / span
             for r, t in sorted(timelines.items())}
+
+
+def stage_busy_seconds(timelines: dict[int, dict], kind: str | None = None) -> dict[int, float]:
+    return {r: sum(i["end"] - i["start"] for i in t["intervals"]
+                   if i["what"] == "compute" and (kind is None or i.get("kind") == kind))
+            for r, t in sorted(timelines.items())}
+
+
+def plan_check(plan: formats.Plan, output: JobOutput, prompt_lengths: list[int]) -> dict | None:
+    """Predicted against measured prefill, for a plan that carries predictions: the makespan (the
+    last first token of the batch), each stage's prefill busy time, and throughput."""
+    pr = plan.predicted
+    if not pr or "makespan_s" not in pr or not output.results:
+        return None
+    measured = max(r["ttft_s"] for r in output.results)
+    tokens = sum(prompt_lengths)
+    busy = stage_busy_seconds(output.timelines, "prefill")
+    diff = (measured - pr["makespan_s"]) / pr["makespan_s"]
+    return {
+        "predicted_makespan_s": pr["makespan_s"], "measured_makespan_s": measured, "relative_difference": diff,
+        "predicted_for": {"seq_len": pr["seq_len"], "batch": pr["batch"]},
+        "measured_for": {"prompts": len(prompt_lengths), "prompt_tokens": tokens},
+        "predicted_stage_busy_s": pr.get("stage_busy_s"), "measured_stage_busy_s": list(busy.values()),
+        "predicted_throughput_tokens_per_s": pr.get("throughput_tokens_per_s"),
+        "measured_throughput_tokens_per_s": tokens / measured if measured > 0 else None,
+        "reprofile_suggested": abs(diff) > 0.15,
+    }

@@ -118,8 +118,9 @@ def run(args) -> None:
         args.eos = models.eos_token_ids(source.path, config)
     else:
         args.eos = [int(x) for x in args.eos.split(",") if x.strip()]
-    load_s = time.time() - t_load
     requests = read_requests(args.requests)
+    warm_up(runner, requests, args)
+    load_s = time.time() - t_load
     ids_by_seq = {r.seq: r.id for r in requests}
     last = args.rank == args.world_size - 1
     sampler = Sampler(args.temperature, args.seed) if last else None
@@ -160,6 +161,25 @@ def run(args) -> None:
         emit("summary", **summary)
     dist.barrier(group=groups.ctrl)
     dist.destroy_process_group()
+
+
+def warm_up(runner, requests, args) -> None:
+    """Before the clock starts: reserve the KV cache for the longest request of every sequence that
+    can run at once (no growth copies mid-run), and run one small slice through the stage's units
+    (kernel selection, thread pools, first-touch allocations)."""
+    import torch
+
+    from hpipe.runtime.kv import Segment
+
+    if not requests:
+        return
+    slots = min(args.max_batch, len(requests))
+    runner.kv.reserve(slots, max(len(r.input_ids) for r in requests) + args.max_new_tokens)
+    n = min(16, max(len(r.input_ids) for r in requests))
+    x = torch.zeros(n, dtype=torch.long) if runner.first else torch.zeros(n, runner.hidden_size, dtype=runner.dtype)
+    runner.forward(runner.prepare_inputs([Segment(0, 0, 0, n, True)]), x)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
 
 
 def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
