@@ -104,6 +104,10 @@ def plan(
     margin: float = typer.Option(0.1, "--margin", help="with --profile: share of free memory kept free"),
     compare_baselines: bool = typer.Option(False, "--compare", help="with --profile: a table of this plan against "
                                            "Base, GPipe, GP-B, TeraPipe and the paper's own two-step method"),
+    order: str = typer.Option("inventory", "--order", help="with --profile: 'inventory' (devices in file order) or "
+                              "'search' (host orders ranked by their links, the best planned in full)"),
+    allow_drop: bool = typer.Option(False, "--allow-drop", help="with --profile: leave out a device if that is "
+                                    "faster"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
@@ -131,8 +135,9 @@ def plan(
         config = models.load_config(models.resolve_model(model, progress=_note).path)
         name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
     if profile_path is None:
-        if seq_len is not None or compare_baselines:
-            raise HpipeError("--seq-len and --compare plan from measured times: add --profile FILE")
+        if seq_len is not None or compare_baselines or order != "inventory" or allow_drop:
+            raise HpipeError("--seq-len, --compare, --order and --allow-drop plan from measured times: "
+                             "add --profile FILE")
         p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
                       granularity, dtype or "float32")
     else:
@@ -148,8 +153,17 @@ def plan(
         if slices is not None or num_slices is not None:
             slicing = formats.Slicing(count=num_slices or 1, lengths=tuple(_ints(slices, "--slices") or ()),
                                       granularity=granularity)
-        p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
-                              granularity)
+        if order not in ("inventory", "search"):
+            raise HpipeError(f"--order {order!r}: use 'inventory' or 'search'")
+        if order == "search" or allow_drop:
+            from planner.search import search_plan
+
+            p = search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
+                            granularity, order, allow_drop, log=_note)
+            devices = [(st.host, st.device) for st in p.stages]
+        else:
+            p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
+                                  granularity)
         if compare_baselines:
             p = _with_comparison(p, prof, profile_path, config, devices, granularity)
     formats.write_plan(p, out)

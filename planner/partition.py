@@ -30,11 +30,15 @@ class Partition:
     stage_times: list[float]
 
 
-def stage_time(unit_time, out_comm, j: int, a: int, b: int) -> float:
-    return float(np.sum(unit_time[j, a:b]) + out_comm[j, b - 1])
+def stage_time(unit_time, out_comm, j: int, a: int, b: int, overlap: bool = False) -> float:
+    compute, send = float(np.sum(unit_time[j, a:b])), float(out_comm[j, b - 1])
+    return max(compute, send) if overlap else compute + send
 
 
-def partition_layers(unit_time, out_comm, unit_mem=None, device_mem=None, device_names=None) -> Partition:
+def partition_layers(unit_time, out_comm, unit_mem=None, device_mem=None, device_names=None,
+                     overlap: bool = False) -> Partition:
+    """overlap=True: a stage's send overlaps its compute (hpipe's runtime sends without blocking), so
+    its time is max(compute, send) instead of HPipe's sum (eq. 3)."""
     unit_time = np.asarray(unit_time, dtype=float)
     out_comm = np.asarray(out_comm, dtype=float)
     n_dev, n_units = unit_time.shape
@@ -56,7 +60,8 @@ def partition_layers(unit_time, out_comm, unit_mem=None, device_mem=None, device
         # stage j ends at b (exclusive) and starts at a, with j-1 <= a < b and b <= U - (D - j)
         for b in range(j, n_units - (n_dev - j) + 1):
             a = np.arange(j - 1, b)
-            t = prefix_t[d, b] - prefix_t[d, a] + out_comm[d, b - 1]
+            compute = prefix_t[d, b] - prefix_t[d, a]
+            t = np.maximum(compute, out_comm[d, b - 1]) if overlap else compute + out_comm[d, b - 1]
             fits = prefix_m[b] - prefix_m[a] <= cap[d] * (1 + 1e-12)
             cand = np.where(fits, np.maximum(best[j - 1, a], t), inf)
             k = int(np.argmin(cand))
@@ -68,7 +73,7 @@ def partition_layers(unit_time, out_comm, unit_mem=None, device_mem=None, device
     for j in range(n_dev, 0, -1):
         cuts.append(int(arg[j, cuts[-1]]))
     cuts.reverse()
-    times = [stage_time(unit_time, out_comm, j, cuts[j], cuts[j + 1]) for j in range(n_dev)]
+    times = [stage_time(unit_time, out_comm, j, cuts[j], cuts[j + 1], overlap) for j in range(n_dev)]
     return Partition(cuts=cuts, bottleneck=float(best[n_dev, n_units]), stage_times=times)
 
 

@@ -61,9 +61,9 @@ class CostModel:
         per_kind = {k: float(f(np.array([s]), np.array([c]))[0]) for k, f in fits.items()}
         return np.array([per_kind[k] for k in self.kinds])
 
-    def stage_time(self, j: int, a: int, b: int, s, c, last: bool) -> np.ndarray:
+    def stage_time(self, j: int, a: int, b: int, s, c, last: bool, overlap: bool = False) -> np.ndarray:
         """Stage j holding units [a, b): compute of slices of s tokens after c (arrays), plus the
-        send to stage j+1 unless it is the last stage."""
+        send to stage j+1 unless it is the last stage (or the larger of the two, with overlap)."""
         fits = self.fits[self.entries[j]["id"]]
         s = np.asarray(s, dtype=float)
         out = np.zeros(s.shape)
@@ -72,7 +72,8 @@ class CostModel:
             out = out + count * fits[kind](s, c if kind == "attn" else 0.0)
         if not last:
             alpha, beta = self.link(j)
-            out = out + alpha + s * self.bytes["activation_per_token_at_cut"][b] / beta
+            send = alpha + s * self.bytes["activation_per_token_at_cut"][b] / beta
+            out = np.maximum(out, send) if overlap else out + send
         return out
 
     def link(self, j: int) -> tuple[float, float]:
@@ -114,8 +115,9 @@ def _predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int):
     return simulate(t, comm)
 
 
-def _tau(cost: CostModel, cuts: list[int], seq_len: int, g: int) -> np.ndarray:
-    """tau[s, c] in units of g tokens: the slowest stage's time for that slice, its send included."""
+def _tau(cost: CostModel, cuts: list[int], seq_len: int, g: int, overlap: bool = False) -> np.ndarray:
+    """tau[s, c] in units of g tokens: the slowest stage's time for that slice, its send included
+    (added, or overlapped with the compute)."""
     n = -(-seq_len // g)
     s_u, c_u = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     s_tok = np.clip(np.minimum((c_u + s_u) * g, seq_len) - c_u * g, 0, None).astype(float)
@@ -125,7 +127,8 @@ def _tau(cost: CostModel, cuts: list[int], seq_len: int, g: int) -> np.ndarray:
     d = len(cuts) - 1
     worst = np.zeros(s_tok.shape)
     for j in range(d):
-        worst = np.maximum(worst, cost.stage_time(j, cuts[j], cuts[j + 1], s_tok, c_tok, last=(j == d - 1)))
+        worst = np.maximum(worst, cost.stage_time(j, cuts[j], cuts[j + 1], s_tok, c_tok, last=(j == d - 1),
+                                                  overlap=overlap))
     tau = np.full((n + 1, n + 1), np.inf)
     tau[valid] = worst
     return tau
@@ -136,7 +139,8 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                       margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
                       max_rounds: int = 6) -> formats.Plan:
     """Cuts (Algorithm 1) and, unless `slicing` is given, token slices (Algorithm 2) from a profile,
-    iterating partition <-> slicing until the simulated makespan stops improving."""
+    iterating partition <-> slicing until the simulated makespan stops improving. Unlike the paper,
+    a stage's send is taken to overlap its compute, as it does in hpipe's runtime."""
     from planner.slicing import slice_sequence
 
     ctx = models.context_length(config)
@@ -157,7 +161,8 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     def partition(slices):
         act_buffer = 4 * max(slices) * max(b["activation_per_token_at_cut"])
         device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act_buffer for e in cost.entries])
-        return partition_layers(*_workload(cost, slices, batch, d, n_units), unit_mem, device_mem, names), act_buffer
+        return partition_layers(*_workload(cost, slices, batch, d, n_units), unit_mem, device_mem, names,
+                                overlap=True), act_buffer
 
     fixed = slicing is not None
     slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
@@ -170,7 +175,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         best = (part, slices, timeline, act_buffer)
         if fixed:
             break
-        units = slice_sequence(_tau(cost, part.cuts, seq_len, granularity), d).lengths
+        units = slice_sequence(_tau(cost, part.cuts, seq_len, granularity, overlap=True), d).lengths
         slices = [min(u * granularity, seq_len - sum(x * granularity for x in units[:i])) for i, u in enumerate(units)]
     part, slices, timeline, act_buffer = best
     cuts = part.cuts

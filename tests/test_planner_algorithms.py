@@ -15,22 +15,23 @@ from planner.simulate import simulate
 from planner.slicing import slice_sequence
 
 
-def brute_force(unit_time, out_comm, unit_mem, device_mem):
+def brute_force(unit_time, out_comm, unit_mem, device_mem, overlap=False):
     d, u = unit_time.shape
     best, best_cuts = np.inf, None
     for interior in itertools.combinations(range(1, u), d - 1):
         cuts = [0, *interior, u]
         if any(unit_mem[a:b].sum() > device_mem[j] for j, (a, b) in enumerate(zip(cuts, cuts[1:]))):
             continue
-        worst = max(unit_time[j, a:b].sum() + out_comm[j, b - 1] for j, (a, b) in enumerate(zip(cuts, cuts[1:])))
+        join = max if overlap else (lambda x, y: x + y)
+        worst = max(join(unit_time[j, a:b].sum(), out_comm[j, b - 1]) for j, (a, b) in enumerate(zip(cuts, cuts[1:])))
         if worst < best:
             best, best_cuts = worst, cuts
     return best, best_cuts
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), d=st.integers(1, 4), u=st.integers(1, 9))
-def test_partition_reaches_the_brute_force_optimum(data, d, u):
+@given(data=st.data(), d=st.integers(1, 4), u=st.integers(1, 9), overlap=st.booleans())
+def test_partition_reaches_the_brute_force_optimum(data, d, u, overlap):
     if d > u:
         d = u
     floats = st.floats(0.0, 10.0, allow_nan=False)
@@ -40,12 +41,12 @@ def test_partition_reaches_the_brute_force_optimum(data, d, u):
     # memory in bytes: integers (float64 sums of integers are exact)
     unit_mem = np.array(data.draw(st.lists(st.integers(0, 5 << 30), min_size=u, max_size=u)), dtype=float)
     device_mem = np.array(data.draw(st.lists(st.integers(0, 20 << 30), min_size=d, max_size=d)), dtype=float)
-    best, cuts = brute_force(unit_time, out_comm, unit_mem, device_mem)
+    best, cuts = brute_force(unit_time, out_comm, unit_mem, device_mem, overlap)
     if cuts is None:
         with pytest.raises(Infeasible):
-            partition_layers(unit_time, out_comm, unit_mem, device_mem)
+            partition_layers(unit_time, out_comm, unit_mem, device_mem, overlap=overlap)
         return
-    part = partition_layers(unit_time, out_comm, unit_mem, device_mem)
+    part = partition_layers(unit_time, out_comm, unit_mem, device_mem, overlap=overlap)
     assert part.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert part.cuts[0] == 0 and part.cuts[-1] == u and all(a < b for a, b in zip(part.cuts, part.cuts[1:]))
     for j, (a, b) in enumerate(zip(part.cuts, part.cuts[1:])):

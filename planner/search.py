@@ -1,0 +1,81 @@
+"""Device order and device choice (`hpipe plan --order search`, `--allow-drop`).
+
+HPipe fixes the device order (§3.3); a commodity cluster's links differ enough that the order
+matters: a slow link crossed by a stage that also computes little is a waste. Candidate orders
+keep the devices of one host adjacent and permute the hosts; a networkx graph of the hosts, with
+each link's bandwidth on its edge, ranks the host orders by their slowest hop, and the best
+ranked are planned in full (partition and slicing) and compared by predicted makespan.
+`--allow-drop` also tries every plan that leaves out one device, and keeps it only if it is faster.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+
+from hpipe.errors import HpipeError
+from planner.partition import Infeasible
+from planner.profiled import plan_from_profile
+
+MAX_ORDERS = 8
+
+
+def host_graph(profile: dict, devices: list[tuple[str, str]]) -> nx.Graph:
+    graph = nx.Graph()
+    hosts = list(dict.fromkeys(h for h, _ in devices))
+    graph.add_nodes_from(hosts)
+    ids = {f"{h}/{d}": h for h, d in devices}
+    for link in profile["links"]:
+        a, b = ids.get(link["src"]), ids.get(link["dst"])
+        if a and b and a != b:
+            bw = link["beta_bytes_per_s"]
+            if not graph.has_edge(a, b) or graph[a][b]["bandwidth"] > bw:
+                graph.add_edge(a, b, bandwidth=bw)
+    return graph
+
+
+def candidate_orders(profile: dict, devices: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    by_host: dict[str, list[tuple[str, str]]] = {}
+    for h, d in devices:
+        by_host.setdefault(h, []).append((h, d))
+    graph = host_graph(profile, devices)
+    ranked = []
+    for perm in itertools.permutations(by_host):
+        hops = [graph[a][b]["bandwidth"] if graph.has_edge(a, b) else 0.0 for a, b in zip(perm, perm[1:])]
+        ranked.append((-(min(hops) if hops else float("inf")), list(perm) != list(by_host), perm))
+    ranked.sort()
+    orders = [[dev for host in perm for dev in by_host[host]] for _, _, perm in ranked[:MAX_ORDERS]]
+    if devices not in orders:
+        orders.insert(0, list(devices))
+    return orders
+
+
+def search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
+                order: str = "inventory", allow_drop: bool = False, log=None):
+    orders = candidate_orders(profile, devices) if order == "search" else [list(devices)]
+    tried, best, first_error = [], None, None
+    for candidate in orders:
+        options = [candidate]
+        if allow_drop and len(candidate) > 1:
+            options += [candidate[:i] + candidate[i + 1:] for i in range(len(candidate))]
+        for devs in options:
+            try:
+                plan = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing, margin,
+                                         dtype, granularity)
+            except (Infeasible, HpipeError) as e:
+                first_error = first_error or e
+                tried.append({"devices": [f"{h}/{d}" for h, d in devs], "error": str(e)})
+                continue
+            makespan = plan.predicted["makespan_s"]
+            tried.append({"devices": [f"{h}/{d}" for h, d in devs], "makespan_s": makespan})
+            if log:
+                log(f"  {' -> '.join(f'{h}/{d}' for h, d in devs)}: {makespan:.3f} s")
+            if best is None or makespan < best.predicted["makespan_s"] * (1 - 1e-9):
+                best = plan
+    if best is None:
+        raise first_error
+    import dataclasses
+
+    return dataclasses.replace(best, predicted={**best.predicted, "candidates": tried,
+                                                "order": order, "allow_drop": allow_drop})
