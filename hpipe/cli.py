@@ -108,6 +108,8 @@ def plan(
                               "'search' (host orders ranked by their links, the best planned in full)"),
     allow_drop: bool = typer.Option(False, "--allow-drop", help="with --profile: leave out a device if that is "
                                     "faster"),
+    timeline: Optional[str] = typer.Option(None, "--timeline", help="with --profile: the simulated pipeline as a "
+                                           "Gantt chart, FILE.html or FILE.png"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
@@ -135,7 +137,7 @@ def plan(
         config = models.load_config(models.resolve_model(model, progress=_note).path)
         name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
     if profile_path is None:
-        if seq_len is not None or compare_baselines or order != "inventory" or allow_drop:
+        if seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline:
             raise HpipeError("--seq-len, --compare, --order and --allow-drop plan from measured times: "
                              "add --profile FILE")
         p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
@@ -166,6 +168,18 @@ def plan(
                                   granularity)
         if compare_baselines:
             p = _with_comparison(p, prof, profile_path, config, devices, granularity)
+        if timeline:
+            from planner.profiled import CostModel, _predict
+            from planner.timeline import write_timeline
+
+            pr = p.predicted
+            cuts = [st.units[0] for st in p.stages] + [p.stages[-1].units[1]]
+            tl = _predict(CostModel(prof, config, devices, profile_path), cuts, pr["slices"], pr["batch"])
+            write_timeline(tl, [f"{st.host}/{st.device} [{st.units[0]}-{st.units[1] - 1}]" for st in p.stages],
+                           len(pr["slices"]), timeline,
+                           f"{pr['batch']} x {pr['seq_len']} tokens, {len(pr['slices'])} slices: "
+                           f"{pr['makespan_s']:.3f} s predicted")
+            typer.echo(f"wrote {timeline}")
     formats.write_plan(p, out)
     desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
     typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")

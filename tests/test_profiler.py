@@ -128,3 +128,44 @@ def test_planner_refuses_a_profile_for_another_model(tmp_path, capsys):
                  str(prof), "--seq-len", "512", "-o", str(tmp_path / "plan.json")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "profile was made for model 'llama-7b'" in err[0], err
+
+
+@pytest.fixture(scope="module")
+def paper_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("paper") / "paper.json"
+    assert main(["profile", "--estimate", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--model", "llama-7b",
+                 "--dtype", "float16", "-o", str(out)]) == 0
+    return out
+
+
+def test_plan_compare_search_drop_and_timeline(paper_profile, tmp_path, capsys):
+    plan, page = tmp_path / "plan.json", tmp_path / "timeline.html"
+    assert main(["plan", "--model", "llama-7b", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--profile",
+                 str(paper_profile), "--seq-len", "512", "--batch", "2", "--compare", "--order", "search",
+                 "--allow-drop", "--timeline", str(page), "-o", str(plan)]) == 0
+    predicted = json.loads(plan.read_text())["predicted"]
+    rows = {r["method"].split(" (")[0]: r for r in predicted["compare"]}
+    assert set(rows) >= {"Base", "GPipe", "GP-B", "TeraPipe", "HPipe-paper", "HPipe"}
+    ours = rows["HPipe"]["makespan_s"]
+    assert ours == pytest.approx(predicted["makespan_s"])
+    # the plan is the best of what it searched, and no baseline the simulator scores is better
+    assert all(r["makespan_s"] >= ours * (1 - 1e-9) for r in rows.values())
+    assert ours <= min(c["makespan_s"] for c in predicted["candidates"] if "makespan_s" in c) * (1 + 1e-9)
+    assert len(predicted["candidates"]) > 2
+    first = json.loads(plan.read_text())["stages"][0]
+    assert "<svg" in page.read_text() and f"{first['host']}/{first['device']}" in page.read_text()
+    assert "HPipe-paper" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--seq-len", "4096"], ("--seq-len 4096", "context (2048")),
+    (["--seq-len", "2048", "--batch", "4000"], ("short by", "GiB")),
+    (["--seq-len", "512", "--timeline", "x.svg"], ("--timeline", ".html or .png")),
+])
+def test_plan_bad_input_is_one_line(paper_profile, tmp_path, capsys, argv, needles):
+    code = main(["plan", "--model", "llama-7b", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--profile",
+                 str(paper_profile), *argv, "-o", str(tmp_path / "plan.json")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpipe: error:")]
+    assert code == 2 and len(err) == 1, err
+    for n in needles:
+        assert n in err[0], err[0]
