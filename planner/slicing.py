@@ -38,7 +38,7 @@ def _least_sum(tau_t: np.ndarray, n: int, cap: float, monotone: bool):
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     if monotone:
-        reach = (tau_t[:, 1:] <= cap).sum(axis=1).tolist()  # the longest slice allowed after each c
+        reach = _reach(tau_t, n, cap)  # the longest slice allowed after each c
         for c in range(n):
             k = reach[c]
             if k and best[c] < np.inf:
@@ -51,13 +51,30 @@ def _least_sum(tau_t: np.ndarray, n: int, cap: float, monotone: bool):
     if not np.isfinite(best[n]):
         return np.inf, None
     lengths, x = [], n  # walk back: the same sums, so an exact match marks the chosen slice
+    every = np.arange(n)
     while x > 0:
-        c = np.arange(x)
+        c = every[:x]
         cost = tau_t[c, x - c]
-        c = int(c[np.nonzero((cost <= cap) & (best[:x] + cost == best[x]))[0][-1]])
+        c = int(np.flatnonzero((cost <= cap) & (best[:x] + cost == best[x]))[-1])
         lengths.append(x - c)
         x = c
     return float(best[n]), lengths[::-1]
+
+
+def _reach(tau_t: np.ndarray, n: int, cap: float) -> list[int]:
+    """For rows non-decreasing in s: how many s >= 1 have tau_t[c, s] <= cap, for every c at once
+    (a vectorized binary search)."""
+    lo = np.zeros(n, dtype=np.int64)            # count known to be <= answer
+    hi = np.arange(n, 0, -1, dtype=np.int64)    # row c has n - c valid entries
+    rows = np.arange(n)
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            return lo.tolist()
+        mid = (lo + hi + 1) // 2
+        ok = open_ & (tau_t[rows, np.maximum(mid, 1)] <= cap)
+        lo = np.where(ok, mid, lo)
+        hi = np.where(open_ & ~ok, mid - 1, hi)
 
 
 def _minimax(tau_t: np.ndarray, n: int) -> float:
