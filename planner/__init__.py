@@ -1,10 +1,13 @@
-"""hpipe's planner: turns a model (and, later, a profile) into a plan file.
+"""hpipe's planner: turns a model and a profile into a plan file.
 
 Data flows one way: profiler -> profile file -> planner -> plan file -> launcher -> runtime.
-This first version makes uniform plans and hand-made ones (`--cuts`, `--slices`); the DP planner
-(HPipe's Algorithms 1 and 2) extends the same entry point.
+The algorithms are pure functions (numpy in, result objects out); see planner/README.md.
 """
 
+from planner.partition import Infeasible, Partition, partition_layers
+from planner.simulate import Timeline, simulate
+from planner.slicing import Slicing, slice_sequence
 from planner.uniform import make_plan, uniform_cuts
 
-__all__ = ["make_plan", "uniform_cuts"]
+__all__ = ["Infeasible", "Partition", "Slicing", "Timeline", "make_plan", "partition_layers", "simulate",
+           "slice_sequence", "uniform_cuts"]
