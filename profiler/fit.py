@@ -74,6 +74,12 @@ class GridModel:
 def heldout_error(s: list[int], c: list[int], t: list[list[float | None]], every: int = 3) -> float | None:
     """Median relative error on grid points left out of the fit: every `every`-th interior point of
     each row (never a row's first or last point, which bound the interpolation)."""
+    errors = heldout_errors(s, c, t, every)
+    return float(np.median(errors)) if errors.size else None
+
+
+def heldout_errors(s: list[int], c: list[int], t: list[list[float | None]], every: int = 3) -> np.ndarray:
+    """The relative errors of `heldout_error`, one per held-out point."""
     held, kept = [], [list(row) for row in t]
     for j in range(len(c)):
         idx = [i for i in range(len(s)) if t[i][j] is not None]
@@ -82,8 +88,8 @@ def heldout_error(s: list[int], c: list[int], t: list[list[float | None]], every
                 held.append((s[i], c[j], t[i][j]))
                 kept[i][j] = None
     if not held:
-        return None
+        return np.array([])
     model = GridModel(s, c, kept)
     pred = model(np.array([h[0] for h in held]), np.array([h[1] for h in held]))
     true = np.array([h[2] for h in held])
-    return float(np.median(np.abs(pred - true) / np.maximum(true, 1e-12)))
+    return np.abs(pred - true) / np.maximum(true, 1e-12)

@@ -178,9 +178,14 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
                 decode["t"]["head"][i][j] = timed(unit_fn(head, n_units - 1, segs))
                 tick()
 
-    from profiler.fit import heldout_error
+    import numpy as np
 
-    fit_error = {k: heldout_error(tab["s"], tab["c"], tab["t"]) for k, tab in tables.items()}
+    from profiler.fit import heldout_errors
+
+    errors = {k: heldout_errors(tab["s"], tab["c"], tab["t"]) for k, tab in tables.items()}
+    fit_error = {k: float(np.median(e)) if e.size else None for k, e in errors.items()}
+    pooled = np.concatenate(list(errors.values()))
+    fit_error["all"] = float(np.median(pooled)) if pooled.size else None  # every held-out point of every kind
     return {"device": device, "source": "measured", "identity": device_identity(device, torch),
             "memory": free_memory(device, torch), "compute": tables, "decode": decode, "fit_error": fit_error,
             "max_seq_len": n, "quick": quick, "repeats": repeats, "dtype": dtype}

@@ -90,7 +90,7 @@ def test_local_profile_validates_and_reports_a_failing_device(tiny_models, tmp_p
     assert profile["errors"] and profile["errors"][0]["device"] == "cuda:7"
     dev = profile["devices"][0]
     assert dev["source"] == "measured" and dev["identity"]["threads"] >= 1
-    assert set(dev["compute"]) == set(formats.UNIT_KINDS) and set(dev["fit_error"]) == set(formats.UNIT_KINDS)
+    assert set(dev["compute"]) == set(formats.UNIT_KINDS) and set(dev["fit_error"]) == {*formats.UNIT_KINDS, "all"}
     assert dev["decode"]["t"]["attn"][0][0] > 0
     (link,) = profile["links"]
     assert link["src"] == link["dst"] == "local/cpu" and link["beta_bytes_per_s"] > 1e7
