@@ -34,7 +34,7 @@ def grid(max_seq_len: int, quick: bool) -> tuple[list[int], list[int]]:
     8/16/64 and some non-multiples (tile quantization shows between them)."""
     n = max_seq_len
     if quick:
-        s = [1, 16, 64, 100, 256, 500, 1024, 2048, 4096, 8192]
+        s = [1, 16, 64, 100, 256, 500, 768, 1024, 1536, 2048, 3072, 4096, 8192]
         c = [0, n // 4, n // 2, (3 * n) // 4]
     else:
         s = [1, 2, 4, 8, 16, 24, 32, 40, 48, 64, 96, 100, 128, 192, 250, 256, 384, 500, 512, 768, 1000, 1024,
@@ -118,7 +118,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     head = StageRunner(source.path, config, range(n_units - 1, n_units), device, dtype)
     dev = body.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    repeats = repeats or (5 if quick else 7)
+    repeats = repeats or (3 if quick else 5)
     hidden = int(config.hidden_size)
     s_grid, c_grid = grid(n, quick)
 
@@ -137,7 +137,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     points = [(s, c) for c in c_grid for s in s_grid if s + c <= n]
     decode_batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
     decode_ctx = sorted({x for x in ([128, n // 2, n - 1] if quick else [64, 256, 1024, n // 2, n - 1]) if 0 < x < n})
-    total = len(points) + 3 * len(s_grid) + len(decode_batches) * len(decode_ctx)
+    total = len(points) + 3 * len(s_grid) + len(decode_batches) * len(decode_ctx)  # ticks: the last pass
     # up-front estimate: time the largest slice once and scale by tokens
     with torch.inference_mode():
         probe = unit_fn(body, 1, [Segment(0, 0, 0, min(256, n), True)])
@@ -147,7 +147,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
         sync()
         per_token = (time.perf_counter() - t0) / min(256, n)
     token_sum = sum(s for s, _ in points) + 2 * sum(s_grid) + sum(b for b in decode_batches) * len(decode_ctx)
-    emit("estimate", seconds=round(per_token * token_sum * (repeats + 1) * 1.3 + 2, 1), points=total)
+    emit("estimate", seconds=round(per_token * token_sum * (repeats + 1) * 2 * 1.3 + 2, 1), points=total)
 
     done = 0
 
@@ -160,14 +160,21 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     tables["attn"] = {"s": s_grid, "c": c_grid, "t": [[None] * len(c_grid) for _ in s_grid]}
     kind_unit = {"embed": (body, 0), "attn": (body, 1), "mlp": (body, 2), "head": (head, n_units - 1)}
     jobs = [(k, s, 0) for k in ("embed", "mlp", "head") for s in s_grid] + [("attn", s, c) for s, c in points]
-    # a shuffled order spreads a slow spell of the machine (other tenants, frequency) over the grid
-    random.Random(0).shuffle(jobs)
+    # Two passes over the grid, each in its own shuffled order, and per point the lesser of the two
+    # medians: a slow spell of the machine (other tenants, frequency changes) that spoils a point in
+    # one pass rarely spoils it in the other.
+    passes = 2
     with torch.inference_mode():
-        for kind, s, c in jobs:
-            runner, u = kind_unit[kind]
-            table = tables[kind]
-            table["t"][s_grid.index(s)][table["c"].index(c)] = timed(unit_fn(runner, u, [Segment(0, 0, c, s, True)]))
-            tick()
+        for p in range(passes):
+            random.Random(p).shuffle(jobs)
+            for kind, s, c in jobs:
+                runner, u = kind_unit[kind]
+                table = tables[kind]
+                i, j = s_grid.index(s), table["c"].index(c)
+                t = timed(unit_fn(runner, u, [Segment(0, 0, c, s, True)]))
+                table["t"][i][j] = t if table["t"][i][j] is None else min(table["t"][i][j], t)
+                if p == passes - 1:
+                    tick()
         decode = {"batch": decode_batches, "context": decode_ctx,
                   "t": {k: [[None] * len(decode_ctx) for _ in decode_batches] for k in ("attn", "mlp", "head")}}
         for i, b in enumerate(decode_batches):
