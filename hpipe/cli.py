@@ -110,15 +110,23 @@ def plan(
                                     "faster"),
     timeline: Optional[str] = typer.Option(None, "--timeline", help="with --profile: the simulated pipeline as a "
                                            "Gantt chart, FILE.html or FILE.png"),
+    overlap_sends: bool = typer.Option(False, "--overlap-sends", help="with --profile: a stage's send overlaps its "
+                                       "next compute (GPUs with their own copy engines) instead of adding to it "
+                                       "(HPipe eq. 1; right where sends share the cores, as gloo on CPUs)"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
     from hpipe import formats, models
     from planner import make_plan
 
-    if (stages is None) == (cluster is None):
-        raise HpipeError("give exactly one of --stages N (local processes) or --cluster FILE")
-    if stages is not None:
+    if stages is not None and cluster is not None:
+        raise HpipeError("give one of --stages N (local processes) or --cluster FILE, not both")
+    if stages is None and cluster is None and profile_path is None:
+        raise HpipeError("give --stages N (local processes) or --cluster FILE (or --profile: one stage per device "
+                         "of the profile)")
+    if stages is None and cluster is None:
+        devices = [(d["host"], d["device"]) for d in formats.load_profile(profile_path)["devices"]]
+    elif stages is not None:
         if stages < 1:
             raise HpipeError(f"--stages must be at least 1, got {stages}")
         formats.check_device("--device", "value", device)
@@ -137,7 +145,7 @@ def plan(
         config = models.load_config(models.resolve_model(model, progress=_note).path)
         name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
     if profile_path is None:
-        if seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline:
+        if seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline or overlap_sends:
             raise HpipeError("--seq-len, --compare, --order and --allow-drop plan from measured times: "
                              "add --profile FILE")
         p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
@@ -161,11 +169,11 @@ def plan(
             from planner.search import search_plan
 
             p = search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
-                            granularity, order, allow_drop, log=_note)
+                            granularity, order, allow_drop, log=_note, overlap=overlap_sends)
             devices = [(st.host, st.device) for st in p.stages]
         else:
             p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
-                                  granularity)
+                                  granularity, overlap=overlap_sends)
         if compare_baselines:
             p = _with_comparison(p, prof, profile_path, config, devices, granularity)
         if timeline:

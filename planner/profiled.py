@@ -137,10 +137,11 @@ def _tau(cost: CostModel, cuts: list[int], seq_len: int, g: int, overlap: bool =
 def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
                       margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
-                      max_rounds: int = 6) -> formats.Plan:
+                      max_rounds: int = 6, overlap: bool = False) -> formats.Plan:
     """Cuts (Algorithm 1) and, unless `slicing` is given, token slices (Algorithm 2) from a profile,
-    iterating partition <-> slicing until the simulated makespan stops improving. Unlike the paper,
-    a stage's send is taken to overlap its compute, as it does in hpipe's runtime."""
+    iterating partition <-> slicing until the simulated makespan stops improving. A stage's time for
+    a slice is its compute plus its send (HPipe eq. 1), or with `overlap` the larger of the two (a
+    send that runs beside the next compute, as on GPUs with their own copy engines)."""
     from planner.slicing import slice_sequence
 
     ctx = models.context_length(config)
@@ -162,7 +163,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         act_buffer = 4 * max(slices) * max(b["activation_per_token_at_cut"])
         device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act_buffer for e in cost.entries])
         return partition_layers(*_workload(cost, slices, batch, d, n_units), unit_mem, device_mem, names,
-                                overlap=True), act_buffer
+                                overlap=overlap), act_buffer
 
     fixed = slicing is not None
     slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
@@ -175,7 +176,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         best = (part, slices, timeline, act_buffer)
         if fixed:
             break
-        units = slice_sequence(_tau(cost, part.cuts, seq_len, granularity, overlap=True), d).lengths
+        units = slice_sequence(_tau(cost, part.cuts, seq_len, granularity, overlap=overlap), d).lengths
         slices = [min(u * granularity, seq_len - sum(x * granularity for x in units[:i])) for i, u in enumerate(units)]
     part, slices, timeline, act_buffer = best
     cuts = part.cuts
@@ -184,7 +185,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "profile": profile_path, "seq_len": seq_len, "batch": batch, "slices": slices,
         "makespan_s": timeline.makespan, "throughput_tokens_per_s": seq_len * batch / timeline.makespan,
         "stage_busy_s": busy.tolist(), "utilization": (busy / timeline.makespan).tolist(),
-        "partition_bottleneck_s": part.bottleneck,
+        "partition_bottleneck_s": part.bottleneck, "overlap_sends": overlap,
         "memory_bytes_per_stage": [float(unit_mem[cuts[j]:cuts[j + 1]].sum() + act_buffer) for j in range(d)],
         "memory_free_bytes": [int(e["memory"]["free_bytes"]) for e in cost.entries],
         "uniform_makespan_s": _predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,

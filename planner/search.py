@@ -52,7 +52,7 @@ def candidate_orders(profile: dict, devices: list[tuple[str, str]]) -> list[list
 
 
 def search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
-                order: str = "inventory", allow_drop: bool = False, log=None):
+                order: str = "inventory", allow_drop: bool = False, log=None, overlap: bool = False):
     orders = candidate_orders(profile, devices) if order == "search" else [list(devices)]
     tried, best, first_error = [], None, None
     for candidate in orders:
@@ -62,7 +62,7 @@ def search_plan(profile, profile_path, name, config, devices, seq_len, batch, sl
         for devs in options:
             try:
                 plan = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing, margin,
-                                         dtype, granularity)
+                                         dtype, granularity, overlap=overlap)
             except (Infeasible, HpipeError) as e:
                 first_error = first_error or e
                 tried.append({"devices": [f"{h}/{d}" for h, d in devs], "error": str(e)})
