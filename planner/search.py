@@ -5,7 +5,9 @@ matters: a slow link crossed by a stage that also computes little is a waste. Ca
 keep the devices of one host adjacent and permute the hosts; a networkx graph of the hosts, with
 each link's bandwidth on its edge, ranks the host orders by their slowest hop, and the best
 ranked are planned in full (partition and slicing) and compared by predicted makespan.
-`--allow-drop` also tries every plan that leaves out one device, and keeps it only if it is faster.
+Then, for the best of those, the orders that split one host's devices around another host ("unless
+splitting them pays"). `--allow-drop` also tries every plan that leaves out one device, and keeps
+it only if it is faster.
 """
 
 from __future__ import annotations
@@ -51,6 +53,26 @@ def candidate_orders(profile: dict, devices: list[tuple[str, str]]) -> list[list
     return orders
 
 
+def split_orders(order: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """Orders that split one host's run of devices in two around the neighbouring host's run."""
+    runs: list[list[tuple[str, str]]] = []
+    for dev in order:
+        if runs and runs[-1][0][0] == dev[0]:
+            runs[-1].append(dev)
+        else:
+            runs.append([dev])
+    out = []
+    for i, run in enumerate(runs):
+        for j in (i - 1, i + 1):
+            if not 0 <= j < len(runs):
+                continue
+            lo, hi = min(i, j), max(i, j)
+            for k in range(1, len(run)):
+                middle = [run[:k], runs[j], run[k:]]
+                out.append([d for r in runs[:lo] + middle + runs[hi + 1:] for d in r])
+    return out
+
+
 def search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
                 order: str = "inventory", allow_drop: bool = False, log=None, overlap: bool = False):
     orders = candidate_orders(profile, devices) if order == "search" else [list(devices)]
@@ -75,6 +97,19 @@ def search_plan(profile, profile_path, name, config, devices, seq_len, batch, sl
                 best = plan
     if best is None:
         raise first_error
+    if order == "search":
+        for devs in split_orders([(st.host, st.device) for st in best.stages]):
+            try:
+                plan = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing, margin,
+                                         dtype, granularity, overlap=overlap)
+            except (Infeasible, HpipeError) as e:
+                tried.append({"devices": [f"{h}/{d}" for h, d in devs], "error": str(e)})
+                continue
+            tried.append({"devices": [f"{h}/{d}" for h, d in devs], "makespan_s": plan.predicted["makespan_s"]})
+            if log:
+                log(f"  {' -> '.join(f'{h}/{d}' for h, d in devs)} (split): {plan.predicted['makespan_s']:.3f} s")
+            if plan.predicted["makespan_s"] < best.predicted["makespan_s"] * (1 - 1e-9):
+                best = plan
     import dataclasses
 
     return dataclasses.replace(best, predicted={**best.predicted, "candidates": tried,

@@ -114,3 +114,16 @@ def test_slicing_puts_longer_slices_first_when_context_costs():
     result = slice_sequence(1.0 + 0.5 * s + 0.02 * s * (c + s / 2), n_stages=4)
     assert len(result.lengths) > 1
     assert result.lengths == sorted(result.lengths, reverse=True)
+
+
+def test_split_orders_keep_every_device_once():
+    from planner.search import split_orders
+
+    order = [("a", "0"), ("a", "1"), ("a", "2"), ("b", "0"), ("b", "1"), ("c", "0")]
+    variants = split_orders(order)
+    assert variants and all(sorted(v) == sorted(order) for v in variants)
+    assert [("a", "0"), ("b", "0"), ("b", "1"), ("a", "1"), ("a", "2"), ("c", "0")] in variants
+    # a host's devices end up in two runs, around exactly one other host's run
+    for v in variants:
+        runs = [h for i, (h, _) in enumerate(v) if i == 0 or v[i - 1][0] != h]
+        assert len(runs) == 4 and len(set(runs)) == 3
