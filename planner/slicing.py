@@ -132,7 +132,9 @@ def slice_sequence(tau, n_stages: int) -> Slicing:
             if bound >= best[0]:
                 break
             continue
-        mid = (lo + 1 + hi) // 2
+        # split where the interval's values are halved: the bound's gap, weight x (value range), halves
+        mid = int(np.searchsorted(values, (values[lo + 1] + values[hi]) / 2))
+        mid = min(max(mid, lo + 1), hi)
         total, lengths = least(mid)
         if lengths is None:          # nothing fits under values[mid]: only (mid, hi] is left
             intervals.append((g_hi + weight * values[mid + 1], mid, hi, g_hi))
