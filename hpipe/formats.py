@@ -14,10 +14,11 @@ import json
 import math
 import os
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from hpipe.errors import HpipeError
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from hpipe import formats, models
 from hpipe.errors import HpipeError
-
-MARKER = "@@hpipe "
+from hpipe.reports import parse
 
 
 @dataclass
@@ -111,11 +110,8 @@ class JobOutput:
 
     def take(self, rank: int, line: str) -> bool:
         """Handles one stdout line of a worker; False if it is not a report (a log line)."""
-        if not line.startswith(MARKER):
-            return False
-        try:
-            msg = json.loads(line[len(MARKER):])
-        except json.JSONDecodeError:
+        msg = parse(line)
+        if msg is None:
             return False
         kind = msg.pop("type", None)
         if kind == "result":

@@ -22,7 +22,8 @@ import traceback
 
 import numpy as np
 
-MARKER = "@@hpipe "
+from hpipe.reports import emit
+
 SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
 
 
@@ -117,14 +118,12 @@ def main(argv=None) -> int:
                            os.environ.get("HPIPE_JOB_TOKEN", "local"), devices, args.timeout_s)
         result = measure(args.rank, groups, devices[args.rank], args.quick)
         if args.rank == 0:
-            sys.stdout.write(MARKER + json.dumps({"type": "link_profile", "backend": groups.backend,
-                                                  "forward": result[0], "backward": result[1]}) + "\n")
-            sys.stdout.flush()
+            emit("link_profile", backend=groups.backend, forward=result[0], backward=result[1])
         dist.barrier(group=groups.ctrl)
         dist.destroy_process_group()
         return 0
     except Exception as e:
-        sys.stdout.write(MARKER + json.dumps({"type": "error", "message": f"{type(e).__name__}: {e}"}) + "\n")
+        emit("error", message=f"{type(e).__name__}: {e}")
         traceback.print_exc()
         return 1
 

@@ -12,7 +12,6 @@ and context. Reports on stdout as `@@hpipe {json}` lines: `estimate` (seconds, u
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -21,12 +20,7 @@ import sys
 import time
 import traceback
 
-MARKER = "@@hpipe "
-
-
-def emit(kind: str, **data) -> None:
-    sys.stdout.write(MARKER + json.dumps({"type": kind, **data}) + "\n")
-    sys.stdout.flush()
+from hpipe.reports import emit
 
 
 def grid(max_seq_len: int, quick: bool) -> tuple[list[int], list[int]]:

@@ -11,7 +11,6 @@ the profile's `errors` and the others go on; what was measured is written.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import secrets
 import subprocess
@@ -23,10 +22,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hpipe import __version__, formats, models
 from hpipe.errors import HpipeError
+from hpipe.reports import parse
 from profiler import catalog
 from profiler.fit import heldout_error
 
-MARKER = "@@hpipe "
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,8 +40,9 @@ def _reports(proc):
     tail = []
     for line in proc.stdout:
         line = line.rstrip("\n")
-        if line.startswith(MARKER):
-            yield json.loads(line[len(MARKER):])
+        msg = parse(line)
+        if msg is not None:
+            yield msg
         else:
             tail = (tail + [line])[-5:]
     proc.wait()
@@ -166,8 +166,8 @@ def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
                               stdin=subprocess.DEVNULL) for r in (0, 1)]
     outs = [p.communicate(timeout=600) for p in procs]
     for line in outs[0][0].splitlines():
-        if line.startswith(MARKER):
-            msg = json.loads(line[len(MARKER):])
+        msg = parse(line)
+        if msg is not None:
             if msg["type"] == "link_profile":
                 return msg
             if msg["type"] == "error":

@@ -22,12 +22,7 @@ import threading
 import time
 import traceback
 
-MARKER = "@@hpipe "
-
-
-def emit(kind: str, **data) -> None:
-    sys.stdout.write(MARKER + json.dumps({"type": kind, **data}) + "\n")
-    sys.stdout.flush()
+from hpipe.reports import emit
 
 
 def log(msg: str) -> None:
