@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import click
 import typer
@@ -23,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Plan and launch pipeline-parallel LLM inference on mixed commodity hardware.")
 
 
-def _ints(text: Optional[str], option: str) -> Optional[list[int]]:
+def _ints(text: str | None, option: str) -> list[int] | None:
     if text is None:
         return None
     try:
@@ -45,11 +44,11 @@ def profile(
                               "or (with --estimate) an architecture name such as llama-7b"),
     local: bool = typer.Option(False, "--local", help="measure devices of this machine"),
     devices: str = typer.Option("cpu", "--devices", help="with --local: comma-separated, e.g. cpu,cuda:0"),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="cluster inventory TOML"),
+    cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML"),
     estimate: bool = typer.Option(False, "--estimate", help="with --cluster: roofline estimates from the device "
                                   "catalog (device_types) and the inventory's links, nothing measured"),
     quick: bool = typer.Option(False, "--quick", help="a coarse grid and fewer repeats"),
-    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="longest prompt to plan for "
+    max_seq_len: int | None = typer.Option(None, "--max-seq-len", help="longest prompt to plan for "
                                               "(default: 2048 or the model's context)"),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
     threads: int = typer.Option(0, "--threads", help="CPU threads per measured device (0: all cores); profile "
@@ -87,19 +86,19 @@ def profile(
 @app.command()
 def plan(
     model: str = typer.Option("smollm2", "--model", help="'smollm2', a Hugging Face directory or a .gguf file"),
-    stages: Optional[int] = typer.Option(None, "--stages", help="number of local stages (one per process)"),
-    cluster: Optional[str] = typer.Option(None, "--cluster", help="cluster inventory TOML: one stage per device"),
+    stages: int | None = typer.Option(None, "--stages", help="number of local stages (one per process)"),
+    cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML: one stage per device"),
     device: str = typer.Option("cpu", "--device", help="with --stages: the device of every stage"),
-    cuts: Optional[str] = typer.Option(None, "--cuts", help="N-1 interior cut positions in units, e.g. 20,41"),
-    slices: Optional[str] = typer.Option(None, "--slices", help="slice lengths in tokens, e.g. 512,384,256"),
-    num_slices: Optional[int] = typer.Option(None, "--num-slices", help="uniform slices per prompt "
+    cuts: str | None = typer.Option(None, "--cuts", help="N-1 interior cut positions in units, e.g. 20,41"),
+    slices: str | None = typer.Option(None, "--slices", help="slice lengths in tokens, e.g. 512,384,256"),
+    num_slices: int | None = typer.Option(None, "--num-slices", help="uniform slices per prompt "
                                              "(default: 2 x stages)"),
     granularity: int = typer.Option(16, "--granularity", help="uniform slices are multiples of this"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the "
+    dtype: str | None = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the "
                                         "profile's, else float32)"),
-    profile_path: Optional[str] = typer.Option(None, "--profile", help="profile from `hpipe profile`: cut where "
+    profile_path: str | None = typer.Option(None, "--profile", help="profile from `hpipe profile`: cut where "
                                                "the measured times balance (DP), within memory"),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="with --profile: the prompt length to plan for"),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="with --profile: the prompt length to plan for"),
     batch: int = typer.Option(1, "--batch", help="with --profile: sequences per batch"),
     margin: float = typer.Option(0.1, "--margin", help="with --profile: share of free memory kept free"),
     compare_baselines: bool = typer.Option(False, "--compare", help="with --profile: a table of this plan against "
@@ -108,7 +107,7 @@ def plan(
                               "'search' (host orders ranked by their links, the best planned in full)"),
     allow_drop: bool = typer.Option(False, "--allow-drop", help="with --profile: leave out a device if that is "
                                     "faster"),
-    timeline: Optional[str] = typer.Option(None, "--timeline", help="with --profile: the simulated pipeline as a "
+    timeline: str | None = typer.Option(None, "--timeline", help="with --profile: the simulated pipeline as a "
                                            "Gantt chart, FILE.html or FILE.png"),
     overlap_sends: bool = typer.Option(False, "--overlap-sends", help="with --profile: a stage's send overlaps its "
                                        "next compute (GPUs with their own copy engines) instead of adding to it "
@@ -228,26 +227,40 @@ def _with_comparison(p, prof, profile_path, config, devices, granularity):
 def launch(
     plan_path: str = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`"),
     local: bool = typer.Option(False, "--local", help="run every stage as a process on this machine"),
+    cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML: run the stages on its "
+                                                                  "hosts over SSH"),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys",
+                                              help="record unknown host keys in known_hosts (changed keys are "
+                                                   "always refused)"),
+    push_model: bool = typer.Option(False, "--push-model", help="copy the model files each host's stages need "
+                                                                  "over SFTP (checksummed)"),
+    host_timeout: float = typer.Option(15.0, "--host-timeout", help="seconds of silence after which a host "
+                                                                     "counts as lost and the launch stops"),
     prompts: str = typer.Option(..., "--prompts", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"input_ids\"}"),
     out: str = typer.Option(..., "--out", help="results JSONL, one line per prompt as it finishes"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     seed: int = typer.Option(0, "--seed"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
-    logits_out: Optional[str] = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
-    timeline_out: Optional[str] = typer.Option(None, "--timeline-out", help="JSON of every stage's busy intervals"),
+    logits_out: str | None = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
+    timeline_out: str | None = typer.Option(None, "--timeline-out", help="JSON of every stage's busy intervals"),
     resume: bool = typer.Option(False, "--resume", help="skip prompts whose ids are already in --out"),
-    model: Optional[str] = typer.Option(None, "--model", help="load this model instead of the plan's"),
+    model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(False, "--quiet", help="do not stream the workers' logs"),
 ):
     """Run a plan: start the stage workers and pipeline the prompts through them."""
     import json
 
+    from hpipe import formats
+
     from launcher.jobs import LaunchSettings, busy_fractions, plan_check, prepare
     from launcher.local import launch_local
 
-    if not local:
-        raise HpipeError("only --local launches exist in this version; add --local")
+    if local == (cluster is not None):
+        raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
+    if host_timeout <= 0:
+        raise HpipeError(f"--host-timeout must be > 0, got {host_timeout}")
+    inventory = formats.load_inventory(cluster) if cluster else None
     if max_batch < 1:
         raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
     settings = LaunchSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -255,7 +268,13 @@ def launch(
     job = prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
-    report = launch_local(job, plan_path, out, settings, quiet=quiet)
+    if inventory is not None:
+        from launcher.cluster import launch_cluster
+
+        report = launch_cluster(job, plan_path, inventory, out, settings, accept_new_keys=accept_new_host_keys,
+                                push=push_model, host_timeout_s=host_timeout, quiet=quiet)
+    else:
+        report = launch_local(job, plan_path, out, settings, quiet=quiet)
     if timeline_out:
         with open(timeline_out, "w") as f:
             json.dump({"version": 1, "stages": [report.output.timelines[r] for r in sorted(report.output.timelines)]}, f)
@@ -281,6 +300,46 @@ def launch(
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
 
 
+cluster_app = typer.Typer(help="Check the hosts of a cluster inventory.")
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("check")
+def cluster_check(
+    inventory_path: str = typer.Argument(..., metavar="CLUSTER", help="cluster inventory TOML"),
+    plan_path: str | None = typer.Option(None, "--plan", help="also check this plan's devices and memory"),
+    model: str | None = typer.Option(None, "--model", help="check that this model is on every host "
+                                                            "(default: the plan's)"),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+):
+    """The launch preflight alone: reach every host, compare versions, devices, memory and the model."""
+    from rich.console import Console
+
+    from hpipe import formats, models
+    from launcher.cluster import check_table, plan_hosts, preflight, refuse_failed
+
+    inventory = formats.load_inventory(inventory_path)
+    plan_obj = formats.load_plan(plan_path) if plan_path else None
+    names = plan_hosts(plan_obj, inventory) if plan_obj else [h.name for h in inventory.hosts]
+    spec = model or (plan_obj.model.name if plan_obj else None)
+    config = None
+    if plan_obj is not None:
+        config = models.load_config(models.resolve_model(spec, progress=_note).path)
+        models.check_plan_matches(plan_obj, config, spec)
+    from hpipe import ssh
+
+    conns = ssh.connect_all(inventory, names, accept_new_host_keys, log=_note)
+    try:
+        checks = preflight(conns, plan=plan_obj, config=config, model_spec=spec, kv_tokens=0)
+    finally:
+        for c in conns.values():
+            c.close()
+    console = Console()
+    Console(width=max(console.width, 150)).print(check_table(checks))
+    refuse_failed(checks)
+    typer.echo(f"all {len(checks)} hosts ready")
+
+
 @app.command()
 def demo(
     max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
@@ -298,7 +357,7 @@ def version():
     typer.echo(f"hpipe {__version__}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
         app(args=argv, standalone_mode=False)
         return 0

@@ -28,6 +28,8 @@ RESULTS_VERSION = 1
 
 _DEVICE_RE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 _HOST_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ADDRESS_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.:-]*$")
+_USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 
 
 def _fail(path: str | os.PathLike, where: str, what: str) -> HpipeError:
@@ -86,6 +88,7 @@ class Host:
     env: dict[str, str] = field(default_factory=dict)
     device_types: tuple[str, ...] = ()       # catalog names, for estimated profiles
     intra_link: tuple[float, float] = (10e-6, 12e9)  # (latency s, bandwidth B/s) between its devices
+    threads: int = 0                         # torch threads per CPU stage; 0: the host's cores shared out
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
     for key in ("user", "identity_file", "known_hosts"):
         if key in ssh_table:
             _expect(path, f"ssh.{key}", ssh_table[key], str, "a string")
+    if "user" in ssh_table and not _USER_RE.match(ssh_table["user"]):
+        raise _fail(path, "ssh.user", f"{ssh_table['user']!r} is not a user name")
     timeout = ssh_table.get("connect_timeout_s", 10.0)
     _expect(path, "ssh.connect_timeout_s", timeout, (int, float), "a number of seconds")
     if not 0 < timeout <= 600:
@@ -158,7 +163,7 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
         where = f"hosts[{i}]"
         _expect(path, where, h, dict, "a table")
         _no_unknown_keys(path, where, h, {"name", "address", "port", "user", "python", "devices", "env",
-                                          "device_types", "intra_link"})
+                                          "device_types", "intra_link", "threads"})
         for key in ("name", "address", "python", "devices"):
             if key not in h:
                 raise _fail(path, where, f"missing required key {key!r}")
@@ -169,15 +174,20 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
             raise _fail(path, f"{where}.name", f"host name {name!r} appears twice")
         seen.add(name)
         address = _expect(path, f"{where}.address", h["address"], str, "a host name or IP address")
-        if not address or any(c.isspace() for c in address):
-            raise _fail(path, f"{where}.address", f"{address!r} is not a host name or IP address")
+        if not _ADDRESS_RE.match(address):
+            raise _fail(path, f"{where}.address", f"{address!r} is not a host name or IP address "
+                                                  f"(letters, digits, '.', '-', ':' only)")
         port = _expect(path, f"{where}.port", h.get("port", 22), int, "a port number")
         if not 0 < port < 65536:
             raise _fail(path, f"{where}.port", f"{port} is not a TCP port (1-65535)")
         user = h.get("user")
         if user is not None:
             _expect(path, f"{where}.user", user, str, "a user name")
+            if not _USER_RE.match(user):
+                raise _fail(path, f"{where}.user", f"{user!r} is not a user name")
         python = _expect(path, f"{where}.python", h["python"], str, "the absolute path of a Python interpreter")
+        if any(ord(c) < 32 for c in python):
+            raise _fail(path, f"{where}.python", f"{python!r} contains control characters")
         if not python.startswith("/"):
             raise _fail(path, f"{where}.python", f"{python!r} must be an absolute path (the remote PATH is minimal)")
         devices = _expect(path, f"{where}.devices", h["devices"], list, "a list of devices")
@@ -208,9 +218,12 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
                             "microseconds")
         if intra_bw <= 0 or intra_lat < 0:
             raise _fail(path, f"{where}.intra_link", "bandwidth must be > 0 and latency >= 0")
+        threads = _expect(path, f"{where}.threads", h.get("threads", 0), int, "a number of threads")
+        if threads < 0:
+            raise _fail(path, f"{where}.threads", f"must be >= 0 (0: share the host's cores), got {threads}")
         hosts.append(Host(name=name, address=address, python=python, devices=tuple(devices), port=port,
                           user=user, env=dict(env), device_types=tuple(types),
-                          intra_link=(intra_lat * 1e-6, intra_bw * 1e9 / 8)))
+                          intra_link=(intra_lat * 1e-6, intra_bw * 1e9 / 8), threads=threads))
     links = []
     raw_links = data.get("links", [])
     _expect(path, "links", raw_links, list, "a list of [[links]] tables")

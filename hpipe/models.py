@@ -333,6 +333,51 @@ def _checkpoint_key(name: str, index: dict[str, Path], config) -> str | None:
     return next((c for c in candidates if c in index), None)
 
 
+def files_for_units(path: Path, config, units: range) -> list[Path]:
+    """The files of model directory `path` that a stage holding `units` reads: config, tokenizer and
+    generation files, plus only the safetensors shards that hold one of its tensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    index = _weight_index(path)
+    shards = set()
+    for u in units:
+        for mod_path in unit_modules(config, u):
+            for pname, _ in model.get_submodule(mod_path).named_parameters(recurse=True):
+                key = _checkpoint_key(f"{mod_path}.{pname}", index, config)
+                if key is not None:
+                    shards.add(index[key])
+    small = [f for f in sorted(path.iterdir()) if f.is_file() and f.suffix != ".safetensors"
+             and (f.suffix in (".json", ".txt", ".model", ".jinja") or f.name.startswith("tokenizer"))]
+    return small + sorted(shards)
+
+
+def stage_memory_bytes(config, units: range, dtype: str, kv_tokens: int) -> int:
+    """What a stage holding `units` needs: its weights, the KV cache for `kv_tokens` tokens, and
+    activation buffers (two slices of up to 2,048 tokens in flight, a generous bound)."""
+    b = unit_bytes(config, dtype)
+    weights = sum(b["weights_per_unit"][u] for u in units)
+    kv = sum(b["kv_per_token_per_unit"][u] for u in units) * kv_tokens
+    activations = 2 * 2048 * max(b["activation_per_token_at_cut"]) * 4
+    return int(weights + kv + activations)
+
+
+def check_model_available(spec: str) -> tuple[bool, str]:
+    """Whether MODEL can be resolved on this machine, without converting anything: (ok, note)."""
+    try:
+        if spec == DEFAULT_MODEL:
+            gguf = smollm2_gguf_path()
+            return True, f"{spec} ({gguf.name}; converted on first use)"
+        path = Path(spec).expanduser()
+        if path.suffix == ".gguf":
+            return (True, str(path)) if path.is_file() else (False, f"{spec}: GGUF file not found")
+        return (True, str(resolve_model(spec).path))
+    except HpipeError as e:
+        return False, str(e)
+
+
 def torch_dtype(name: str):
     import torch
 
@@ -421,7 +466,7 @@ def eos_token_ids(path: Path, config) -> list[int]:
 
 
 def context_length(config) -> int:
-    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions"))
+    return int(getattr(config, "max_position_embeddings", None) or config.n_positions)
 
 
 def peak_rss_bytes() -> int:

@@ -6,8 +6,11 @@ worker command on remote hosts and feeds its output through the same `JobOutput`
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import queue
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,8 +96,7 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
 
 def write_requests(job: PreparedJob, path: Path) -> None:
     with open(path, "w") as f:
-        for r in job.requests:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in job.requests)
 
 
 @dataclass
@@ -164,3 +166,90 @@ def plan_check(plan: formats.Plan, output: JobOutput, prompt_lengths: list[int])
         "measured_throughput_tokens_per_s": tokens / measured if measured > 0 else None,
         "reprofile_suggested": abs(diff) > 0.15,
     }
+
+
+def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str, port: int, model: str,
+                   requests_path: str, settings: LaunchSettings, eos: list[int], threads: int,
+                   logits_out: str | None) -> list[str]:
+    """The runtime's worker command line, the same for local processes and remote hosts."""
+    cmd = [python, "-m", "hpipe.runtime.worker", "--plan", plan_path, "--rank", str(rank),
+           "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model,
+           "--requests", requests_path, "--max-new-tokens", str(settings.max_new_tokens),
+           "--temperature", repr(settings.temperature), "--seed", str(settings.seed),
+           "--max-batch", str(settings.max_batch), "--eos", ",".join(map(str, eos)), "--attn", settings.attn,
+           "--threads", str(threads)]
+    if logits_out:
+        cmd += ["--logits-out", logits_out]
+    return cmd
+
+
+def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.Plan, log, quiet: bool,
+                  host_timeout_s: float | None = None) -> None:
+    """Feeds the workers' lines to `output` and the log until every worker has ended. Workers look
+    like subprocess.Popen (poll, wait) plus stop(), kill(), silent_s() and describe_exit(code).
+    On the first failure (non-zero exit, or a host silent for host_timeout_s) every worker is
+    stopped and one HpipeError names the stage, its host, the cause and its last log lines."""
+    tails = {r: collections.deque(maxlen=20) for r in range(len(workers))}
+    open_streams = 2 * len(workers)
+    failed: tuple[int, str] | None = None
+
+    def take(rank, name, line):
+        if not output.take(rank, line):
+            tails[rank].append(line)
+            if not quiet or name == "err" and ("Error" in line or "Traceback" in line):
+                log(f"[{plan.stages[rank].host}:{rank}] {line}")
+
+    while open_streams and failed is None:
+        try:
+            rank, name, line = lines.get(timeout=0.2)
+            if line is None:
+                open_streams -= 1
+            else:
+                take(rank, name, line)
+        except queue.Empty:
+            pass
+        for r, w in enumerate(workers):
+            code = w.poll()
+            if code not in (None, 0):
+                failed = (r, w.describe_exit(code))
+                break
+            if code is None and host_timeout_s is not None and w.silent_s() > host_timeout_s:
+                silent = (f"no answer from host {plan.stages[r].host} for {host_timeout_s:g} s "
+                          f"(its link is down or it stopped)")
+                failed = (r, silent)
+                break
+    if failed is None:
+        for r, w in enumerate(workers):
+            code = w.wait(timeout=30)
+            if code != 0:
+                failed = (r, w.describe_exit(code) if code is not None else "did not exit after its streams closed")
+                break
+    if failed is None:
+        return
+    rank, cause = failed
+    stop_workers(workers)
+    deadline = time.time() + 1.0   # what is left of the output, for the message
+    while time.time() < deadline:
+        try:
+            r, name, line = lines.get(timeout=0.1)
+        except queue.Empty:
+            break
+        if line is not None:
+            take(r, name, line)
+    stage = plan.stages[rank]
+    cause = output.errors.get(rank) or cause
+    last = " | ".join(list(tails[rank])[-5:])
+    raise HpipeError(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
+                     f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
+                     + f"; every worker was stopped; {len(output.results)} results were written")
+
+
+def stop_workers(workers: list, grace_s: float = 5.0) -> None:
+    """Asks every worker still running to stop, then kills those that have not within grace_s."""
+    for w in workers:
+        if w.poll() is None:
+            w.stop()
+    deadline = time.time() + grace_s
+    for w in workers:
+        if w.wait(timeout=max(0.05, deadline - time.time())) is None:
+            w.kill()

@@ -9,12 +9,10 @@ already written stay in the results file.
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,27 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpipe.errors import HpipeError
-from launcher.jobs import JobOutput, LaunchSettings, PreparedJob, write_requests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str, port: int, model: str,
-                   requests_path: str, settings: LaunchSettings, eos: list[int], threads: int,
-                   logits_out: str | None) -> list[str]:
-    cmd = [python, "-m", "hpipe.runtime.worker", "--plan", plan_path, "--rank", str(rank),
-           "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model,
-           "--requests", requests_path, "--max-new-tokens", str(settings.max_new_tokens),
-           "--temperature", repr(settings.temperature), "--seed", str(settings.seed),
-           "--max-batch", str(settings.max_batch), "--eos", ",".join(map(str, eos)), "--attn", settings.attn,
-           "--threads", str(threads)]
-    if logits_out:
-        cmd += ["--logits-out", logits_out]
-    return cmd
+from hpipe.net import free_port
+from launcher.jobs import (
+    JobOutput,
+    LaunchSettings,
+    PreparedJob,
+    stop_workers,
+    watch_workers,
+    worker_command,
+    write_requests,
+)
 
 
 @dataclass
@@ -80,30 +67,22 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
     with tempfile.TemporaryDirectory(prefix="hpipe-launch-") as tmp:
         requests_path = str(Path(tmp) / "requests.jsonl")
         write_requests(job, Path(requests_path))
-        procs: list[subprocess.Popen] = []
+        workers: list[LocalWorker] = []
         lines: queue.Queue = queue.Queue()
-        tails = {r: collections.deque(maxlen=20) for r in range(world)}
-        readers = []
         try:
             for rank, stage in enumerate(job.plan.stages):
                 cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
                                      str(job.source.path), requests_path, settings, job.eos, threads[rank],
                                      os.path.abspath(settings.logits_out) if settings.logits_out and rank == world - 1
                                      else None)
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True, stdin=subprocess.DEVNULL)
-                procs.append(p)
-                for stream, name in ((p.stdout, "out"), (p.stderr, "err")):
-                    t = threading.Thread(target=_pump, args=(stream, rank, name, lines), daemon=True)
-                    t.start()
-                    readers.append(t)
-            _watch(procs, lines, output, tails, job, log, quiet)
+                workers.append(LocalWorker(cmd, env, rank, lines))
+            watch_workers(workers, lines, output, job.plan, log, quiet)
         except KeyboardInterrupt:
-            _stop_all(procs)
+            stop_workers(workers)
             raise HpipeError(f"interrupted; every worker was stopped; {len(output.results)} results are in "
                              f"{out_path}; rerun with --resume to finish") from None
         finally:
-            _stop_all(procs)
+            stop_workers(workers)
     return LaunchReport(output, time.time() - t0)
 
 
@@ -113,72 +92,41 @@ def _pump(stream, rank: int, name: str, lines: queue.Queue) -> None:
     lines.put((rank, name, None))
 
 
-def _watch(procs, lines: queue.Queue, output: JobOutput, tails, job: PreparedJob, log, quiet: bool) -> None:
-    open_streams = 2 * len(procs)
-    failed: tuple[int, int] | None = None
-    while open_streams:
-        try:
-            rank, name, line = lines.get(timeout=0.5)
-        except queue.Empty:
-            line = ""
-            rank = name = None
-        if line is None:
-            open_streams -= 1
-        elif rank is not None:
-            if not output.take(rank, line):
-                tails[rank].append(line)
-                if not quiet or name == "err" and ("Error" in line or "Traceback" in line):
-                    host = job.plan.stages[rank].host
-                    log(f"[{host}:{rank}] {line}")
-        for r, p in enumerate(procs):
-            code = p.poll()
-            if code not in (None, 0) and failed is None:
-                failed = (r, code)
-        if failed is not None:
-            break
-    for p in procs:
-        if failed is None:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            if p.returncode not in (0, None):
-                failed = (procs.index(p), p.returncode)
-                break
-    if failed is not None:
-        rank, code = failed
-        _stop_all(procs)
-        # collect what is left of that worker's output
-        deadline = time.time() + 2
-        while time.time() < deadline:
-            try:
-                r, name, line = lines.get(timeout=0.1)
-            except queue.Empty:
-                break
-            if line is not None and not output.take(r, line):
-                tails[r].append(line)
-        stage = job.plan.stages[rank]
-        cause = output.errors.get(rank) or f"exit code {code}"
-        last = " | ".join(list(tails[rank])[-5:])
-        raise HpipeError(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
-                         f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
-                         + f"; {len(output.results)} results were written")
+class LocalWorker:
+    """A worker process in its own process group, with the surface `watch_workers` expects."""
 
+    def __init__(self, cmd: list[str], env: dict, rank: int, lines: queue.Queue):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True, stdin=subprocess.DEVNULL)
+        for stream, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
+            threading.Thread(target=_pump, args=(stream, rank, name, lines), daemon=True).start()
 
-def _stop_all(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.time() + 5
-    for p in procs:
+    def poll(self):
+        return self.proc.poll()
+
+    def wait(self, timeout=None):
         try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
+            return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+            return None
+
+    def silent_s(self) -> float:
+        return 0.0
+
+    def stop(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def _signal(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def describe_exit(self, code: int) -> str:
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"

@@ -108,7 +108,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     if max_seq_len and max_seq_len > ctx:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's context of {ctx} tokens")
     n_units = models.num_units(config)
-    body = StageRunner(source.path, config, range(0, 3), device, dtype)   # embed, block 0 attn + mlp
+    body = StageRunner(source.path, config, range(3), device, dtype)   # embed, block 0 attn + mlp
     head = StageRunner(source.path, config, range(n_units - 1, n_units), device, dtype)
     dev = body.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

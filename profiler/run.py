@@ -156,7 +156,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
 
 
 def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
-    from launcher.local import free_port
+    from hpipe.net import free_port
 
     port = free_port()
     env = _env()

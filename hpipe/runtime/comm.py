@@ -14,11 +14,14 @@ structure-aware transfers go.
 from __future__ import annotations
 
 import datetime
+import hashlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from hpipe.errors import HpipeError
+from hpipe.net import choose_gloo_interface
 from hpipe.runtime.kv import Segment
 
 OP_WORK, OP_STOP, OP_TOKENS = 1, 2, 3
@@ -43,13 +46,36 @@ class Groups:
     data_device: torch.device
 
 
+class TokenRejected(HpipeError):
+    pass
+
+
+def token_digest(job_token: str) -> str:
+    return hashlib.sha256(b"hpipe-job-token:" + job_token.encode()).hexdigest()
+
+
+def check_job_token(store, rank: int, job_token: str) -> None:
+    """Rank 0 (the rendezvous host) publishes a digest of this launch's token; every other worker
+    compares its own before joining and refuses on a mismatch. Even a worker that skipped this
+    check would not meet the others: their keys are prefixed with the token itself."""
+    if rank == 0:
+        store.set("hpipe/job-token-sha256", token_digest(job_token))
+        return
+    expected = store.get("hpipe/job-token-sha256").decode()
+    if expected != token_digest(job_token):
+        raise TokenRejected("this worker's job token (HPIPE_JOB_TOKEN) does not match the launch at the rendezvous "
+                            "address; refusing to join")
+
+
 def init(rank: int, world: int, addr: str, port: int, job_token: str, devices: list[str],
          timeout_s: float = 300.0) -> Groups:
     """Joins the job. Every key of the rendezvous store is prefixed with the job token, so a worker
     that does not present this launch's token never meets the others."""
     backend = choose_backend(devices)
+    choose_gloo_interface(addr)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    check_job_token(store, rank, job_token)
     store = dist.PrefixStore(f"hpipe/{job_token}/", store)
     if backend == "nccl":
         torch.cuda.set_device(torch.device(devices[rank]))

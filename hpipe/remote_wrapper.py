@@ -1,0 +1,117 @@
+"""Runs on a remote host, around one worker: `python -c <this file's text> WORKER_ARGV...`.
+
+hpipe/ssh.py sends this file's source with every remote command, so the wrapper always matches the
+launcher and needs nothing installed. It exists because sshd signals nothing to a command when the
+connection drops (no pty): without it, a launcher that dies or loses a host leaves workers running.
+
+- The first stdin line is JSON: {"env": {...}, "timeout_s": T, "marker": "@@hpipe "}. The env
+  (job token included) never appears on a command line.
+- The worker runs in its own session and process group, with stdout and stderr relayed line by
+  line; every second the wrapper prints `<marker>{"type": "alive"}` so the launcher can tell a
+  silent host from a dead one.
+- The whole group is stopped (SIGTERM, then SIGKILL after 3 s) when the launcher writes `stop`,
+  when stdin reaches EOF (the channel closed), when no line (the launcher pings every second)
+  came for T seconds (the host lost its link), or on SIGHUP/SIGINT/SIGTERM.
+- Its last line is `<marker>{"type": "exit", "code": C, "why": ...}`; C < 0 means killed by
+  signal -C. It exits with the worker's status (128 + signal when killed).
+
+Standard library only; Python 3.8+.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+def main():
+    config = json.loads(sys.stdin.readline() or "{}")
+    marker = config.get("marker", "@@hpipe ")
+    timeout = float(config.get("timeout_s", 30))
+    env = dict(os.environ)
+    env.update(config.get("env", {}))
+    lock = threading.Lock()
+    out, err = sys.stdout.buffer, sys.stderr.buffer
+
+    def say(stream, data):
+        with lock:
+            stream.write(data)
+            stream.flush()
+
+    def report(kind, **fields):
+        fields["type"] = kind
+        say(out, (marker + json.dumps(fields) + "\n").encode())
+
+    try:
+        child = subprocess.Popen(sys.argv[1:], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True, cwd=config.get("cwd") or None)
+    except OSError as e:
+        report("exit", code=127, why="cannot start %s: %s" % (sys.argv[1] if len(sys.argv) > 1 else "?", e))
+        return 127
+
+    state = {"heard": time.monotonic(), "why": None}
+
+    def stop(why):
+        if state["why"] is None:
+            state["why"] = why
+
+    def relay(src, dst):
+        for line in iter(src.readline, b""):
+            say(dst, line)
+
+    def listen():
+        for line in sys.stdin:
+            state["heard"] = time.monotonic()
+            if line.strip() == "stop":
+                stop("stopped by the launcher")
+        stop("the launcher's connection closed")
+
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop("wrapper got signal %d" % signum))
+    relays = [threading.Thread(target=relay, args=(child.stdout, out), daemon=True),
+              threading.Thread(target=relay, args=(child.stderr, err), daemon=True)]
+    for t in relays + [threading.Thread(target=listen, daemon=True)]:
+        t.start()
+    next_beat = 0.0
+    while child.poll() is None:
+        now = time.monotonic()
+        if now - state["heard"] > timeout:
+            stop("no word from the launcher for %.0f s" % timeout)
+        if state["why"] is not None:
+            kill_group(child)
+            break
+        if now >= next_beat:
+            report("alive")
+            next_beat = now + 1.0
+        time.sleep(0.05)
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # anything the worker left in its group
+    except OSError:
+        pass
+    for t in relays:
+        t.join(timeout=2)
+    code = child.returncode
+    report("exit", code=code, why=state["why"])
+    return code if code >= 0 else 128 - code
+
+
+def kill_group(child):
+    try:
+        os.killpg(child.pid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + 3
+    while child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""`hpipe launch --cluster` and `hpipe cluster check`: the pipeline's stages on their hosts, over SSH.
+
+    connect (parallel, strict host keys) -> preflight every host -> [push the model] ->
+    copy plan + requests -> start every worker under the remote wrapper -> stream -> tear down
+
+Nothing starts unless every host passes the preflight. Each worker runs the runtime's worker
+command unchanged (launcher.jobs.worker_command) with a per-launch random job token in its
+environment. On the first fault (a worker exits non-zero, a host goes silent for
+`host_timeout_s`, Ctrl-C) every remote process group of this launch is stopped and one error names
+the stage, host, cause and last log lines; results already finished stay in the results file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import secrets
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpipe import __version__, formats, models, ssh
+from hpipe.errors import HpipeError
+from launcher.jobs import JobOutput, LaunchSettings, PreparedJob, stop_workers, watch_workers, worker_command
+
+
+@dataclass
+class HostCheck:
+    name: str
+    address: str
+    problems: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def local_versions() -> dict:
+    import torch
+    import transformers
+
+    return {"hpipe": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def plan_hosts(plan: formats.Plan, inventory: formats.Inventory) -> list[str]:
+    """The inventory hosts the plan's stages run on (in stage order); refuses stages on unknown
+    hosts or devices the inventory does not list."""
+    hosts = {h.name: h for h in inventory.hosts}
+    names: list[str] = []
+    for i, st in enumerate(plan.stages):
+        if st.host not in hosts:
+            raise HpipeError(f"plan stage {i} runs on host {st.host!r}, which {inventory.path} does not list "
+                             f"(hosts: {', '.join(hosts)}); make the plan with --cluster {inventory.path}")
+        if st.device not in hosts[st.host].devices:
+            raise HpipeError(f"plan stage {i} uses {st.device} on {st.host}, but {inventory.path} lists "
+                             f"{list(hosts[st.host].devices)} there")
+        if st.host not in names:
+            names.append(st.host)
+    return names
+
+
+def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None = None, config=None,
+               model_spec: str | None = None, kv_tokens: int = 0, push_model: bool = False) -> HostCheck:
+    host = conn.host
+    check = HostCheck(host.name, f"{host.address}:{host.port}")
+    try:
+        p = ssh.probe(conn, model=None if push_model else model_spec)
+    except HpipeError as e:
+        check.problems.append(str(e).split(": ", 1)[-1])
+        return check
+    check.info = p
+    for name in ("hpipe", "torch", "transformers"):
+        if p.get(name) is None:
+            check.problems.append(f"{name} is not importable by {host.python} ({p.get(name + '_error')}); install "
+                                  f"it there{' or set PYTHONPATH in the host env' if name == 'hpipe' else ''}")
+        elif p[name] != versions[name]:
+            check.problems.append(f"{name} {p[name]} there, {versions[name]} here; install the same version")
+    if "model" in p and not p["model"]["ok"]:
+        check.problems.append(f"model: {p['model']['note']}; or pass --push-model")
+    if plan is not None and config is not None:
+        need: dict[str, int] = {}
+        for st in plan.stages:
+            if st.host != host.name:
+                continue
+            if st.device.startswith("cuda"):
+                index = int(st.device.split(":")[1]) if ":" in st.device else 0
+                if index >= len(p.get("cuda", [])):
+                    check.problems.append(f"{st.device} not found (the host has {len(p.get('cuda', []))} CUDA "
+                                          f"devices visible to torch)")
+                    continue
+            need[st.device] = need.get(st.device, 0) + models.stage_memory_bytes(config, range(*st.units),
+                                                                                  plan.dtype, kv_tokens)
+        for dev, nbytes in need.items():
+            free = p.get("mem_available_bytes") if dev == "cpu" else \
+                p["cuda"][int(dev.split(":")[1]) if ":" in dev else 0]["free_bytes"]
+            if free is not None and nbytes > free:
+                check.problems.append(f"{dev}: its stages need {nbytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB "
+                                      f"free; move units to another device (hpipe plan --cuts ...)")
+    return check
+
+
+def preflight(conns: dict[str, ssh.Connection], **kwargs) -> list[HostCheck]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    versions = local_versions()
+    with ThreadPoolExecutor(max_workers=max(1, len(conns))) as pool:
+        futures = [pool.submit(check_host, c, versions, **kwargs) for c in conns.values()]
+        return [f.result() for f in futures]
+
+
+def check_table(checks: list[HostCheck]):
+    from rich.table import Table
+
+    table = Table(title="hpipe cluster check")
+    for col in ("host", "address", "status", "python / hpipe / torch / transformers", "cores", "free memory",
+                "CUDA", "model"):
+        table.add_column(col)
+    for c in checks:
+        p = c.info
+        cuda = ", ".join(f"{d['index']}: {d['name']} ({d['free_bytes'] / 2**30:.1f} GiB free)"
+                         for d in p.get("cuda", [])) or "-"
+        mem = p.get("mem_available_bytes")
+        table.add_row(c.name, c.address, "[green]ok" if c.ok else "[red]" + "\n".join(c.problems),
+                      " / ".join(str(p.get(k)) for k in ("python", "hpipe", "torch", "transformers")),
+                      str(p.get("cores", "?")), f"{mem / 2**30:.1f} GiB" if mem else "?", cuda,
+                      (p.get("model") or {}).get("note", "-"))
+    return table
+
+
+def refuse_failed(checks: list[HostCheck]) -> None:
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        raise HpipeError("preflight failed, nothing was started: " +
+                         "; ".join(f"host {c.name} ({c.address}): {' / '.join(c.problems)}" for c in bad))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], job: PreparedJob, log) -> dict[str, str]:
+    """Copies to each host only the files its stages read, into ~/.cache/hpipe/pushed/<fingerprint>/,
+    skipping files already there with the same SHA-256 and verifying each copy. Returns the remote
+    model directory per host."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    fp = job.plan.model.fingerprint
+    remote_dirs = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  transient=False) as progress:
+        for name, conn in conns.items():
+            units = [u for st in job.plan.stages if st.host == name for u in range(*st.units)]
+            files = models.files_for_units(job.source.path, job.config, range(min(units), max(units) + 1))
+            home = checks[name].info.get("home") or "/root"
+            rdir = f"{home}/.cache/hpipe/pushed/{job.source.path.name}-{fp.split(':')[-1][:16]}"
+            remote_dirs[name] = rdir
+            local_sums = {str(f): _sha256(f) for f in files}
+            targets = [f"{rdir}/{f.name}" for f in files]
+            there = ssh.probe(conn, sha256=targets).get("sha256", {})
+            todo = [(str(f), t) for f, t in zip(files, targets) if there.get(t) != local_sums[str(f)]]
+            total = sum(os.path.getsize(f) for f, _ in todo)
+            task = progress.add_task(f"push to {name}", total=total or 1)
+            done = 0
+            for local, remote in todo:
+                ssh.put_files(conn, [(local, remote)],
+                              progress=lambda n, base=done: progress.update(task, completed=base + n))
+                done += os.path.getsize(local)
+            progress.update(task, completed=total or 1)
+            if todo:
+                after = ssh.probe(conn, sha256=[t for _, t in todo]).get("sha256", {})
+                bad = [t for (f, t) in todo if after.get(t) != local_sums[f]]
+                if bad:
+                    raise HpipeError(f"host {name}: checksum mismatch after copying {bad[0]}; retry --push-model")
+            log(f"hpipe: {name}: {len(todo)} of {len(files)} model files copied ({total / 2**20:.1f} MiB) to {rdir}")
+    return remote_dirs
+
+
+def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
+                   settings: LaunchSettings, *, accept_new_keys: bool = False, push: bool = False,
+                   host_timeout_s: float = 15.0, log=None, quiet: bool = False):
+    from launcher.local import LaunchReport
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    output = JobOutput(out_path, job.tokenizer)
+    if not job.requests:
+        log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
+        return LaunchReport(output, 0.0)
+    plan = job.plan
+    names = plan_hosts(plan, inventory)
+    hosts = {h.name: h for h in inventory.hosts}
+    t0 = time.time()
+    conns = ssh.connect_all(inventory, names, accept_new_keys, log)
+    launch_id = secrets.token_hex(6)
+    workers: list[ssh.RemoteProcess] = []
+    remote_tmp = f"/tmp/hpipe-launch-{launch_id}"
+    try:
+        kv_tokens = max(len(r["input_ids"]) for r in job.requests) + settings.max_new_tokens
+        kv_tokens *= min(settings.max_batch, len(job.requests))
+        checks = preflight(conns, plan=plan, config=job.config, model_spec=job.source.name, kv_tokens=kv_tokens,
+                           push_model=push)
+        refuse_failed(checks)
+        by_name = {c.name: c for c in checks}
+        model_on = push_model(conns, by_name, job, log) if push else {n: job.source.name for n in names}
+        with open(plan_path, "rb") as f:
+            plan_bytes = f.read()
+        requests_text = "".join(json.dumps(r) + "\n" for r in job.requests)
+        for name in names:
+            ssh.write_files(conns[name], remote_tmp, {"plan.json": plan_bytes, "requests.jsonl": requests_text.encode()})
+        master = hosts[plan.stages[0].host]
+        port = by_name[master.name].info["free_port"]
+        token = secrets.token_hex(16)
+        world = len(plan.stages)
+        lines: queue.Queue = queue.Queue()
+        for rank, st in enumerate(plan.stages):
+            host = hosts[st.host]
+            cores = by_name[st.host].info.get("cores") or 1
+            n_cpu = sum(1 for s in plan.stages if s.host == st.host and s.device == "cpu")
+            n_gpu = sum(1 for s in plan.stages if s.host == st.host and s.device != "cpu")
+            threads = host.threads or (max(1, (cores - n_gpu) // max(1, n_cpu)) if st.device == "cpu" else 1)
+            logits = f"{remote_tmp}/logits.npz" if settings.logits_out and rank == world - 1 else None
+            argv = worker_command(host.python, f"{remote_tmp}/plan.json", rank, world, master.address, port,
+                                  model_on[st.host], f"{remote_tmp}/requests.jsonl", settings, job.eos, threads,
+                                  logits)
+            env = {**host.env, "HPIPE_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+            workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s))
+        if not quiet:
+            log(f"hpipe: launched {world} stages on {', '.join(names)} (rendezvous {master.address}:{port})")
+        watch_workers(workers, lines, output, plan, log, quiet, host_timeout_s=host_timeout_s)
+        if settings.logits_out:
+            ssh.get_file(conns[plan.stages[-1].host], f"{remote_tmp}/logits.npz", settings.logits_out)
+    except KeyboardInterrupt:
+        stop_workers(workers)
+        raise HpipeError(f"interrupted; every remote worker was stopped; {len(output.results)} results are in "
+                         f"{out_path}; rerun with --resume to finish") from None
+    finally:
+        stop_workers(workers)
+        for w in workers:
+            w.close()
+        _remove_remote_tmp(conns, remote_tmp)
+        for c in conns.values():
+            c.close()
+    return LaunchReport(output, time.time() - t0)
+
+
+def _remove_remote_tmp(conns: dict[str, ssh.Connection], path: str) -> None:
+    for conn in conns.values():
+        try:
+            transport = conn.client.get_transport()
+            if transport is None or not transport.is_active():
+                continue
+            chan = transport.open_session(timeout=2)
+            chan.exec_command(f"rm -rf {shlex.quote(path)}")
+            chan.settimeout(3)
+            chan.recv_exit_status()
+            chan.close()
+        except Exception:  # noqa: BLE001, S110 - best effort on a host that may be gone
+            pass
