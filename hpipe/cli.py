@@ -53,6 +53,8 @@ def profile(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16"),
     threads: int = typer.Option(0, "--threads", help="CPU threads per measured device (0: all cores); profile "
                                 "with what each stage will get, e.g. 1 for two local CPU stages on 2 cores"),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys",
+                                              help="with --cluster: record unknown host keys in known_hosts"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the profile (JSON)"),
 ):
     """Measure (or estimate) per-unit compute times, memory and links for a model on a cluster."""
@@ -68,9 +70,10 @@ def profile(
             raise HpipeError("--estimate needs --cluster FILE with device_types and [[links]]")
         result = profile_estimate(model, formats.load_inventory(cluster), out, dtype, max_seq_len)
     elif cluster is not None:
-        formats.load_inventory(cluster)
-        raise HpipeError("measuring remote hosts runs through the SSH launcher, which this version does not have "
-                         "yet; use --local on each machine, or --estimate with catalog device types")
+        from profiler.run import profile_cluster
+
+        result = profile_cluster(model, formats.load_inventory(cluster), out, quick, max_seq_len, dtype,
+                                 accept_new_keys=accept_new_host_keys)
     else:
         device_list = [d.strip() for d in devices.split(",") if d.strip()]
         if not device_list:
@@ -252,7 +255,6 @@ def launch(
     import json
 
     from hpipe import formats
-
     from launcher.jobs import LaunchSettings, busy_fractions, plan_check, prepare
     from launcher.local import launch_local
 

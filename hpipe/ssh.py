@@ -202,6 +202,32 @@ def probe(conn: Connection, model: str | None = None, sha256: list[str] | None =
         raise HpipeError(f"{host_label(conn.host)}: preflight failed: {why}") from None
 
 
+def local_versions() -> dict:
+    import torch
+    import transformers
+
+    from hpipe import __version__
+
+    return {"hpipe": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def host_problems(p: dict, versions: dict | None = None) -> list[str]:
+    """What a probe result says is wrong with a host for running hpipe's workers: a package missing
+    or at another version than here, the model not there (when it was asked for)."""
+    versions = versions or local_versions()
+    problems = []
+    for name in ("hpipe", "torch", "transformers"):
+        if p.get(name) is None:
+            hint = " or set PYTHONPATH in the host's env" if name == "hpipe" else ""
+            problems.append(f"{name} is not importable by {p.get('executable', 'its python')} "
+                            f"({p.get(name + '_error')}); install it there{hint}")
+        elif p[name] != versions[name]:
+            problems.append(f"{name} {p[name]} there, {versions[name]} here; install the same version")
+    if "model" in p and not p["model"]["ok"]:
+        problems.append(f"model: {p['model']['note']}")
+    return problems
+
+
 class RemoteProcess:
     """One remote command under the wrapper. Lines go to `lines` as (tag, 'out'|'err', text), then
     (tag, stream, None) at the end of each stream; the wrapper's own reports ('alive', 'exit') are

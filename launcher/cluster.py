@@ -23,9 +23,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpipe import __version__, formats, models, ssh
+from hpipe import formats, models, ssh
 from hpipe.errors import HpipeError
-from launcher.jobs import JobOutput, LaunchSettings, PreparedJob, stop_workers, watch_workers, worker_command
+from launcher.jobs import (
+    JobOutput,
+    LaunchSettings,
+    PreparedJob,
+    stop_workers,
+    watch_workers,
+    worker_command,
+)
 
 
 @dataclass
@@ -38,13 +45,6 @@ class HostCheck:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def local_versions() -> dict:
-    import torch
-    import transformers
-
-    return {"hpipe": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def plan_hosts(plan: formats.Plan, inventory: formats.Inventory) -> list[str]:
@@ -74,14 +74,8 @@ def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None =
         check.problems.append(str(e).split(": ", 1)[-1])
         return check
     check.info = p
-    for name in ("hpipe", "torch", "transformers"):
-        if p.get(name) is None:
-            check.problems.append(f"{name} is not importable by {host.python} ({p.get(name + '_error')}); install "
-                                  f"it there{' or set PYTHONPATH in the host env' if name == 'hpipe' else ''}")
-        elif p[name] != versions[name]:
-            check.problems.append(f"{name} {p[name]} there, {versions[name]} here; install the same version")
-    if "model" in p and not p["model"]["ok"]:
-        check.problems.append(f"model: {p['model']['note']}; or pass --push-model")
+    check.problems += [x + ("; or pass --push-model" if x.startswith("model:") else "")
+                       for x in ssh.host_problems(p, versions)]
     if plan is not None and config is not None:
         need: dict[str, int] = {}
         for st in plan.stages:
@@ -107,7 +101,7 @@ def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None =
 def preflight(conns: dict[str, ssh.Connection], **kwargs) -> list[HostCheck]:
     from concurrent.futures import ThreadPoolExecutor
 
-    versions = local_versions()
+    versions = ssh.local_versions()
     with ThreadPoolExecutor(max_workers=max(1, len(conns))) as pool:
         futures = [pool.submit(check_host, c, versions, **kwargs) for c in conns.values()]
         return [f.result() for f in futures]
@@ -151,7 +145,13 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
     """Copies to each host only the files its stages read, into ~/.cache/hpipe/pushed/<fingerprint>/,
     skipping files already there with the same SHA-256 and verifying each copy. Returns the remote
     model directory per host."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
 
     fp = job.plan.model.fingerprint
     remote_dirs = {}
@@ -172,7 +172,7 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
             done = 0
             for local, remote in todo:
                 ssh.put_files(conn, [(local, remote)],
-                              progress=lambda n, base=done: progress.update(task, completed=base + n))
+                              progress=lambda n, base=done, t=task: progress.update(t, completed=base + n))
                 done += os.path.getsize(local)
             progress.update(task, completed=total or 1)
             if todo:

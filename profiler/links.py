@@ -4,9 +4,9 @@
     python -m profiler.links --rank R --master-addr A --master-port P --devices cpu,cuda:0 [--quick]
 
 Rank 0 and rank 1 each send messages of 8 B to 64 MB to the other and time the round trip with a
-one-element reply. The round trips are fitted to rtt(n) = 2 alpha + n / beta (the reply costs one
-more latency), weighting every point by 1/rtt (relative error); the one-way points kept in the
-profile are rtt(n) - alpha. Rank 0 reports `@@hpipe {"type": "link_profile", ...}` with
+one-element reply. rtt(n) = 2 alpha + n / beta (the reply costs one more latency): 2 alpha is the
+smallest message's round trip, beta the slope over the messages of 1 MB and more; the one-way points
+kept in the profile are rtt(n) - alpha. Rank 0 reports `@@hpipe {"type": "link_profile", ...}` with
 both directions and the raw points.
 """
 
@@ -28,17 +28,21 @@ SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
 
 
 def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares of t = alpha + n / beta with relative weights; alpha >= 0, beta > 0."""
-    n = np.array([p[0] for p in points], dtype=float)
-    t = np.array([p[1] for p in points], dtype=float)
-    w = 1.0 / np.maximum(t, 1e-9)
-    a = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
-    (alpha, inv_beta), *_ = np.linalg.lstsq(a, t * w, rcond=None)
-    if inv_beta <= 0:  # degenerate (all tiny messages): bandwidth from the largest point
-        inv_beta = max(t[-1] - t[0], 1e-12) / max(n[-1] - n[0], 1.0)
-    if alpha < 0:
-        alpha = 0.0
-    return float(alpha), float(1.0 / inv_beta)
+    """t(n) = alpha + n / beta from (bytes, seconds) points: alpha is the time of the smallest
+    message; beta is the slope of a least-squares line through the messages of 1 MB and more (or
+    the two largest). Fitting the slope on the large messages alone keeps a noisy latency (a
+    CPU-throttled host answers small messages late) from bending the bandwidth."""
+    pts = sorted(points)
+    alpha = max(0.0, pts[0][1])
+    big = [p for p in pts if p[0] >= 1 << 20]
+    if len(big) < 2:
+        big = pts[-2:]
+    n = np.array([p[0] for p in big], dtype=float)
+    t = np.array([p[1] for p in big], dtype=float)
+    slope = np.polyfit(n, t, 1)[0] if len(big) >= 2 and n[-1] > n[0] else 0.0
+    if slope <= 0:  # degenerate: the largest message alone
+        slope = max(t[-1] - alpha, 1e-12) / max(n[-1], 1.0)
+    return float(alpha), float(1.0 / slope)
 
 
 def measure(rank: int, groups, device, quick: bool) -> dict:

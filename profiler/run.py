@@ -79,6 +79,39 @@ def _device_names(devices: list[str]) -> dict[str, str]:
     return names
 
 
+def _follow_measurement(messages, progress, task) -> tuple[dict | None, str | None]:
+    """Shows a measurement worker's reports on the progress bar; returns (device profile, error)."""
+    result, error = None, None
+    for msg in messages:
+        kind = msg.pop("type")
+        if kind == "estimate":
+            progress.update(task, total=msg["points"], note=f"estimated {msg['seconds']:.0f} s")
+        elif kind == "progress":
+            progress.update(task, completed=msg["done"])
+        elif kind == "device_profile":
+            result = msg
+        elif kind == "error":
+            error = msg["message"]
+    return result, error
+
+
+def _device_entry(result: dict, host: str, device: str) -> dict:
+    entry = {"id": f"{host}/{device}", "host": host, "device": device,
+             "type": result["identity"].get("name", device), **result}
+    entry.pop("max_seq_len", None), entry.pop("dtype", None)
+    return entry
+
+
+def _add_link(profile: dict, a: dict, b: dict, link: dict, measured_between: str | None = None) -> None:
+    for src, dst, key in ((a, b, "forward"), (b, a, "backward")):
+        if (src["id"], dst["id"]) in {(x["src"], x["dst"]) for x in profile["links"]}:
+            continue
+        entry = {"src": src["id"], "dst": dst["id"], "backend": link["backend"], "source": "measured", **link[key]}
+        if measured_between:
+            entry["measured_between"] = measured_between
+        profile["links"].append(entry)
+
+
 def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, max_seq_len: int | None,
                   dtype: str, console: Console | None = None, host: str = "local", threads: int = 0) -> dict:
     console = console or Console(stderr=True)
@@ -107,25 +140,14 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
                    "--dtype", dtype, "--max-seq-len", str(n), "--threads", str(threads)] + (["--quick"] if quick else [])
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                                     stdin=subprocess.DEVNULL)
-            result, error = None, None
-            for msg in _reports(proc):
-                kind = msg.pop("type")
-                if kind == "estimate":
-                    progress.update(task, total=msg["points"], note=f"estimated {msg['seconds']:.0f} s")
-                elif kind == "progress":
-                    progress.update(task, completed=msg["done"])
-                elif kind == "device_profile":
-                    result = msg
-                elif kind == "error":
-                    error = msg["message"]
+            result, error = _follow_measurement(_reports(proc), progress, task)
             stderr = proc.stderr.read()
             if result is None:
                 error = error or f"exit code {proc.returncode}: {' | '.join(stderr.strip().splitlines()[-3:])}"
                 profile["errors"].append({"host": host, "device": d, "message": error})
                 progress.update(task, note=f"[red]failed: {error}")
                 continue
-            entry = {"id": dev_id, "host": host, "device": d, "type": result["identity"].get("name", d), **result}
-            entry.pop("max_seq_len", None), entry.pop("dtype", None)
+            entry = _device_entry(result, host, d)
             measured[names[d]] = entry
             profile["devices"].append(entry)
             progress.update(task, note="done")
@@ -140,11 +162,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
                 profile["errors"].append({"host": host, "device": f"{a['device']}->{b['device']}", "message": str(e)})
                 progress.update(task, note=f"[red]failed: {e}")
                 continue
-            for src, dst, key in ((a, b, "forward"), (b, a, "backward")):
-                if (src["id"], dst["id"]) in {(x["src"], x["dst"]) for x in profile["links"]}:
-                    continue
-                profile["links"].append({"src": src["id"], "dst": dst["id"], "backend": link["backend"],
-                                         "source": "measured", **link[key]})
+            _add_link(profile, a, b, link)
             progress.update(task, total=1, completed=1,
                             note=f"{link['forward']['alpha_s'] * 1e6:.0f} us, "
                                  f"{link['forward']['beta_bytes_per_s'] / 1e9:.2f} GB/s")
@@ -173,6 +191,179 @@ def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
             if msg["type"] == "error":
                 raise HpipeError(msg["message"])
     raise HpipeError(f"link worker failed: {' | '.join((outs[0][1] + outs[1][1]).strip().splitlines()[-3:])}")
+
+
+# --------------------------------------------------------------------------------------------
+# Remote hosts, through the SSH layer (hpipe.ssh)
+
+
+def _remote_reports(conn, argv: list[str], env: dict, tail: list[str], timeout_s: float = 30.0):
+    """Runs a profiler worker on a host under the SSH wrapper and yields its reports as they come;
+    stderr lines are kept in `tail` for error messages; a non-zero exit becomes an error report."""
+    import queue
+
+    from hpipe import ssh
+
+    lines: queue.Queue = queue.Queue()
+    proc = ssh.RemoteProcess(conn, argv, env, lines, conn.host.name, timeout_s=timeout_s)
+    open_streams = 2
+    try:
+        while open_streams:
+            try:
+                _, name, line = lines.get(timeout=1.0)
+            except queue.Empty:
+                if proc.silent_s() > timeout_s:
+                    yield {"type": "error", "message": f"no answer from host {conn.host.name} for {timeout_s:g} s"}
+                    return
+                continue
+            if line is None:
+                open_streams -= 1
+                continue
+            msg = parse(line) if name == "out" else None
+            if msg is not None:
+                yield msg
+            else:
+                tail[:] = (tail + [line])[-5:]
+        code = proc.wait(timeout=10)
+        if code not in (0, None):
+            yield {"type": "error", "message": f"{proc.describe_exit(code)}: {' | '.join(tail[-3:])}"}
+    finally:
+        proc.stop()
+        proc.close()
+
+
+def _remote_free_port(conn) -> int:
+    from hpipe import ssh
+
+    code, out, err = ssh.run_python(conn, "import socket\ns = socket.socket()\ns.bind(('', 0))\n"
+                                          "print(s.getsockname()[1])", [])
+    if code != 0:
+        raise HpipeError(f"host {conn.host.name}: cannot pick a port: {err.strip()[-200:]}")
+    return int(out.strip().splitlines()[-1])
+
+
+def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, quick: bool, max_seq_len: int | None,
+                    dtype: str, accept_new_keys: bool = False, console: Console | None = None,
+                    host_timeout_s: float = 30.0) -> dict:
+    """Measures every device of every host (one host at a time, so that measurements do not share
+    a network or a machine), then the link between every pair of hosts, over SSH. Devices of one
+    host are measured as in `profile_local`; a link between two hosts is measured once, between
+    their first devices, and stands for every device pair of those hosts."""
+    import itertools
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hpipe import ssh
+
+    console = console or Console(stderr=True)
+    config = models.load_config(models.resolve_model(model_spec, progress=lambda m: console.print(m)).path)
+    ctx = models.context_length(config)
+    if max_seq_len is not None and not 1 <= max_seq_len <= ctx:
+        raise HpipeError(f"--max-seq-len {max_seq_len}: must be between 1 and the model's context ({ctx})")
+    n = min(max_seq_len or 2048, ctx)
+    profile = profile_header(model_spec, config, dtype, n, quick)
+    names = [h.name for h in inventory.hosts]
+    conns = ssh.connect_all(inventory, names, accept_new_keys, log=lambda m: console.print(m))
+    try:
+        with ThreadPoolExecutor(max_workers=len(conns)) as pool:
+            probes = dict(zip(names, pool.map(lambda c: ssh.probe(c, model=model_spec), conns.values())))
+        problems = [f"host {name}: {p}" for name in names for p in ssh.host_problems(probes[name])]
+        if problems:
+            raise HpipeError("preflight failed, nothing was measured: " + "; ".join(problems))
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console) as progress:
+            first: dict[str, dict] = {}
+            for host in inventory.hosts:
+                conn = conns[host.name]
+                threads = host.threads or max(1, probes[host.name].get("cores") or 1)
+                entries = []
+                for d in host.devices:
+                    task = progress.add_task(f"{host.name}/{d} units", total=None, note="starting")
+                    argv = [host.python, "-m", "profiler.measure", "--model", model_spec, "--device", d,
+                            "--dtype", dtype, "--max-seq-len", str(n), "--threads", str(threads)] + \
+                        (["--quick"] if quick else [])
+                    tail: list[str] = []
+                    env = {**host.env, "PYTHONUNBUFFERED": "1"}
+                    result, error = _follow_measurement(_remote_reports(conn, argv, env, tail, host_timeout_s),
+                                                        progress, task)
+                    if result is None:
+                        error = error or " | ".join(tail[-3:])
+                        profile["errors"].append({"host": host.name, "device": d, "message": error})
+                        progress.update(task, note=f"[red]failed: {error}")
+                        continue
+                    entry = _device_entry(result, host.name, d)
+                    entry["threads"] = threads
+                    profile["devices"].append(entry)
+                    entries.append(entry)
+                    progress.update(task, note="done")
+                if entries:
+                    first[host.name] = entries[0]
+                for a, b in itertools.permutations(entries, 2):   # devices inside one host
+                    if a["id"] < b["id"]:
+                        _measure_remote_link(profile, progress, conns, host, host, a, b, quick, host_timeout_s)
+            hosts = {h.name: h for h in inventory.hosts}
+            for ha, hb in itertools.combinations([h for h in names if h in first], 2):
+                link = _measure_remote_link(profile, progress, conns, hosts[ha], hosts[hb], first[ha], first[hb],
+                                            quick, host_timeout_s)
+                if link is None:
+                    continue
+                for a in profile["devices"]:      # the host pair's link stands for all its device pairs
+                    for b in profile["devices"]:
+                        if a["host"] == ha and b["host"] == hb:
+                            _add_link(profile, a, b, link, measured_between=f"{first[ha]['id']} {first[hb]['id']}")
+    finally:
+        for c in conns.values():
+            c.close()
+    if not profile["devices"]:
+        raise HpipeError("no device could be profiled: " + "; ".join(f"{e['host']}/{e['device']}: {e['message']}"
+                                                                    for e in profile["errors"]))
+    formats.write_profile(profile, out)
+    return profile
+
+
+def _measure_remote_link(profile, progress, conns, host_a, host_b, a: dict, b: dict, quick: bool,
+                         timeout_s: float) -> dict | None:
+    """profiler.links with rank 0 on host_a (the rendezvous) and rank 1 on host_b."""
+    import secrets
+
+    task = progress.add_task(f"link {a['id']} <-> {b['id']}", total=None, note="")
+    try:
+        port = _remote_free_port(conns[host_a.name])
+    except HpipeError as e:
+        profile["errors"].append({"host": host_a.name, "device": f"{a['id']}<->{b['id']}", "message": str(e)})
+        return None
+    token = secrets.token_hex(16)
+    gens, tails = [], []
+    for rank, host in enumerate((host_a, host_b)):
+        argv = [host.python, "-m", "profiler.links", "--rank", str(rank), "--master-addr", host_a.address,
+                "--master-port", str(port), "--devices", f"{a['device']},{b['device']}"] + (["--quick"] if quick else [])
+        tail: list[str] = []
+        tails.append(tail)
+        gens.append(_remote_reports(conns[host.name], argv, {**host.env, "HPIPE_JOB_TOKEN": token,
+                                                              "PYTHONUNBUFFERED": "1"}, tail, timeout_s))
+    # rank 1 must run while rank 0 reports: drain it in a thread
+    import threading
+
+    rank1_msgs: list[dict] = []
+    t = threading.Thread(target=lambda: rank1_msgs.extend(gens[1]), daemon=True)
+    t.start()
+    link, error = None, None
+    for msg in gens[0]:
+        if msg["type"] == "link_profile":
+            link = msg
+        elif msg["type"] == "error":
+            error = msg["message"]
+    t.join(timeout=30)
+    if link is None:
+        error = error or next((m["message"] for m in rank1_msgs if m["type"] == "error"), None) or \
+            " | ".join(tails[0][-2:] + tails[1][-2:])
+        profile["errors"].append({"host": f"{host_a.name},{host_b.name}", "device": f"{a['id']}<->{b['id']}",
+                                  "message": error})
+        progress.update(task, note=f"[red]failed: {error}")
+        return None
+    _add_link(profile, a, b, link)
+    progress.update(task, total=1, completed=1, note=f"{link['forward']['alpha_s'] * 1e6:.0f} us, "
+                                                     f"{link['forward']['beta_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s")
+    return link
 
 
 # --------------------------------------------------------------------------------------------
