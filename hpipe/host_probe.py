@@ -1,7 +1,9 @@
-"""Runs on a remote host for the preflight: `python -c <this file's text> [--model SPEC] [--sha256 FILE...]`.
+"""Runs on a remote host for the preflight:
+`python -c <this file's text> [--cuda] [--model SPEC] [--sha256 FILE...]`.
 
-Prints one JSON line: interpreter, versions of hpipe/torch/transformers (None when missing),
-cores, available memory, CUDA devices with free memory, a free TCP port (for the rendezvous),
+Prints one JSON line: interpreter, versions of hpipe/torch/transformers (None when missing; torch
+and transformers from their package metadata, without importing them), cores, available memory,
+with --cuda the CUDA devices with free memory (this imports torch), a free TCP port (for the rendezvous),
 whether the model is there (without converting anything) and, with --sha256, the checksums of the
 given files (for `--push-model`). Standard library only at the top level, so that it reports a
 missing package instead of failing.
@@ -9,6 +11,7 @@ missing package instead of failing.
 
 import hashlib
 import importlib
+from importlib import metadata
 import json
 import os
 import socket
@@ -28,8 +31,11 @@ def main(argv):
            "hostname": socket.gethostname(), "home": os.path.expanduser("~")}
     for name in ("hpipe", "torch", "transformers"):
         try:
-            out[name] = getattr(importlib.import_module(name), "__version__", "unknown")
-        except Exception as e:  # noqa: BLE001 - any import failure is a finding, not a crash
+            if name == "hpipe":  # may run from a checkout on PYTHONPATH, without package metadata
+                out[name] = getattr(importlib.import_module(name), "__version__", "unknown")
+            else:  # the installed version, without the seconds an import of torch costs
+                out[name] = metadata.version(name)
+        except Exception as e:  # noqa: BLE001 - any failure is a finding, not a crash
             out[name] = None
             out[name + "_error"] = "%s: %s" % (type(e).__name__, str(e)[:200])
     try:
@@ -39,7 +45,7 @@ def main(argv):
     except (OSError, KeyError, ValueError):
         out["mem_available_bytes"] = None
     out["cuda"] = []
-    if out["torch"] is not None:
+    if out["torch"] is not None and "--cuda" in argv:
         import torch
 
         if torch.cuda.is_available():

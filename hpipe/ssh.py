@@ -190,7 +190,8 @@ def run_python(conn: Connection, source: str, args: list[str], env: dict[str, st
 
 
 def probe(conn: Connection, model: str | None = None, sha256: list[str] | None = None) -> dict:
-    args = (["--model", model] if model else []) + (["--sha256", *sha256] if sha256 else [])
+    args = (["--cuda"] if any(d.startswith("cuda") for d in conn.host.devices) else []) + \
+        (["--model", model] if model else []) + (["--sha256", *sha256] if sha256 else [])
     code, out, err = run_python(conn, PROBE_SOURCE, args)
     last = out.strip().splitlines()[-1] if out.strip() else ""
     try:
@@ -203,12 +204,11 @@ def probe(conn: Connection, model: str | None = None, sha256: list[str] | None =
 
 
 def local_versions() -> dict:
-    import torch
-    import transformers
+    from importlib import metadata
 
     from hpipe import __version__
 
-    return {"hpipe": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"hpipe": __version__, "torch": metadata.version("torch"), "transformers": metadata.version("transformers")}
 
 
 def host_problems(p: dict, versions: dict | None = None) -> list[str]:

@@ -15,6 +15,7 @@ namespaces' addresses.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -243,13 +244,20 @@ def _wait_for_banner(host: EmulatedHost, timeout: float = 10.0) -> None:
 
 def write_inventory(cluster: EmulatedCluster, path: Path, *, user: str = "root", key: Path | None = None,
                     known_hosts: Path | None = None, python: str | None = None, timeout_s: float = 5,
-                    names: dict[str, str] | None = None) -> Path:
+                    env: dict[str, str] | None = None) -> Path:
+    """An inventory for the emulated hosts. By default every host's env points PYTHONPATH at this
+    checkout (the hosts share this machine's files) and passes HPIPE_CACHE on when it is set."""
+    if env is None:
+        env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        if os.environ.get("HPIPE_CACHE"):
+            env["HPIPE_CACHE"] = os.environ["HPIPE_CACHE"]
+    env_toml = "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + " }"
     lines = ["version = 1", "", "[ssh]", f'user = "{user}"', f'identity_file = "{key or cluster.key}"',
              f'known_hosts = "{known_hosts or cluster.known_hosts}"', f"connect_timeout_s = {timeout_s}", ""]
     for h in cluster.hosts:
-        lines += ["[[hosts]]", f'name = "{(names or {}).get(h.spec.name, h.spec.name)}"',
-                  f'address = "{h.address}"', f'python = "{python or sys.executable}"', 'devices = ["cpu"]',
-                  f"threads = {h.spec.threads}", ""]
+        lines += ["[[hosts]]", f'name = "{h.spec.name}"', f'address = "{h.address}"',
+                  f"python = {json.dumps(python or sys.executable)}", 'devices = ["cpu"]',
+                  f"threads = {h.spec.threads}", f"env = {env_toml}", ""]
     Path(path).write_text("\n".join(lines))
     return Path(path)
 

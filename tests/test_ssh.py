@@ -1,0 +1,296 @@
+"""`hpipe launch --cluster`, `hpipe cluster check` and `hpipe profile --cluster` against emulated
+hosts: network namespaces on this machine, each with a real OpenSSH server, `tc tbf` shaped links
+and a CPU quota on one host (tests/netns_hosts.py). Needs root and openssh-server; skips with the
+reason otherwise (`.ci/run` installs openssh-server, so CI runs these).
+
+    pytest -m hosts          # only these
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from netns_hosts import (HostSpec, hpipe_processes, process_cmdline, namespace_pids, set_link, start_cluster,
+                         stop_cluster, unavailable_reason, write_inventory)
+
+ROOT = Path(__file__).resolve().parent.parent
+REASON = unavailable_reason()
+pytestmark = [pytest.mark.hosts, pytest.mark.skipif(REASON is not None, reason=f"emulated hosts: {REASON}")]
+
+SPECS = [HostSpec("h0", rate_mbit=1000), HostSpec("h1", rate_mbit=1000), HostSpec("h2", rate_mbit=100, cpus=0.5)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = start_cluster(tmp_path_factory.mktemp("hosts"), SPECS)
+    yield c
+    stop_cluster(c)
+
+
+def hpipe(*args, cwd, timeout=600, check=False):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                       env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+    if check and r.returncode != 0:
+        raise AssertionError(f"hpipe {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def error_line(r) -> str:
+    """The one error line, after checking that there is exactly one and no traceback."""
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.startswith("hpipe: error:")]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def nothing_running(cluster) -> list:
+    return [(h.spec.name, p) for h in cluster.hosts for p in hpipe_processes(h.namespace)]
+
+
+def launch_dirs() -> set[str]:
+    return set(glob.glob("/tmp/hpipe-launch-*"))
+
+
+@pytest.fixture(scope="module")
+def plan_and_prompts(cluster, tmp_path_factory):
+    d = tmp_path_factory.mktemp("launch")
+    hpipe("plan", "--model", "smollm2", "--cluster", cluster.inventory_path, "-o", d / "plan.json", cwd=d, check=True)
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(
+        ["What is the capital of France?", "Name three colours.", "Count from one to ten.", "What is 2 + 2?"])))
+    return d / "plan.json", d / "prompts.jsonl"
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals before anything starts
+
+
+def test_unknown_host_key_is_refused_and_nothing_starts(cluster, plan_and_prompts, tmp_path):
+    plan, prompts = plan_and_prompts
+    known = tmp_path / "known_hosts"
+    known.write_text("".join(x + "\n" for x in cluster.known_hosts.read_text().splitlines()
+                             if not x.startswith(cluster.host("h1").address + " ")))
+    inv = write_inventory(cluster, tmp_path / "c.toml", known_hosts=known)
+    before = launch_dirs()
+    r = hpipe("launch", plan, "--cluster", inv, "--prompts", prompts, "--out", tmp_path / "out.jsonl", cwd=tmp_path)
+    line = error_line(r)
+    assert "host h1" in line and "not in" in line and "--accept-new-host-keys" in line, line
+    assert nothing_running(cluster) == []
+    assert launch_dirs() == before, "a launch directory was created on a host"
+    assert not (tmp_path / "out.jsonl").exists()
+    # the explicit opt-in records the key and says so; the next check needs no opt-in
+    r = hpipe("cluster", "check", inv, "--accept-new-host-keys", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "recorded the new host key of " + cluster.host("h1").address in r.stderr
+    assert cluster.host("h1").address in known.read_text()
+    assert hpipe("cluster", "check", inv, cwd=tmp_path).returncode == 0
+
+
+def test_changed_host_key_is_refused_even_with_accept_new(cluster, tmp_path):
+    entries = cluster.known_hosts.read_text().splitlines()
+    h0, h1 = cluster.host("h0").address, cluster.host("h1").address
+    key_of_h1 = next(x for x in entries if x.startswith(h1 + " ")).split(" ", 1)[1]
+    known = tmp_path / "known_hosts"
+    known.write_text("".join((f"{h0} {key_of_h1}" if x.startswith(h0 + " ") else x) + "\n" for x in entries))
+    inv = write_inventory(cluster, tmp_path / "c.toml", known_hosts=known)
+    line = error_line(hpipe("cluster", "check", inv, "--accept-new-host-keys", cwd=tmp_path))
+    assert "host h0" in line and "CHANGED" in line and "ssh-keygen -R" in line, line
+    assert "host h1" not in line
+
+
+def test_wrong_user_or_key_says_so(cluster, tmp_path):
+    inv = write_inventory(cluster, tmp_path / "user.toml", user="nobody")
+    line = error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
+    assert "user 'nobody' was refused" in line and "authorized_keys" in line, line
+    other = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    inv = write_inventory(cluster, tmp_path / "key.toml", key=other)
+    line = error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
+    assert "was refused with key " + str(other) in line, line
+    inv = write_inventory(cluster, tmp_path / "missing.toml", key=tmp_path / "nope")
+    assert "identity_file" in error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
+
+
+def test_unreachable_host_is_named(cluster, tmp_path):
+    inv = write_inventory(cluster, tmp_path / "c.toml", timeout_s=2)
+    text = inv.read_text().replace(f'address = "{cluster.host("h2").address}"', 'address = "10.213.7.77"')
+    inv.write_text(text)
+    t = time.time()
+    line = error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
+    assert time.time() - t < 20
+    assert "host h2 (10.213.7.77:22)" in line and ("no answer" in line or "cannot connect" in line), line
+
+
+def test_hostile_inventory_is_rejected_or_quoted(cluster, tmp_path):
+    marker = tmp_path / "pwned"
+    # a host name or address that would be shell syntax is refused by the inventory's validation
+    for field, value in (("name", f"h0;touch {marker}"), ("address", f"$(touch {marker})"),
+                         ("address", "-oProxyCommand=touch"), ("user", "root;id")):
+        inv = write_inventory(cluster, tmp_path / "bad.toml")
+        text = inv.read_text()
+        if field == "user":
+            text = text.replace('user = "root"', f'user = "{value}"')
+        else:
+            old = 'name = "h0"' if field == "name" else f'address = "{cluster.host("h0").address}"'
+            text = text.replace(old, f'{field} = "{value}"')
+        inv.write_text(text)
+        line = error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
+        assert "bad.toml" in line and field in line, line
+    # what cannot be refused is quoted: a python path and env values with shell syntax run nothing
+    python = f"{sys.executable}; touch {marker}"
+    inv = write_inventory(cluster, tmp_path / "q.toml", python=python,
+                          env={"PYTHONPATH": str(ROOT), "EVIL": f"$(touch {marker}) `touch {marker}`"})
+    line = error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
+    assert "does not run" in line and "hosts.python" in line, line
+    inv = write_inventory(cluster, tmp_path / "e.toml",
+                          env={"PYTHONPATH": str(ROOT), "EVIL": f"$(touch {marker}) `touch {marker}`; touch {marker}"})
+    assert hpipe("cluster", "check", inv, cwd=tmp_path).returncode == 0
+    assert not marker.exists(), "a command was injected"
+
+
+def test_worker_with_wrong_job_token_refuses_to_join(tiny_models, tmp_path):
+    """Two workers of one job on this machine: rank 1 presents another token and must refuse."""
+    from hpipe.net import free_port
+
+    path = tiny_models["llama"]
+    plan = tmp_path / "plan.json"
+    assert hpipe("plan", "--model", path, "--stages", "2", "-o", plan, cwd=tmp_path).returncode == 0
+    (tmp_path / "req.jsonl").write_text(json.dumps({"seq": 0, "id": "a", "input_ids": [5, 6, 7]}) + "\n")
+    port = free_port()
+    procs = []
+    for rank, token in ((0, "a" * 32), (1, "b" * 32)):
+        cmd = [sys.executable, "-m", "hpipe.runtime.worker", "--plan", str(plan), "--rank", str(rank),
+               "--world-size", "2", "--master-port", str(port), "--model", str(path), "--requests",
+               str(tmp_path / "req.jsonl"), "--timeout-s", "60"]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), HPIPE_JOB_TOKEN=token)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        out, err = procs[1].communicate(timeout=60)
+        assert procs[1].returncode != 0
+        assert "refusing to join" in out, (out, err)
+        assert procs[0].poll() is None, "the legitimate rank 0 should still be waiting for its real peer"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# End to end and faults, on the default model
+
+
+@pytest.mark.slow
+def test_profile_plan_launch_end_to_end(cluster, tmp_path):
+    profile = tmp_path / "profile.json"
+    r = hpipe("profile", "--cluster", cluster.inventory_path, "--quick", "--max-seq-len", "256", "-o", profile,
+              cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    prof = json.loads(profile.read_text())
+    assert [d["id"] for d in prof["devices"]] == ["h0/cpu", "h1/cpu", "h2/cpu"]
+    # measured bandwidth of each shaped link within 10 % of tbf's payload rate (95.7 % of nominal)
+    for link in prof["links"]:
+        hosts = {link["src"].split("/")[0], link["dst"].split("/")[0]}
+        payload = 0.957 * (100e6 if "h2" in hosts else 1000e6) / 8
+        assert abs(link["beta_bytes_per_s"] / payload - 1) < 0.10, (link["src"], link["dst"], link["beta_bytes_per_s"])
+    plan = tmp_path / "plan.json"
+    r = hpipe("plan", "--profile", profile, "--cluster", cluster.inventory_path, "--seq-len", "128", "-o", plan,
+              cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    stages = json.loads(plan.read_text())["stages"]
+    units = {s["host"]: s["units"][1] - s["units"][0] for s in stages}
+    assert units["h2"] < min(units["h0"], units["h1"]), units   # the CPU-limited host gets less
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(
+        ["Explain in one sentence why the sky is blue.", "Write a haiku about a pipeline.",
+         "What is 17 times 3?"])))
+    r = hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", tmp_path / "ssh.jsonl",
+              "--max-new-tokens", "24", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "prefill: predicted" in r.stdout
+    r = hpipe("launch", plan, "--local", "--prompts", prompts, "--out", tmp_path / "local.jsonl",
+              "--max-new-tokens", "24", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ssh_ids = {x["id"]: x["output_ids"] for x in map(json.loads, (tmp_path / "ssh.jsonl").read_text().splitlines())}
+    local_ids = {x["id"]: x["output_ids"] for x in map(json.loads, (tmp_path / "local.jsonl").read_text().splitlines())}
+    assert ssh_ids == local_ids and len(ssh_ids) == 3
+    assert nothing_running(cluster) == []
+
+
+def start_launch(cluster, plan_and_prompts, tmp_path, *extra):
+    plan, prompts = plan_and_prompts
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "hpipe", "launch", str(plan), "--cluster",
+                             str(cluster.inventory_path), "--prompts", str(prompts), "--out", str(out),
+                             "--max-new-tokens", "64", "--max-batch", "1", "--quiet", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            stdin=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while not (out.exists() and out.read_text().strip()):   # mid-run: the first prompt is done
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no result within 180 s"
+        time.sleep(0.2)
+    return proc, out
+
+
+def wait_until_clean(cluster, within: float) -> list:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        left = nothing_running(cluster)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return nothing_running(cluster)
+
+
+@pytest.mark.slow
+def test_remote_worker_killed_mid_run(cluster, plan_and_prompts, tmp_path):
+    proc, out = start_launch(cluster, plan_and_prompts, tmp_path)
+    ns = cluster.host("h1").namespace
+    worker = next(pid for pid in namespace_pids(ns)
+                  if process_cmdline(pid).split(" ")[1:3] == ["-m", "hpipe.runtime.worker"])
+    t = time.time()
+    os.kill(worker, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    elapsed = time.time() - t
+    assert proc.returncode == 2 and elapsed < 10, (proc.returncode, elapsed, err)
+    assert "stage 1 (h1 cpu" in err and "SIGKILL" in err, err
+    assert wait_until_clean(cluster, 1.0) == []
+    assert len(out.read_text().splitlines()) >= 1   # finished prompts stay
+
+
+@pytest.mark.slow
+def test_host_link_down_mid_run(cluster, plan_and_prompts, tmp_path):
+    proc, out = start_launch(cluster, plan_and_prompts, tmp_path, "--host-timeout", "5")
+    t = time.time()
+    set_link(cluster, "h2", up=False)
+    try:
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.time() - t
+        assert proc.returncode == 2 and elapsed < 5 + 10, (proc.returncode, elapsed, err)
+        assert "no answer from host h2 for 5 s" in err, err
+        # the cut-off host's wrapper stops its worker on its own once the launcher falls silent
+        assert wait_until_clean(cluster, 5 + 5) == []
+    finally:
+        set_link(cluster, "h2", up=True)
+
+
+@pytest.mark.slow
+def test_sigint_tears_everything_down(cluster, plan_and_prompts, tmp_path):
+    proc, out = start_launch(cluster, plan_and_prompts, tmp_path)
+    t = time.time()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and time.time() - t < 10, err
+    assert "interrupted" in err and "--resume" in err, err
+    assert wait_until_clean(cluster, 1.0) == []
