@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup demo test test-fast test-slow bench
+.PHONY: setup demo test test-fast test-slow test-hosts bench
 
 # torch==2.13.0 only when no torch is importable: a user's own (CUDA) build is kept.
 setup:
@@ -21,6 +21,10 @@ test-fast: setup
 
 test-slow: setup
 	$(PYTHON) -m pytest -q -m slow
+
+# the SSH tests on emulated hosts (network namespaces; root and openssh-server, which .ci/run installs)
+test-hosts: setup
+	$(PYTHON) -m pytest -q -m hosts
 
 bench: setup
 	$(PYTHON) bench/stage_memory.py

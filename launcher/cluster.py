@@ -180,8 +180,20 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
                 bad = [t for (f, t) in todo if after.get(t) != local_sums[f]]
                 if bad:
                     raise HpipeError(f"host {name}: checksum mismatch after copying {bad[0]}; retry --push-model")
-            log(f"hpipe: {name}: {len(todo)} of {len(files)} model files copied ({total / 2**20:.1f} MiB) to {rdir}")
+            n_shards = sum(1 for f in files if f.suffix == ".safetensors")
+            all_shards = len(list(job.source.path.glob("*.safetensors")))
+            log(f"hpipe: {name}: {len(todo)} of {len(files)} model files copied ({n_shards} of {all_shards} weight "
+                f"shards needed; {total / 2**20:.1f} MiB) to {rdir}")
     return remote_dirs
+
+
+def remote_model_spec(source: models.ModelSource) -> str:
+    """What the hosts are told to load: the built-in name as is, a path made absolute (the same
+    path must exist there, or use --push-model)."""
+    if source.name == models.DEFAULT_MODEL:
+        return source.name
+    path = Path(source.name).expanduser()
+    return str(path.resolve()) if path.exists() else source.name
 
 
 def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
@@ -205,11 +217,12 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     try:
         kv_tokens = max(len(r["input_ids"]) for r in job.requests) + settings.max_new_tokens
         kv_tokens *= min(settings.max_batch, len(job.requests))
-        checks = preflight(conns, plan=plan, config=job.config, model_spec=job.source.name, kv_tokens=kv_tokens,
+        spec = remote_model_spec(job.source)
+        checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
                            push_model=push)
         refuse_failed(checks)
         by_name = {c.name: c for c in checks}
-        model_on = push_model(conns, by_name, job, log) if push else {n: job.source.name for n in names}
+        model_on = push_model(conns, by_name, job, log) if push else {n: spec for n in names}
         with open(plan_path, "rb") as f:
             plan_bytes = f.read()
         requests_text = "".join(json.dumps(r) + "\n" for r in job.requests)

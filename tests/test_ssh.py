@@ -294,3 +294,53 @@ def test_sigint_tears_everything_down(cluster, plan_and_prompts, tmp_path):
     assert proc.returncode == 2 and time.time() - t < 10, err
     assert "interrupted" in err and "--resume" in err, err
     assert wait_until_clean(cluster, 1.0) == []
+
+
+@pytest.mark.slow
+def test_push_model_copies_only_each_hosts_shards(cluster, tiny_models, tmp_path):
+    """A sharded checkpoint that exists only here (the hosts are told it is elsewhere): --push-model
+    copies to each host the shards its stages read, checksummed; a second launch copies nothing;
+    the tokens equal a --local run."""
+    import shutil
+
+    from hpipe import models
+
+    src = tmp_path / "only-here-model"
+    shutil.copytree(tiny_models["qwen2"], src)
+    config = models.load_config(src)
+    n_units = models.num_units(config)
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert len(shards) >= 3
+    plan = tmp_path / "plan.json"
+    cuts = f"{n_units // 3},{2 * n_units // 3}"
+    assert hpipe("plan", "--model", src, "--cluster", cluster.inventory_path, "--cuts", cuts, "-o", plan,
+                 cwd=tmp_path).returncode == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [5 + i, 9, 11, 40, 7]}) + "\n"
+                               for i in range(2)))
+    pushed = Path.home() / ".cache" / "hpipe" / "pushed"
+    shutil.rmtree(pushed, ignore_errors=True)
+    # a model a host does not have is refused by the preflight
+    line = error_line(hpipe("cluster", "check", cluster.inventory_path, "--model", tmp_path / "absent", cwd=tmp_path))
+    assert "host h0" in line and "absent" in line and "--push-model" in line, line
+    r = hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", tmp_path / "a.jsonl",
+              "--max-new-tokens", "6", "--push-model", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    copied = {line.split(":")[1].strip(): line for line in r.stderr.splitlines() if "model files copied" in line}
+    assert set(copied) == {"h0", "h1", "h2"}, r.stderr
+    for host, line in copied.items():
+        needed, total = (int(x) for x in line.split("(")[1].split(" weight shards")[0].split(" of "))
+        assert total == len(shards) and 1 <= needed < total, line      # only the shards of its own units
+    remote_dir = next(pushed.iterdir())
+    for name in shards:
+        if (remote_dir / name).exists():
+            assert (remote_dir / name).read_bytes() == (src / name).read_bytes()
+    r = hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", tmp_path / "b.jsonl",
+              "--max-new-tokens", "6", "--push-model", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr.count(": 0 of ") == 3, r.stderr
+    r = hpipe("launch", plan, "--local", "--prompts", prompts, "--out", tmp_path / "c.jsonl", "--max-new-tokens", "6",
+              "--quiet", cwd=tmp_path)
+    assert r.returncode == 0
+    ids = [{x["id"]: x["output_ids"] for x in map(json.loads, (tmp_path / f).read_text().splitlines())}
+           for f in ("a.jsonl", "b.jsonl", "c.jsonl")]
+    assert ids[0] == ids[1] == ids[2]
