@@ -242,7 +242,17 @@ def launch(
     prompts: str = typer.Option(..., "--prompts", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"input_ids\"}"),
     out: str = typer.Option(..., "--out", help="results JSONL, one line per prompt as it finishes"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (below 1e-5)"),
+    top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0: off; ties kept)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus: keep tokens while the mass above is < p"),
+    min_p: float = typer.Option(0.0, "--min-p", help="drop tokens below min_p x the most likely"),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="over prompt and output tokens"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="x count of each output token"),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="once per output token"),
+    sampling: str = typer.Option("auto", "--sampling", help="cpu: a pool of sampler processes takes the logits "
+                                 "off the last stage (SiPipe); inline: the last stage samples; auto: cpu when the "
+                                 "last stage is a GPU"),
+    sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     seed: int = typer.Option(0, "--seed"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
     logits_out: str | None = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
@@ -265,8 +275,15 @@ def launch(
     inventory = formats.load_inventory(cluster) if cluster else None
     if max_batch < 1:
         raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
+    if sampling not in ("auto", "cpu", "inline"):
+        raise HpipeError(f"--sampling {sampling!r}: use cpu, inline or auto")
+    if sampling == "auto":
+        sampling = "cpu" if formats.load_plan(plan_path).stages[-1].device.startswith("cuda") else "inline"
     settings = LaunchSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                              max_batch=max_batch, logits_out=logits_out, resume=resume)
+                              max_batch=max_batch, logits_out=logits_out, resume=resume, top_k=top_k, top_p=top_p,
+                              min_p=min_p, repetition_penalty=repetition_penalty,
+                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                              sampling=sampling, sampler_procs=sampler_procs)
     job = prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")

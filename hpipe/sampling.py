@@ -1,41 +1,402 @@
-"""Sampling of the next token: one call at the end of the last stage.
+"""Sampling of the next token on the CPU, with vLLM's (V1) semantics and SiPipe's design (§5.1).
 
-This first version does greedy decoding and temperature sampling with a per-sequence seeded
-generator (so a sequence's tokens do not depend on how it was batched). SiPipe's column-wise CPU
-sampler, with vLLM's semantics and penalties, replaces `sample_next` (its own issue).
+    params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=1)
+    sampler = CPUSampler(vocab_size, max_batch=256, max_len=512, slots=2)
+    sampler.add(seq_id, params, prompt_ids, slot=0)
+    ids = sampler.step(logits, seq_ids, slot=0)          # logits: float32 [B, V]; ids: LongTensor [B]
+    ids, probs = sampler.step(logits, seq_ids, return_probs=True)
+    sampler.remove(seq_id)
+
+Semantics, per row, in this order (vLLM V1):
+1. repetition penalty over prompt ∪ output tokens (positive logits divided, non-positive multiplied),
+   then frequency (× count) and presence penalties over output tokens only;
+2. temperature < 1e-5: greedy, the argmax of the penalized logits (lowest id among equal maxima);
+3. otherwise divide by the temperature, then min-p (drop tokens whose probability is below
+   min_p × the largest), top-k (ties with the k-th value kept), top-p on the renormalized
+   distribution (keep a token iff the mass strictly above it is < top_p; the first is always
+   kept), softmax, and the exponential race argmax(p / q), q ~ Exp(1), drawn — over the kept tokens
+   in token-id order — from the sequence's own generator (seeded with `seed` when given), so that
+   a sequence's tokens depend neither on its batch nor on its position in it.
+
+Design (SiPipe §5.1): the penalty state is kept per sequence column and updated in place — counts
+of output tokens, seen-in-prompt flags and the output history [max_len, max_batch] get one
+scatter per sampled token, nothing is rebuilt from the history; penalties are applied only at the
+ids a sequence has seen (gather, compute, scatter: O(seen) per row, not O(V)); the candidates come
+from one top-k over the penalized logits, and the probabilities are computed exactly (float64) on
+those candidates only. `slots` are replicas of this state, so that micro-batch n and n + p (p =
+pipeline depth) share one while other slots are in use. In steady state no [B, V]-sized tensor
+is allocated per step: the penalized logits go to a preallocated work buffer, column-wise [V, B]
+(SiPipe) or row-wise [B, V]; `bench/sampler.py` measures both and DEFAULT_LAYOUT is the faster
+here. Rows that need the whole vocabulary (top_k = 0 with sampling, or a tie at the k-th value)
+take an exact dense path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from dataclasses import dataclass
 
 import torch
 
-GREEDY_BELOW = 1e-5  # vLLM: a temperature below this is greedy
+from hpipe.errors import HpipeError
+
+GREEDY_BELOW = 1e-5      # vLLM: a temperature below this is greedy
+DEFAULT_LAYOUT = "row"   # measured by bench/sampler.py (bench/results/sampler.json)
+
+
+class SamplingError(HpipeError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def bad(name, value, rule):
+            raise SamplingError(f"sampling parameter {name}={value!r}: {rule}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, v, "must be a finite number")
+        if self.temperature < 0:
+            bad("temperature", self.temperature, "must be >= 0 (below 1e-5 is greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", self.top_k, "must be an integer >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 turns it off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, getattr(self, name), "must be in [-2, 2]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", self.seed, "must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
 def sequence_seed(seed: int, request_id: str) -> int:
+    """A per-request seed from the launch's seed and the request id (same tokens however batched)."""
     digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class Sampler:
-    def __init__(self, temperature: float = 0.0, seed: int = 0):
-        if temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        self.temperature = temperature
-        self.seed = seed
-        self.generators: dict[int, torch.Generator] = {}
+class _Slot:
+    """The state of up to max_batch sequences: one column each."""
 
-    def add(self, seq: int, request_id: str) -> None:
+    def __init__(self, vocab: int, max_batch: int, max_len: int, layout: str):
+        self.layout = layout
+        shape = (vocab, max_batch) if layout == "column" else (max_batch, vocab)
+        self.counts = torch.zeros(shape, dtype=torch.int32)      # output-token counts
+        self.in_prompt = torch.zeros(shape, dtype=torch.bool)
+        self.work = torch.empty(shape, dtype=torch.float32)      # penalized logits of a step
+        self.history = torch.zeros((max_len, max_batch), dtype=torch.long)
+        self.lengths = [0] * max_batch
+        self.seen: list[list[int]] = [[] for _ in range(max_batch)]   # prompt ∪ output ids, unique
+        self.seen_t: list[torch.Tensor | None] = [None] * max_batch
+        self.params: list[SamplingParams | None] = [None] * max_batch
+        self.generators: list[torch.Generator | None] = [None] * max_batch
+        self.free = list(range(max_batch - 1, -1, -1))
+
+    def at(self, ids: torch.Tensor, cols: torch.Tensor):
+        """Index of (token id, column) pairs in this slot's [V, B] or [B, V] buffers."""
+        return (ids, cols) if self.layout == "column" else (cols, ids)
+
+
+class CPUSampler:
+    def __init__(self, vocab_size: int, max_batch: int, max_len: int, slots: int = 1, layout: str | None = None):
+        if vocab_size < 1 or max_batch < 1 or max_len < 1 or slots < 1:
+            raise SamplingError("vocab_size, max_batch, max_len and slots must all be >= 1")
+        layout = layout or DEFAULT_LAYOUT
+        if layout not in ("column", "row"):
+            raise SamplingError(f"layout {layout!r}: use 'column' or 'row'")
+        self.vocab_size, self.max_batch, self.max_len, self.layout = vocab_size, max_batch, max_len, layout
+        self.slots = [_Slot(vocab_size, max_batch, max_len, layout) for _ in range(slots)]
+        self.where: dict = {}   # seq_id -> (slot, column)
+
+    # -- sequences ----------------------------------------------------------------------------
+
+    def add(self, seq_id, params: SamplingParams, prompt_ids, slot: int = 0) -> None:
+        if seq_id in self.where:
+            raise SamplingError(f"sequence {seq_id!r} was already added")
+        if not 0 <= slot < len(self.slots):
+            raise SamplingError(f"slot {slot} does not exist (slots: {len(self.slots)})")
+        if not isinstance(params, SamplingParams):
+            raise SamplingError("params must be a SamplingParams")
+        st = self.slots[slot]
+        if not st.free:
+            raise SamplingError(f"slot {slot} already holds max_batch={self.max_batch} sequences")
+        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise SamplingError(f"sequence {seq_id!r}: a prompt id is outside the vocabulary (size {self.vocab_size})")
+        col = st.free.pop()
+        unique = sorted(set(prompt))
+        if unique:
+            st.in_prompt[st.at(torch.tensor(unique), torch.full((len(unique),), col))] = True
+        st.seen[col] = unique
+        st.seen_t[col] = None
+        st.lengths[col] = 0
+        st.params[col] = params
         g = torch.Generator(device="cpu")
-        g.manual_seed(sequence_seed(self.seed, request_id))
-        self.generators[seq] = g
+        if params.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(params.seed)
+        st.generators[col] = g
+        self.where[seq_id] = (slot, col)
 
-    def sample_next(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
-        """logits [n, V] float32 (any device) for the sequences `seqs`; returns n token ids."""
-        logits = logits.detach().float().cpu()
-        if self.temperature < GREEDY_BELOW:
-            return logits.argmax(dim=-1).tolist()
-        probs = torch.softmax(logits / self.temperature, dim=-1)
-        return [int(torch.multinomial(probs[i], 1, generator=self.generators[s])) for i, s in enumerate(seqs)]
+    def remove(self, seq_id) -> None:
+        if seq_id not in self.where:
+            raise SamplingError(f"sequence {seq_id!r} is not in the sampler")
+        slot, col = self.where.pop(seq_id)
+        st = self.slots[slot]
+        ids = torch.tensor(st.seen[col], dtype=torch.long)
+        if len(ids):   # clear only what this sequence touched: O(seen), not O(V)
+            at = st.at(ids, torch.full((len(ids),), col))
+            st.counts[at] = 0
+            st.in_prompt[at] = False
+        st.seen[col], st.seen_t[col], st.params[col], st.generators[col] = [], None, None, None
+        st.lengths[col] = 0
+        st.free.append(col)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def step(self, logits: torch.Tensor, seq_ids, slot: int = 0, return_probs: bool = False):
+        st = self.slots[slot]
+        seq_ids = list(seq_ids)
+        b = len(seq_ids)
+        if logits.dim() != 2 or logits.shape[0] != b or logits.shape[1] != self.vocab_size:
+            raise SamplingError(f"logits must be [{b}, {self.vocab_size}], got {list(logits.shape)}")
+        cols_l = []
+        for s in seq_ids:
+            where = self.where.get(s)
+            if where is None or where[0] != slot:
+                raise SamplingError(f"sequence {s!r} is not in slot {slot}")
+            cols_l.append(where[1])
+        if len(set(cols_l)) != b:
+            raise SamplingError("a sequence appears twice in one step")
+        if b == 0:
+            empty = torch.empty(0, dtype=torch.long)
+            return (empty, torch.empty((0, self.vocab_size), dtype=torch.float64)) if return_probs else empty
+        logits = logits.detach().to("cpu", torch.float32)
+        cols = torch.tensor(cols_l, dtype=torch.long)
+        params = [st.params[c] for c in cols_l]
+        for c in cols_l:
+            if st.lengths[c] >= self.max_len:
+                raise SamplingError(f"a sequence reached max_len={self.max_len} sampled tokens")
+
+        # 1. penalized logits, for choosing the candidates (float32, in the work buffer)
+        pen_rows = [i for i, p in enumerate(params) if p.penalized]
+        seen_idx = self._seen_matrix(st, cols_l, pen_rows) if pen_rows else None
+        if self.layout == "column":
+            work = st.work[:, :b]
+            work.copy_(logits.t())
+            vocab_dim = 0
+        else:
+            work = st.work[:b] if pen_rows else logits
+            if pen_rows:
+                work.copy_(logits)
+            vocab_dim = 1
+        if pen_rows:
+            self._penalize_in_place(st, work, seen_idx, cols, params, pen_rows)
+
+        # 2. candidates: one top-k over the vocabulary (one more than needed, to see ties at k)
+        ks = [p.top_k for p in params if not p.greedy and p.top_k > 0]
+        k_sel = min(self.vocab_size, max([2] + [k + 1 for k in ks]))
+        top_vals, top_ids = torch.topk(work, k_sel, dim=vocab_dim)
+        if vocab_dim == 0:
+            top_vals, top_ids = top_vals.t(), top_ids.t()
+        fast, dense = [], []
+        for i, p in enumerate(params):
+            if p.greedy:
+                fast.append(i)
+            elif p.top_k == 0 or (p.top_k < self.vocab_size and top_vals[i, p.top_k - 1] == top_vals[i, p.top_k]):
+                dense.append(i)   # the whole vocabulary, or a tie at the k-th value
+            else:
+                fast.append(i)
+
+        out_ids = torch.empty(b, dtype=torch.long)
+        probs_out = torch.zeros((b, self.vocab_size), dtype=torch.float64) if return_probs else None
+        for rows, ids in ((fast, top_ids[fast] if fast else None), (dense, None)):
+            if not rows:
+                continue
+            if ids is None:
+                ids = torch.arange(self.vocab_size).expand(len(rows), -1)
+            vals = self._exact_penalized(st, logits, rows, ids, cols, params)
+            self._choose(st, rows, ids, vals, cols_l, params, out_ids, probs_out)
+
+        # 3. the new ids join each sequence's history and penalty state (B scatters)
+        new = out_ids
+        lengths = torch.tensor([st.lengths[c] for c in cols_l], dtype=torch.long)
+        st.history[lengths, cols] = new
+        st.counts.index_put_(st.at(new, cols), torch.ones(b, dtype=torch.int32), accumulate=True)
+        for i, c in enumerate(cols_l):
+            st.lengths[c] += 1
+            t = int(new[i])
+            seen = st.seen[c]
+            if t not in seen:     # sorted list: binary insert keeps it unique
+                import bisect
+
+                bisect.insort(seen, t)
+                st.seen_t[c] = None
+        return (out_ids, probs_out) if return_probs else out_ids
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _seen_matrix(st: _Slot, cols_l: list[int], rows: list[int]) -> torch.Tensor:
+        """[L, B] ids each row has seen (prompt ∪ output), padded by repeating its first id (or 0):
+        a repeated index writes the same value twice, so padding changes nothing."""
+        width = max([len(st.seen[cols_l[i]]) for i in rows] + [1])
+        out = torch.zeros((width, len(cols_l)), dtype=torch.long)
+        for i in rows:
+            c = cols_l[i]
+            if st.seen_t[c] is None:
+                st.seen_t[c] = torch.tensor(st.seen[c], dtype=torch.long)
+            t = st.seen_t[c]
+            if len(t):
+                out[:len(t), i] = t
+                out[len(t):, i] = t[0]
+        return out
+
+    @staticmethod
+    def _penalty_params(params, rows, dtype):
+        rep = torch.tensor([params[i].repetition_penalty for i in rows], dtype=dtype)
+        freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=dtype)
+        pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=dtype)
+        return rep, freq, pres
+
+    @staticmethod
+    def _apply(vals, count, in_prompt, rep, freq, pres):
+        """vLLM's penalties on gathered values [R, K] with per-row parameters [R]."""
+        out_seen = count > 0
+        rep = rep[:, None]
+        penalized = torch.where(vals > 0, vals / rep, vals * rep)
+        vals = torch.where(in_prompt | out_seen, penalized, vals)
+        return vals - freq[:, None] * count.to(vals.dtype) - pres[:, None] * out_seen.to(vals.dtype)
+
+    def _penalize_in_place(self, st: _Slot, work, seen_idx, cols, params, rows) -> None:
+        r = torch.tensor(rows, dtype=torch.long)
+        ids = seen_idx[:, r].t()                                  # [R, L]
+        c = cols[r][:, None].expand_as(ids)
+        count, in_prompt = st.counts[st.at(ids, c)], st.in_prompt[st.at(ids, c)]
+        rep, freq, pres = self._penalty_params(params, rows, torch.float32)
+        if self.layout == "column":
+            vals = work[ids, r[:, None].expand_as(ids)]
+            work[ids, r[:, None].expand_as(ids)] = self._apply(vals, count, in_prompt, rep, freq, pres)
+        else:
+            vals = work[r[:, None].expand_as(ids), ids]
+            work[r[:, None].expand_as(ids), ids] = self._apply(vals, count, in_prompt, rep, freq, pres)
+
+    def _exact_penalized(self, st: _Slot, logits, rows, ids, cols, params) -> torch.Tensor:
+        """float64 penalized logits of the candidates `ids` [R, K], from the original logits."""
+        r = torch.tensor(rows, dtype=torch.long)
+        vals = logits[r[:, None].expand_as(ids), ids].double()
+        if any(params[i].penalized for i in rows):
+            c = cols[r][:, None].expand_as(ids)
+            count, in_prompt = st.counts[st.at(ids, c)], st.in_prompt[st.at(ids, c)]
+            rep, freq, pres = self._penalty_params(params, rows, torch.float64)
+            vals = self._apply(vals, count, in_prompt, rep, freq, pres)
+        return vals
+
+    def _choose(self, st, rows, ids, vals, cols_l, params, out_ids, probs_out) -> None:
+        """Greedy rows take the argmax; the others go through min-p, top-k, top-p and the race."""
+        n = ids.shape[1]
+        greedy = torch.tensor([params[i].greedy for i in rows])
+        temp = torch.tensor([params[i].temperature if not params[i].greedy else 1.0 for i in rows],
+                            dtype=torch.float64)
+        z = vals / temp[:, None]
+        zmax = z.max(dim=1, keepdim=True).values
+        rel = torch.exp(z - zmax)                                   # p / p_max
+        min_p = torch.tensor([params[i].min_p for i in rows], dtype=torch.float64)
+        keep = rel >= min_p[:, None]
+        top_k = torch.tensor([params[i].top_k for i in rows])
+        if bool((top_k > 0).any()):
+            # the k-th largest value among the min-p survivors; ties with it are kept
+            masked = torch.where(keep, z, torch.tensor(-math.inf, dtype=torch.float64))
+            k_eff = torch.clamp(torch.minimum(top_k, keep.sum(dim=1)), min=1)
+            kth = torch.sort(masked, dim=1, descending=True).values.gather(1, (k_eff - 1)[:, None])
+            keep &= torch.where((top_k > 0)[:, None], z >= kth, torch.ones_like(keep))
+        p = torch.where(keep, rel, torch.zeros((), dtype=torch.float64))
+        p = p / p.sum(dim=1, keepdim=True)
+        top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float64)
+        need_p = top_p < 1
+        if bool(need_p.any()):
+            sub = need_p.nonzero().flatten()
+            ps, order = torch.sort(p[sub], dim=1, descending=True)
+            cum_before = torch.cumsum(ps, dim=1) - ps
+            # mass strictly above: the cumulative mass before the first of a group of equal values
+            pos = torch.arange(n).expand_as(ps)
+            starts = torch.ones_like(ps, dtype=torch.bool)
+            starts[:, 1:] = ps[:, 1:] != ps[:, :-1]
+            first = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), dim=1).values
+            above = cum_before.gather(1, first)
+            keep_sorted = (above < top_p[sub][:, None]) & (ps > 0)
+            keep_sorted[:, 0] = True
+            kept = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+            p_sub = torch.where(kept, p[sub], torch.zeros((), dtype=torch.float64))
+            p[sub] = p_sub / p_sub.sum(dim=1, keepdim=True)
+        for j, i in enumerate(rows):
+            row_ids = ids[j]
+            if bool(greedy[j]):
+                best = vals[j].max()
+                choice = int(row_ids[vals[j] == best].min())
+                out_ids[i] = choice
+                if probs_out is not None:
+                    probs_out[i, choice] = 1.0
+                continue
+            nz = p[j] > 0
+            kept_ids, kept_p = row_ids[nz], p[j][nz]
+            order = torch.argsort(kept_ids)
+            kept_ids, kept_p = kept_ids[order], kept_p[order]
+            q = torch.empty(len(kept_ids), dtype=torch.float64).exponential_(generator=st.generators[cols_l[i]])
+            out_ids[i] = kept_ids[torch.argmax(kept_p / q)]
+            if probs_out is not None:
+                probs_out[i, kept_ids] = kept_p
+
+
+class RequestSampler:
+    """The pipeline's sampling for one launch (the last stage, or a sampler process of the pool):
+    every request gets the launch's parameters with a seed derived from the launch's seed and its
+    id; a sequence joins on its first sampled token and leaves at EOS or its last token, so
+    `max_batch` bounds the sequences in flight, not the whole job."""
+
+    def __init__(self, params: SamplingParams, seed: int, vocab_size: int, prompts: dict, max_batch: int,
+                 max_new_tokens: int, eos_ids, layout: str | None = None):
+        self.params, self.seed, self.prompts = params, seed, prompts   # prompts: seq -> (request id, ids)
+        self.max_new_tokens, self.eos = max_new_tokens, set(eos_ids)
+        self.cpu = CPUSampler(vocab_size, max_batch, max_new_tokens, layout=layout)
+        self.counts: dict[int, int] = {}
+
+    def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
+        for s in seqs:
+            if s not in self.counts:
+                request_id, prompt = self.prompts[s]
+                params = SamplingParams(**{**self.params.__dict__, "seed": sequence_seed(self.seed, request_id)})
+                self.cpu.add(s, params, prompt)
+                self.counts[s] = 0
+        ids = self.cpu.step(logits, seqs).tolist()
+        for s, t in zip(seqs, ids):
+            self.counts[s] += 1
+            if t in self.eos or self.counts[s] >= self.max_new_tokens:
+                self.cpu.remove(s)
+        return ids

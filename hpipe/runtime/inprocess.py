@@ -10,17 +10,17 @@ import torch
 
 from hpipe.runtime.scheduler import Request, Scheduler
 from hpipe.runtime.stage import StageRunner
-from hpipe.sampling import Sampler
+from hpipe.sampling import RequestSampler, SamplingParams
 
 
 def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
-                  max_new_tokens: int, eos_ids: list[int], sampler: Sampler | None = None, max_batch: int = 16,
+                  max_new_tokens: int, eos_ids: list[int], params: SamplingParams | None = None, max_batch: int = 16,
                   n_stages: int | None = None, keep_logits: bool = False) -> dict:
     """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}."""
-    sampler = sampler or Sampler()
     ids = {r.seq: r.id for r in requests}
-    for r in requests:
-        sampler.add(r.seq, r.id)
+    vocab = runners[-1].config.vocab_size
+    sampler = RequestSampler(params or SamplingParams(temperature=0.0), 0, vocab,
+                             {r.seq: (r.id, r.input_ids) for r in requests}, len(requests), max_new_tokens, eos_ids)
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_new_tokens, eos_ids, max_batch)
     logits: dict[int, list] = {}
     out: dict[str, dict] = {}
@@ -34,7 +34,7 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
         if keep_logits:
             for i, s in enumerate(seqs):
                 logits.setdefault(s, []).append(x[i].detach().float().cpu())
-        for st in sched.on_sampled(mb.id, sampler.sample_next(x, seqs)):
+        for st in sched.on_sampled(mb.id, sampler.sample(x, seqs)):
             out[st.request.id] = {"output_ids": st.output, "finish_reason": st.finish_reason}
     if keep_logits:
         for s, rows in logits.items():

@@ -65,6 +65,15 @@ def parse_args(argv=None):
     p.add_argument("--requests", required=True, help="JSONL of {seq, id, input_ids} (written by the launcher)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--sampling", choices=["inline", "cpu"], default="inline",
+                   help="last stage: sample in its own loop, or in a pool of sampler processes (SiPipe)")
+    p.add_argument("--sampler-procs", type=int, default=1, help="with --sampling cpu: processes in the pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--eos", default=None, help="comma-separated EOS token ids, '' for none (default: the model's)")
@@ -95,7 +104,7 @@ def run(args) -> None:
     from hpipe import formats, models
     from hpipe.runtime import comm
     from hpipe.runtime.stage import StageRunner
-    from hpipe.sampling import Sampler
+    from hpipe.sampling import RequestSampler, SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,18 +127,21 @@ def run(args) -> None:
     load_s = time.time() - t_load
     ids_by_seq = {r.seq: r.id for r in requests}
     last = args.rank == args.world_size - 1
-    sampler = Sampler(args.temperature, args.seed) if last else None
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                            presence_penalty=args.presence_penalty)
+    prompts = {r.seq: (r.id, r.input_ids) for r in requests}
+    sampler = RequestSampler(params, args.seed, int(config.vocab_size), prompts,
+                             min(len(requests), args.max_batch + args.world_size), args.max_new_tokens,
+                             args.eos) if last else None
     logits_rows: dict[int, list] = {}
 
     def sample(out, segments) -> list[int]:
         seqs = [s.seq for s in segments if s.sample]
-        for s in seqs:
-            if s not in sampler.generators:
-                sampler.add(s, ids_by_seq[s])
         if args.logits_out:
             for i, s in enumerate(seqs):
                 logits_rows.setdefault(s, []).append(out[i].detach().float().cpu().numpy())
-        return sampler.sample_next(out, seqs)
+        return sampler.sample(out, seqs)
 
     groups = comm.init(args.rank, args.world_size, args.master_addr, args.master_port,
                        os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in plan.stages], args.timeout_s)
