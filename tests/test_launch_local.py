@@ -69,3 +69,27 @@ def test_temperature_sampling_is_seeded(tiny_models, tmp_path):
         runs.append({k: v["output_ids"] for k, v in read_results(out).items()})
     assert runs[0] == runs[1], "same seed, different plan: the same tokens"
     assert runs[0] != runs[2], "another seed: other tokens"
+
+
+@pytest.mark.parametrize("sampling_args,procs", [
+    (["--temperature", "0"], "1"),
+    (["--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.02", "--repetition-penalty", "1.3",
+      "--frequency-penalty", "0.5", "--presence-penalty", "0.3", "--seed", "11"], "2"),
+])
+def test_sampler_pool_gives_the_tokens_of_inline_sampling(sampling_args, procs, tiny_models, tmp_path):
+    """--sampling cpu (a pool of sampler processes fed through the shared-memory ring) against the
+    last stage sampling inline: the same tokens, greedy and seeded with every penalty."""
+    path = tiny_models["llama"]
+    rng = random.Random(5)
+    prompts_file = tmp_path / "p.jsonl"
+    write_prompts(prompts_file, [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 30))] for _ in range(6)])
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "8", "-o", str(plan)]) == 0
+    runs = {}
+    for name, extra in (("inline", ["--sampling", "inline"]), ("pool", ["--sampling", "cpu", "--sampler-procs", procs])):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
+                     "--max-new-tokens", "14", "--max-batch", "4", "--quiet", *sampling_args, *extra]) == 0
+        runs[name] = {k: v["output_ids"] for k, v in read_results(out).items()}
+    assert len(runs["inline"]) == 6
+    assert runs["pool"] == runs["inline"]

@@ -136,17 +136,29 @@ def run(args) -> None:
                              args.eos) if last else None
     logits_rows: dict[int, list] = {}
 
-    def sample(out, segments) -> list[int]:
+    def sampling_rows(out, segments) -> list[int]:
         seqs = [s.seq for s in segments if s.sample]
         if args.logits_out:
             for i, s in enumerate(seqs):
                 logits_rows.setdefault(s, []).append(out[i].detach().float().cpu().numpy())
-        return sampler.sample(out, seqs)
+        return seqs
+
+    def sample(out, segments) -> list[int]:
+        return sampler.sample(out, sampling_rows(out, segments))
 
     groups = comm.init(args.rank, args.world_size, args.master_addr, args.master_port,
                        os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in plan.stages], args.timeout_s)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     import torch.distributed as dist
+
+    pool = None
+    if last and args.sampling == "cpu" and args.world_size > 1:
+        from hpipe.runtime.sampler_pool import SamplerPool
+
+        pool = SamplerPool(int(config.vocab_size), max(1, min(len(requests), 2 * args.max_batch)), prompts, params,
+                           args.seed, min(len(requests), args.max_batch + args.world_size), args.max_new_tokens,
+                           args.eos, send=lambda mb_id, ids: comm.send_tokens(groups, 0, mb_id, ids),
+                           n_procs=args.sampler_procs)
 
     dist.barrier(group=groups.ctrl)
     timeline = Timeline()
@@ -154,7 +166,11 @@ def run(args) -> None:
     if args.rank == 0:
         summary = drive(args, plan, runner, groups, requests, sample, timeline, sync)
     else:
-        serve(args, runner, groups, sample, timeline, sync)
+        try:
+            serve(args, runner, groups, sample, timeline, sync, pool, sampling_rows)
+        finally:
+            if pool is not None:
+                pool.close()
         summary = None
     t_end = time.time()
     if args.logits_out and last:
@@ -267,8 +283,9 @@ def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
             "t0_wall": wall0}
 
 
-def serve(args, runner, groups, sample, timeline, sync) -> None:
-    """Stages 1..N-1: receive, compute, pass on (or sample and send the ids back)."""
+def serve(args, runner, groups, sample, timeline, sync, pool=None, rows_of=None) -> None:
+    """Stages 1..N-1: receive, compute, pass on. The last stage samples and sends the ids back, or
+    hands the logits to the sampler pool (rows_of picks the rows to sample) and goes on."""
     from hpipe.runtime import comm
     from hpipe.runtime.scheduler import microbatch_kind
 
@@ -283,6 +300,8 @@ def serve(args, runner, groups, sample, timeline, sync) -> None:
             timeline.add("wait", t, time.time())
             pending.wait()
             if last:
+                if pool is not None:
+                    pool.drain()
                 comm.send_stop(groups, 0, tag=comm.TAG_BACK)
             else:
                 comm.send_stop(groups, rank + 1)
@@ -296,7 +315,9 @@ def serve(args, runner, groups, sample, timeline, sync) -> None:
         sync()
         timeline.add("compute", t, time.time(), mb_id, microbatch_kind(segments), hidden.shape[0])
         t = time.time()
-        if last:
+        if last and pool is not None:
+            pool.submit(mb_id, out, rows_of(out, segments))   # the pool samples; we go on
+        elif last:
             comm.send_tokens(groups, 0, mb_id, sample(out, segments))
         else:
             pending.wait()

@@ -1,0 +1,159 @@
+"""Sampling off the pipeline's critical path (SiPipe §4, §6): the last stage hands each
+micro-batch's logits to a pool of sampler processes through a shared-memory ring buffer and starts
+its next micro-batch at once; a collector thread sends the sampled ids back to stage 0 in order.
+
+Ring: N slots, each holding up to `max_rows` rows of logits, their sequence ids and the sampled
+ids. A slot has a lock; the writer (the last stage) always holds the lock of the slot it will
+write next and takes the following slot's lock before releasing the one it has just filled
+(lock-ahead), so a sampler waiting for micro-batch m blocks on slot m's lock until m is written.
+A slot is rewritten only after the collector has taken its ids (at most N micro-batches wait).
+Every sampler process reads every slot and samples the rows of the sequences it owns
+(seq % processes == its index), each with its own hpipe.sampling.RequestSampler, so a
+sequence's penalty state and generator live in exactly one process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+_POLL_S = 0.0002
+
+
+def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_locks, stop, config: dict) -> None:
+    from hpipe.sampling import RequestSampler
+
+    torch.set_num_threads(config["threads"])
+    logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
+    n_slots = logits.shape[0]
+    mine = {s: v for s, v in config["prompts"].items() if s % n_procs == index}
+    sampler = RequestSampler(config["params"], config["seed"], logits.shape[2], mine, config["max_batch"],
+                             config["max_new_tokens"], config["eos"])
+    m = 0
+    while not stop.is_set():
+        k = m % n_slots
+        if not locks[k].acquire(timeout=0.1):
+            continue
+        seq_no, n = int(meta[k, 0]), int(meta[k, 1])
+        locks[k].release()
+        if seq_no != m:          # the slot still holds an older micro-batch: not written yet
+            time.sleep(_POLL_S)
+            continue
+        row_seqs = seqs[k, :n].tolist()
+        rows = [r for r, s in enumerate(row_seqs) if s % n_procs == index]
+        ids = sampler.sample(logits[k, rows], [row_seqs[r] for r in rows]) if rows else []
+        with done_locks[k]:
+            if rows:
+                out[k, rows] = torch.tensor(ids, dtype=torch.long)
+            done[k, index] = m
+        m += 1
+
+
+class SamplerPool:
+    def __init__(self, vocab_size: int, max_rows: int, prompts: dict, params, seed: int, max_batch: int,
+                 max_new_tokens: int, eos_ids, send, n_procs: int = 1, n_slots: int = 4, threads: int = 1):
+        """send(mb_id, ids) is called by the collector thread for every micro-batch, in order."""
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.n_slots, self.n_procs, self.max_rows = n_slots, n_procs, max_rows
+        self.shared = {
+            "logits": torch.empty(n_slots, max_rows, vocab_size, dtype=torch.float32).share_memory_(),
+            "seqs": torch.zeros(n_slots, max_rows, dtype=torch.long).share_memory_(),
+            "out": torch.zeros(n_slots, max_rows, dtype=torch.long).share_memory_(),
+            "meta": torch.full((n_slots, 3), -1, dtype=torch.long).share_memory_(),   # seq no, rows, mb id
+            "done": torch.full((n_slots, n_procs), -1, dtype=torch.long).share_memory_(),
+        }
+        self.locks = [ctx.Lock() for _ in range(n_slots)]
+        self.done_locks = [ctx.Lock() for _ in range(n_slots)]
+        self.stop_event = ctx.Event()
+        config = {"threads": threads, "prompts": prompts, "params": params, "seed": seed, "max_batch": max_batch,
+                  "max_new_tokens": max_new_tokens, "eos": list(eos_ids)}
+        self.procs = [ctx.Process(target=_sampler_main, args=(i, n_procs, self.shared, self.locks, self.done_locks,
+                                                               self.stop_event, config), daemon=True,
+                                  name=f"hpipe-sampler-{i}") for i in range(n_procs)]
+        for p in self.procs:
+            p.start()
+        self.locks[0].acquire()          # the writer holds the slot it writes next
+        self.written = 0                 # micro-batches handed to the pool
+        self.collected = 0               # micro-batches whose ids went back
+        self.error: BaseException | None = None
+        self.send = send
+        self.cond = threading.Condition()
+        self.collector = threading.Thread(target=self._collect, name="hpipe-sampler-collector", daemon=True)
+        self.collector.start()
+
+    def submit(self, mb_id: int, logits: torch.Tensor, seqs: list[int]) -> None:
+        """Writes one micro-batch's sampling rows into the ring and returns (the last stage goes on)."""
+        n = len(seqs)
+        if n > self.max_rows:
+            raise ValueError(f"{n} rows to sample, the ring holds {self.max_rows}")
+        m = self.written
+        k = m % self.n_slots
+        sh = self.shared
+        if n:
+            sh["logits"][k, :n].copy_(logits.detach().to("cpu", torch.float32))
+            sh["seqs"][k, :n] = torch.tensor(seqs, dtype=torch.long)
+        sh["meta"][k] = torch.tensor([m, n, mb_id])
+        # lock ahead: the next slot must be free (its ids collected), then it is ours before k is released
+        nxt = (m + 1) % self.n_slots
+        self._wait(lambda: self.collected >= m + 1 - self.n_slots + 1 or m + 1 < self.n_slots)
+        self.locks[nxt].acquire()
+        self.locks[k].release()
+        with self.cond:
+            self.written = m + 1
+            self.cond.notify_all()
+
+    def _wait(self, ready) -> None:
+        while not ready():
+            self._check()
+            with self.cond:
+                self.cond.wait(timeout=0.01)
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"sampler pool failed: {self.error}")
+        for p in self.procs:
+            if p.exitcode is not None:
+                raise RuntimeError(f"sampler process {p.name} exited with code {p.exitcode}")
+
+    def _collect(self) -> None:
+        sh = self.shared
+        try:
+            m = 0
+            while True:
+                with self.cond:
+                    while self.written <= m:
+                        if self.stop_event.is_set():
+                            return
+                        self.cond.wait(timeout=0.05)
+                k = m % self.n_slots
+                while True:
+                    with self.done_locks[k]:
+                        if bool((sh["done"][k] == m).all()):
+                            n, mb_id = int(sh["meta"][k, 1]), int(sh["meta"][k, 2])
+                            ids = sh["out"][k, :n].tolist()
+                            break
+                    if any(p.exitcode is not None for p in self.procs):
+                        raise RuntimeError("a sampler process died")
+                    time.sleep(_POLL_S)
+                self.send(mb_id, ids)
+                m += 1
+                with self.cond:
+                    self.collected = m
+                    self.cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported to the stage's loop by _check
+            self.error = e
+
+    def drain(self) -> None:
+        """Waits until every submitted micro-batch's ids have been sent."""
+        self._wait(lambda: self.collected >= self.written)
+
+    def close(self) -> None:
+        self.stop_event.set()
+        with self.cond:
+            self.cond.notify_all()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.exitcode is None:
+                p.kill()
