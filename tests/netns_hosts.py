@@ -102,12 +102,17 @@ def process_cmdline(pid: int) -> str:
         return ""
 
 
+HPIPE_MARKS = ("hpipe.runtime", "profiler.measure", "profiler.links", "around one worker", "host_probe",
+               "spawn_main")
+
+
 def hpipe_processes(ns: str) -> list[tuple[int, str]]:
-    """(pid, command line) of every hpipe process (worker, profiler, wrapper) in the namespace."""
+    """(pid, command line) of every hpipe process in the namespace: workers, profiler workers,
+    the remote wrapper, sampler processes (not sshd, whatever its config path says)."""
     out = []
     for pid in namespace_pids(ns):
         cmd = process_cmdline(pid)
-        if "hpipe" in cmd or "profiler." in cmd:
+        if not cmd.startswith("sshd") and any(m in cmd for m in HPIPE_MARKS):
             out.append((pid, cmd))
     return out
 
