@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--h2-cpus", type=float, default=0.5)
     ap.add_argument("--skip-faults", action="store_true")
+    ap.add_argument("--faults-only", action="store_true", help="re-measure the faults, keep the rest of the JSON")
     args = ap.parse_args()
     reason = unavailable_reason()
     if reason:
@@ -89,46 +90,51 @@ def main() -> None:
     report: dict = {"hosts": {"h0": "1 Gbit/s, 1 thread", "h1": "1 Gbit/s, 1 thread",
                               "h2": f"100 Mbit/s, 1 thread, {args.h2_cpus} CPU quota"},
                     "machine_cores": os.cpu_count()}
+    out_path = ROOT / "bench" / "results" / "cluster.json"
+    if args.faults_only:
+        report = json.loads(out_path.read_text())
     with tempfile.TemporaryDirectory(prefix="hpipe-bench-cluster-") as tmp:
         work = Path(tmp)
         cluster = start_cluster(work / "hosts", [HostSpec("h0", 1000), HostSpec("h1", 1000),
                                                  HostSpec("h2", 100, cpus=args.h2_cpus)])
         try:
             inv = cluster.inventory_path
-            _, report["cluster_check_s"] = hpipe("cluster", "check", inv, "--model", "smollm2", cwd=work)
-            r, report["profile_s"] = hpipe("profile", "--cluster", inv, "--quick", "--max-seq-len", args.max_seq_len,
-                                           "-o", work / "profile.json", cwd=work)
-            prof = json.loads((work / "profile.json").read_text())
-            report["links_mbit_s"] = {f"{x['src']}->{x['dst']}": round(x["beta_bytes_per_s"] * 8 / 1e6, 1)
-                                      for x in prof["links"]}
-            report["fit_error"] = {d["id"]: d["fit_error"] for d in prof["devices"]}
-            # the prompt: the demo's document and question, as `hpipe demo` asks it
-            data = ROOT / "hpipe" / "data"
-            prompt = (f"Read this report and answer the question.\n\n{(data / 'demo_document.md').read_text()}"
-                      f"\n\nQuestion: {(data / 'demo_question.txt').read_text().strip()}")
-            prompts = work / "prompts.jsonl"
-            prompts.write_text(json.dumps({"id": "doc", "prompt": prompt}) + "\n")
-            from hpipe import models
-            from launcher.jobs import encode_prompt
-            from hpipe.formats import load_prompts
+            if not args.faults_only:
+                _, report["cluster_check_s"] = hpipe("cluster", "check", inv, "--model", "smollm2", cwd=work)
+                r, report["profile_s"] = hpipe("profile", "--cluster", inv, "--quick", "--max-seq-len", args.max_seq_len,
+                                               "-o", work / "profile.json", cwd=work)
+                prof = json.loads((work / "profile.json").read_text())
+                report["links_mbit_s"] = {f"{x['src']}->{x['dst']}": round(x["beta_bytes_per_s"] * 8 / 1e6, 1)
+                                          for x in prof["links"]}
+                report["fit_error"] = {d["id"]: d["fit_error"] for d in prof["devices"]}
+                # the prompt: the demo's document and question, as `hpipe demo` asks it
+                data = ROOT / "hpipe" / "data"
+                prompt = (f"Read this report and answer the question.\n\n{(data / 'demo_document.md').read_text()}"
+                          f"\n\nQuestion: {(data / 'demo_question.txt').read_text().strip()}")
+                prompts = work / "prompts.jsonl"
+                prompts.write_text(json.dumps({"id": "doc", "prompt": prompt}) + "\n")
+                from hpipe import models
+                from launcher.jobs import encode_prompt
+                from hpipe.formats import load_prompts
 
-            tok = models.load_tokenizer(models.resolve_model("smollm2").path)
-            n = len(encode_prompt(tok, load_prompts(str(prompts))[0]))
-            report["prompt_tokens"] = n
-            plan = work / "plan.json"
-            r, report["plan_s"] = hpipe("plan", "--model", "smollm2", "--cluster", inv, "--profile",
-                                        work / "profile.json", "--seq-len", n, "-o", plan, cwd=work)
-            p = json.loads(plan.read_text())
-            report["plan"] = {"stages": [{"host": s["host"], "units": s["units"]} for s in p["stages"]],
-                              "slices": p["slicing"], "predicted": p.get("predicted")}
-            out = work / "out.jsonl"
-            r, report["launch_s"] = hpipe("launch", plan, "--cluster", inv, "--prompts", prompts, "--out", out,
-                                          "--max-new-tokens", "16", "--quiet", cwd=work)
-            summary = json.loads(Path(f"{out}.summary.json").read_text())
-            report["plan_check"] = summary["plan_check"]
-            report["answer"] = json.loads(out.read_text().splitlines()[0])["text"]
-            report["launch_stdout"] = r.stdout.strip().splitlines()
+                tok = models.load_tokenizer(models.resolve_model("smollm2").path)
+                n = len(encode_prompt(tok, load_prompts(str(prompts))[0]))
+                report["prompt_tokens"] = n
+                plan = work / "plan.json"
+                r, report["plan_s"] = hpipe("plan", "--model", "smollm2", "--cluster", inv, "--profile",
+                                            work / "profile.json", "--seq-len", n, "-o", plan, cwd=work)
+                p = json.loads(plan.read_text())
+                report["plan"] = {"stages": [{"host": s["host"], "units": s["units"]} for s in p["stages"]],
+                                  "slices": p["slicing"], "predicted": p.get("predicted")}
+                out = work / "out.jsonl"
+                r, report["launch_s"] = hpipe("launch", plan, "--cluster", inv, "--prompts", prompts, "--out", out,
+                                              "--max-new-tokens", "16", "--quiet", cwd=work)
+                summary = json.loads(Path(f"{out}.summary.json").read_text())
+                report["plan_check"] = summary["plan_check"]
+                report["answer"] = json.loads(out.read_text().splitlines()[0])["text"]
+                report["launch_stdout"] = r.stdout.strip().splitlines()
             if not args.skip_faults:
+                inv = cluster.inventory_path
                 fault_prompts = work / "fault-prompts.jsonl"
                 fault_prompts.write_text("".join(json.dumps({"id": f"f{i}", "prompt": f"Tell me fact number {i} about "
                                                              "pipelines."}) + "\n" for i in range(4)))
@@ -138,7 +144,6 @@ def main() -> None:
                                     for f in ("kill -9 worker on h1", "link of h2 down", "SIGINT to the launcher")]
         finally:
             stop_cluster(cluster)
-    out_path = ROOT / "bench" / "results" / "cluster.json"
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

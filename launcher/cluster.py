@@ -256,9 +256,10 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
                          f"{out_path}; rerun with --resume to finish") from None
     finally:
         stop_workers(workers)
+        lost = {w.conn.host.name for w in workers if w.silent_s() > 2.0}
         for w in workers:
             w.close()
-        _remove_remote_tmp(conns, remote_tmp)
+        _remove_remote_tmp({n: c for n, c in conns.items() if n not in lost}, remote_tmp)
         for c in conns.values():
             c.close()
     return LaunchReport(output, time.time() - t0)

@@ -263,11 +263,18 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
 
 
 def stop_workers(workers: list, grace_s: float = 5.0) -> None:
-    """Asks every worker still running to stop, then kills those that have not within grace_s."""
+    """Asks every worker still running to stop, then kills those that have not within grace_s. A
+    worker whose host has been silent for over 2 s (a remote wrapper reports every second) is not
+    waited for: its channel is closed at once and the wrapper's own timeout stops it there."""
+    live = []
     for w in workers:
         if w.poll() is None:
-            w.stop()
+            if w.silent_s() > 2.0:
+                w.kill()
+            else:
+                w.stop()
+                live.append(w)
     deadline = time.time() + grace_s
-    for w in workers:
+    for w in live:
         if w.wait(timeout=max(0.05, deadline - time.time())) is None:
             w.kill()

@@ -277,7 +277,7 @@ def test_host_link_down_mid_run(cluster, plan_and_prompts, tmp_path):
     try:
         _, err = proc.communicate(timeout=60)
         elapsed = time.time() - t
-        assert proc.returncode == 2 and elapsed < 5 + 10, (proc.returncode, elapsed, err)
+        assert proc.returncode == 2 and elapsed < 5 + 5, (proc.returncode, elapsed, err)
         assert "no answer from host h2 for 5 s" in err, err
         # the cut-off host's wrapper stops its worker on its own once the launcher falls silent
         assert wait_until_clean(cluster, 5 + 5) == []
