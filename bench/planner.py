@@ -102,34 +102,24 @@ def main() -> None:
     t = time.perf_counter()
     partition_layers(unit_time, out_comm, rng.uniform(1, 2, 160), np.full(16, 40.0))
     report["partition_layers_160_units_16_devices_s"] = time.perf_counter() - t
-    report["literal_vs_ours"] = []
-    for n in [int(x) for x in args.literal_n.split(",") if x]:
-        small = realistic_tau(n)
-        t = time.perf_counter()
-        ours = slice_sequence(small, 8)
-        t_ours = time.perf_counter() - t
-        t = time.perf_counter()
-        literal, thresholds = literal_algorithm2(small, 8)
-        t_literal = time.perf_counter() - t
-        report["literal_vs_ours"].append({"units": n, "stages": 8, "thresholds": thresholds, "literal_s": t_literal,
-                                          "ours_s": t_ours, "speedup": t_literal / t_ours,
-                                          "same_optimum": bool(abs(literal - ours.objective) <= 1e-12 * literal)})
-        print(report["literal_vs_ours"][-1], flush=True)
-    report["batched_literal_vs_ours"] = []
-    for n in [int(x) for x in args.batched_literal_n.split(",") if x]:
-        small = realistic_tau(n)
-        t = time.perf_counter()
-        ours = slice_sequence(small, 8)
-        t_ours = time.perf_counter() - t
-        t = time.perf_counter()
-        literal, thresholds = literal_algorithm2_batched(small, 8, args.batched_literal_device,
-                                                         chunk=65536 if args.batched_literal_device.startswith("cuda") else 8192)
-        t_literal = time.perf_counter() - t
-        report["batched_literal_vs_ours"].append({
-            "units": n, "stages": 8, "thresholds": thresholds, "literal_device": args.batched_literal_device,
-            "literal_s": t_literal, "ours_s": t_ours, "speedup": t_literal / t_ours,
-            "same_optimum": bool(abs(literal - ours.objective) <= 1e-12 * literal)})
-        print(report["batched_literal_vs_ours"][-1], flush=True)
+    batched = lambda tau, stages: literal_algorithm2_batched(  # noqa: E731
+        tau, stages, args.batched_literal_device, chunk=65536 if args.batched_literal_device.startswith("cuda") else 8192)
+    for key, literal_fn, sizes, extra in (
+            ("literal_vs_ours", literal_algorithm2, args.literal_n, {}),
+            ("batched_literal_vs_ours", batched, args.batched_literal_n, {"literal_device": args.batched_literal_device})):
+        report[key] = []
+        for n in [int(x) for x in sizes.split(",") if x]:
+            small = realistic_tau(n)
+            t = time.perf_counter()
+            ours = slice_sequence(small, 8)
+            t_ours = time.perf_counter() - t
+            t = time.perf_counter()
+            literal, thresholds = literal_fn(small, 8)
+            t_literal = time.perf_counter() - t
+            report[key].append({"units": n, "stages": 8, "thresholds": thresholds, **extra, "literal_s": t_literal,
+                                "ours_s": t_ours, "speedup": t_literal / t_ours,
+                                "same_optimum": bool(abs(literal - ours.objective) <= 1e-12 * literal)})
+            print(report[key][-1], flush=True)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -279,11 +279,13 @@ def launch(
         raise HpipeError(f"--sampling {sampling!r}: use cpu, inline or auto")
     if sampling == "auto":
         sampling = "cpu" if formats.load_plan(plan_path).stages[-1].device.startswith("cuda") else "inline"
-    settings = LaunchSettings(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                              max_batch=max_batch, logits_out=logits_out, resume=resume, top_k=top_k, top_p=top_p,
-                              min_p=min_p, repetition_penalty=repetition_penalty,
-                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                              sampling=sampling, sampler_procs=sampler_procs)
+    from hpipe.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty)
+    settings = LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
+                              logits_out=logits_out, resume=resume, sampling=sampling, sampler_procs=sampler_procs)
     job = prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")

@@ -17,18 +17,13 @@ from pathlib import Path
 from hpipe import formats, models
 from hpipe.errors import HpipeError
 from hpipe.reports import parse
+from hpipe.sampling import SamplingParams
 
 
 @dataclass
 class LaunchSettings:
     max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))  # seed: see `seed`
     sampling: str = "inline"         # "inline" (the last stage samples) or "cpu" (a sampler pool)
     sampler_procs: int = 1
     seed: int = 0
@@ -69,11 +64,6 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
     plan = formats.load_plan(plan_path)
     if settings.max_new_tokens < 1:
         raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
-    from hpipe.sampling import SamplingParams
-
-    SamplingParams(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
-                   min_p=settings.min_p, repetition_penalty=settings.repetition_penalty,
-                   frequency_penalty=settings.frequency_penalty, presence_penalty=settings.presence_penalty)
     if settings.sampler_procs < 1:
         raise HpipeError(f"--sampler-procs must be at least 1, got {settings.sampler_procs}")
     source = models.resolve_model(model or plan.model.name, progress=progress)
@@ -188,11 +178,9 @@ def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str
     cmd = [python, "-m", "hpipe.runtime.worker", "--plan", plan_path, "--rank", str(rank),
            "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model,
            "--requests", requests_path, "--max-new-tokens", str(settings.max_new_tokens),
-           "--temperature", repr(settings.temperature), "--top-k", str(settings.top_k),
-           "--top-p", repr(settings.top_p), "--min-p", repr(settings.min_p),
-           "--repetition-penalty", repr(settings.repetition_penalty),
-           "--frequency-penalty", repr(settings.frequency_penalty),
-           "--presence-penalty", repr(settings.presence_penalty), "--sampling", settings.sampling,
+           *[arg for name, value in settings.params.__dict__.items() if name != "seed"
+             for arg in (f"--{name.replace('_', '-')}", repr(value))],
+           "--sampling", settings.sampling,
            "--sampler-procs", str(settings.sampler_procs), "--seed", str(settings.seed),
            "--max-batch", str(settings.max_batch), "--eos", ",".join(map(str, eos)), "--attn", settings.attn,
            "--threads", str(threads)]

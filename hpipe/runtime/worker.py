@@ -64,13 +64,11 @@ def parse_args(argv=None):
     p.add_argument("--model", help="model to load (default: the plan's model name)")
     p.add_argument("--requests", required=True, help="JSONL of {seq, id, input_ids} (written by the launcher)")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
+    from hpipe.sampling import SamplingParams
+
+    for name, default in SamplingParams(temperature=0.0).__dict__.items():   # --temperature, --top-k, ...
+        if name != "seed":
+            p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     p.add_argument("--sampling", choices=["inline", "cpu"], default="inline",
                    help="last stage: sample in its own loop, or in a pool of sampler processes (SiPipe)")
     p.add_argument("--sampler-procs", type=int, default=1, help="with --sampling cpu: processes in the pool")
@@ -127,9 +125,8 @@ def run(args) -> None:
     load_s = time.time() - t_load
     ids_by_seq = {r.seq: r.id for r in requests}
     last = args.rank == args.world_size - 1
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                            presence_penalty=args.presence_penalty)
+    params = SamplingParams(**{name: getattr(args, name) for name in SamplingParams.__dataclass_fields__
+                               if name != "seed"})
     prompts = {r.seq: (r.id, r.input_ids) for r in requests}
     sampler = RequestSampler(params, args.seed, int(config.vocab_size), prompts,
                              min(len(requests), args.max_batch + args.world_size), args.max_new_tokens,
