@@ -39,10 +39,15 @@ def _least_sum(tau_t: np.ndarray, n: int, cap: float, monotone: bool):
     best[0] = 0.0
     if monotone:
         reach = _reach(tau_t, n, cap)  # the longest slice allowed after each c
-        for c in range(n):
-            k = reach[c]
-            if k and best[c] < np.inf:
-                np.minimum(best[c + 1:c + 1 + k], best[c] + tau_t[c, 1:k + 1], out=best[c + 1:c + 1 + k])
+        tmp = np.empty(n + 1)
+        inf = np.inf
+        add, minimum = np.add, np.minimum
+        for c, k in enumerate(reach):
+            b = float(best[c])
+            if k and b < inf:
+                seg = best[c + 1:c + 1 + k]
+                t = add(tau_t[c, 1:k + 1], b, out=tmp[:k])
+                minimum(seg, t, out=seg)
     else:
         capped = np.where(tau_t <= cap, tau_t, np.inf)
         for c in range(n):
