@@ -379,6 +379,13 @@ def version():
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        # a program started in the background by a shell begins with SIGINT ignored; hpipe's
+        # teardown (stop every worker, keep the results) must still run on `kill -INT`
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         app(args=argv, standalone_mode=False)
         return 0

@@ -65,7 +65,7 @@ class GridModel:
         w = np.clip((flat_c - lo) / (hi - lo), 0.0, 1.0)
         cols = np.arange(flat_s.size)
         v_lo, v_hi = values[idx, cols], values[idx + 1, cols]
-        out = v_lo + w * (v_hi - v_lo)
+        out = (1.0 - w) * v_lo + w * v_hi   # a sum of two non-decreasing terms: monotone in s after rounding
         beyond = flat_c > rc[-1]
         out[beyond] *= 1.0 + self.rho * (flat_c[beyond] - rc[-1])
         return out.reshape(s.shape)

@@ -217,8 +217,14 @@ def start_cluster(base: Path, specs: list[HostSpec]) -> EmulatedCluster:
                 raise RuntimeError("cgroup v1 cpu controller not mounted at /sys/fs/cgroup/cpu")
             cg = CGROUP_ROOT / ns
             cg.mkdir(exist_ok=True)
-            (cg / "cpu.cfs_period_us").write_text("100000")
-            (cg / "cpu.cfs_quota_us").write_text(str(int(spec.cpus * 100000)))
+            # a short period (2 ms): with the default 100 ms, work shorter than the quota runs at full
+            # speed and only some of it waits, so the profiler's medians would not see the slow host
+            period = 2000
+            if spec.cpus * period < 1000:
+                raise RuntimeError(f"cpus={spec.cpus}: the kernel's smallest quota is 1 ms of a {period} us period")
+            (cg / "cpu.cfs_quota_us").write_text("-1")
+            (cg / "cpu.cfs_period_us").write_text(str(period))
+            (cg / "cpu.cfs_quota_us").write_text(str(int(spec.cpus * period)))
             host.cgroup = cg
         hosts.append(host)
     (base / "known_hosts").write_text("\n".join(known) + "\n")
