@@ -344,3 +344,26 @@ def test_push_model_copies_only_each_hosts_shards(cluster, tiny_models, tmp_path
     ids = [{x["id"]: x["output_ids"] for x in map(json.loads, (tmp_path / f).read_text().splitlines())}
            for f in ("a.jsonl", "b.jsonl", "c.jsonl")]
     assert ids[0] == ids[1] == ids[2]
+
+
+def test_preflight_refuses_missing_devices_and_other_versions(cluster, tmp_path):
+    """The preflight compares each host with the plan and with this machine: a CUDA device the host
+    does not have, and an hpipe of another version on its path, are refused before anything starts."""
+    inv = write_inventory(cluster, tmp_path / "gpu.toml")
+    inv.write_text(inv.read_text().replace('devices = ["cpu"]', 'devices = ["cpu", "cuda:0"]', 1))
+    plan = tmp_path / "plan.json"
+    assert hpipe("plan", "--model", "smollm2", "--cluster", inv, "-o", plan, cwd=tmp_path).returncode == 0
+    line = error_line(hpipe("cluster", "check", inv, "--plan", plan, cwd=tmp_path))
+    assert "host h0" in line and "cuda:0 not found" in line and "host h1" not in line, line
+    # an older hpipe first on h1's path
+    fake = tmp_path / "old" / "hpipe"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "0.0.1"\n')
+    inv = write_inventory(cluster, tmp_path / "old.toml")
+    text = inv.read_text()
+    h1 = text.index('name = "h1"')
+    text = text[:h1] + text[h1:].replace(f'PYTHONPATH = "{ROOT}"', f'PYTHONPATH = "{fake.parent}"', 1)
+    inv.write_text(text)
+    line = error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
+    assert "host h1" in line and "hpipe 0.0.1 there" in line and "host h0" not in line, line
+    assert nothing_running(cluster) == []
