@@ -468,6 +468,21 @@ class PromptRecord:
     prompt: str | None = None
     input_ids: tuple[int, ...] | None = None
     raw: bool = False
+    sampling: dict | None = None     # per-prompt overrides of the launch's sampling parameters
+
+
+def _check_sampling(path, where, obj) -> dict:
+    """A prompt's "sampling" object: any of hpipe.sampling.SamplingParams' fields, checked by the
+    same rules."""
+    from hpipe.sampling import SamplingError, SamplingParams
+
+    _expect(path, where, obj, dict, 'an object like {"temperature": 0.7, "top_p": 0.9, "seed": 1}')
+    _no_unknown_keys(path, where, obj, set(SamplingParams.__dataclass_fields__))
+    try:
+        SamplingParams(**obj)
+    except SamplingError as e:
+        raise _fail(path, where, str(e)) from None
+    return dict(obj)
 
 
 def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
@@ -489,7 +504,10 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
         except json.JSONDecodeError as e:
             raise _fail(path, where, f"not valid JSON ({e.msg}); each line must be one JSON object") from None
         _expect(path, where, obj, dict, 'an object like {"id": "q1", "prompt": "..."}')
-        _no_unknown_keys(path, where, obj, {"id", "prompt", "input_ids", "raw"})
+        _no_unknown_keys(path, where, obj, {"id", "prompt", "input_ids", "raw", "sampling"})
+        sampling = obj.get("sampling")
+        if sampling is not None:
+            sampling = _check_sampling(path, f"{where}: sampling", sampling)
         pid = obj.get("id")
         _expect(path, f"{where}: id", pid, str, "a string id")
         if pid in seen:
@@ -504,13 +522,13 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
             _expect(path, f"{where}: prompt", obj["prompt"], str, "a string")
             if not obj["prompt"]:
                 raise _fail(path, f"{where}: prompt", "is empty")
-            out.append(PromptRecord(id=pid, prompt=obj["prompt"], raw=raw))
+            out.append(PromptRecord(id=pid, prompt=obj["prompt"], raw=raw, sampling=sampling))
         else:
             ids = obj["input_ids"]
             if (not isinstance(ids, list) or not ids
                     or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
                 raise _fail(path, f"{where}: input_ids", "expected a non-empty list of non-negative integers")
-            out.append(PromptRecord(id=pid, input_ids=tuple(ids)))
+            out.append(PromptRecord(id=pid, input_ids=tuple(ids), sampling=sampling))
     if not out:
         raise HpipeError(f"{path}: no prompts in the file")
     return out

@@ -382,7 +382,8 @@ class RequestSampler:
 
     def __init__(self, params: SamplingParams, seed: int, vocab_size: int, prompts: dict, max_batch: int,
                  max_new_tokens: int, eos_ids, layout: str | None = None):
-        self.params, self.seed, self.prompts = params, seed, prompts   # prompts: seq -> (request id, ids)
+        # prompts: seq -> (request id, prompt ids[, the prompt's own overrides of `params`, its seed included])
+        self.params, self.seed, self.prompts = params, seed, prompts
         self.max_new_tokens, self.eos = max_new_tokens, set(eos_ids)
         self.cpu = CPUSampler(vocab_size, max_batch, max_new_tokens, layout=layout)
         self.counts: dict[int, int] = {}
@@ -390,8 +391,9 @@ class RequestSampler:
     def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
         for s in seqs:
             if s not in self.counts:
-                request_id, prompt = self.prompts[s]
-                params = SamplingParams(**{**self.params.__dict__, "seed": sequence_seed(self.seed, request_id)})
+                request_id, prompt, *overrides = self.prompts[s]
+                params = SamplingParams(**{**self.params.__dict__, "seed": sequence_seed(self.seed, request_id),
+                                           **(overrides[0] if overrides and overrides[0] else {})})
                 self.cpu.add(s, params, prompt)
                 self.counts[s] = 0
         ids = self.cpu.step(logits, seqs).tolist()

@@ -92,7 +92,10 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
             raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has {len(ids)} tokens; with --max-new-tokens "
                              f"{settings.max_new_tokens} that exceeds the model's context of {ctx} tokens; "
                              f"shorten the prompt or lower --max-new-tokens")
-        requests.append({"seq": len(requests), "id": rec.id, "input_ids": ids})
+        request = {"seq": len(requests), "id": rec.id, "input_ids": ids}
+        if rec.sampling:
+            request["sampling"] = rec.sampling
+        requests.append(request)
     return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids),
                        models.eos_token_ids(source.path, config))
 

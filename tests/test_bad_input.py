@@ -103,6 +103,9 @@ def test_prompt_longer_than_context(capsys, llama_plan, tmp_path):
     ('{"id": "a", "text": "hi"}\n', ("line 1", "unknown key 'text'")),
     ('{"id": "a", "input_ids": [1, -2]}\n', ("line 1", "input_ids")),
     ('[1, 2, 3]\n', ("line 1", "expected an object")),
+    ('{"id": "a", "input_ids": [1], "sampling": {"top_p": 0}}\n', ("line 1: sampling", "top_p=0", "(0, 1]")),
+    ('{"id": "a", "input_ids": [1], "sampling": {"temp": 1}}\n', ("line 1: sampling", "unknown key 'temp'")),
+    ('{"id": "a", "input_ids": [1], "sampling": 0.7}\n', ("line 1: sampling", "expected an object")),
 ])
 def test_malformed_prompts(capsys, llama_plan, tmp_path, content, needles):
     (tmp_path / "p.jsonl").write_text(content)

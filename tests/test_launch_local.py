@@ -93,3 +93,31 @@ def test_sampler_pool_gives_the_tokens_of_inline_sampling(sampling_args, procs, 
         runs[name] = {k: v["output_ids"] for k, v in read_results(out).items()}
     assert len(runs["inline"]) == 6
     assert runs["pool"] == runs["inline"]
+
+
+def test_per_prompt_sampling_overrides(tiny_models, reference_models, tmp_path):
+    """A prompt's own "sampling" object wins over the launch's options: a greedy prompt in a hot
+    launch gives transformers' greedy tokens, and a prompt with its own seed gives the same tokens
+    whatever the launch's --seed."""
+    path = tiny_models["llama"]
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(path), "--stages", "2", "-o", str(plan)]) == 0
+    greedy_prompt, seeded_prompt = [5, 17, 33, 8], [9, 10, 11, 40, 2 + 1]
+    lines = [{"id": "greedy", "input_ids": greedy_prompt, "sampling": {"temperature": 0}},
+             {"id": "seeded", "input_ids": seeded_prompt, "sampling": {"seed": 1234, "top_k": 30}},
+             {"id": "plain", "input_ids": seeded_prompt}]
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    runs = []
+    for launch_seed in (1, 2):
+        out = tmp_path / f"o{launch_seed}.jsonl"
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
+                     "--max-new-tokens", str(NEW_TOKENS), "--temperature", "1.5", "--seed", str(launch_seed),
+                     "--quiet"]) == 0
+        runs.append({k: v["output_ids"] for k, v in read_results(out).items()})
+    ref_model = reference_models["llama"]
+    for r in runs:
+        assert_greedy_equal(ref_model, greedy_prompt, r["greedy"], reference_greedy(ref_model, greedy_prompt,
+                                                                                    NEW_TOKENS, 2))
+    assert runs[0]["seeded"] == runs[1]["seeded"]
+    assert runs[0]["plain"] != runs[1]["plain"], "without its own seed a prompt follows --seed"

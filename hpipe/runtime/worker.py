@@ -31,6 +31,7 @@ def log(msg: str) -> None:
 
 
 def read_requests(path: str):
+    """[(scheduler Request, the prompt's sampling overrides or None)] from the launcher's file."""
     from hpipe.runtime.scheduler import Request
 
     out = []
@@ -38,7 +39,7 @@ def read_requests(path: str):
         for line in f:
             if line.strip():
                 r = json.loads(line)
-                out.append(Request(int(r["seq"]), str(r["id"]), tuple(r["input_ids"])))
+                out.append((Request(int(r["seq"]), str(r["id"]), tuple(r["input_ids"])), r.get("sampling")))
     return out
 
 
@@ -62,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--model", help="model to load (default: the plan's model name)")
-    p.add_argument("--requests", required=True, help="JSONL of {seq, id, input_ids} (written by the launcher)")
+    p.add_argument("--requests", required=True,
+                   help="JSONL of {seq, id, input_ids[, sampling]} (written by the launcher)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     from hpipe.sampling import SamplingParams
 
@@ -120,14 +122,15 @@ def run(args) -> None:
         args.eos = models.eos_token_ids(source.path, config)
     else:
         args.eos = [int(x) for x in args.eos.split(",") if x.strip()]
-    requests = read_requests(args.requests)
+    entries = read_requests(args.requests)
+    requests = [r for r, _ in entries]
     warm_up(runner, requests, args)
     load_s = time.time() - t_load
     ids_by_seq = {r.seq: r.id for r in requests}
     last = args.rank == args.world_size - 1
     params = SamplingParams(**{name: getattr(args, name) for name in SamplingParams.__dataclass_fields__
                                if name != "seed"})
-    prompts = {r.seq: (r.id, r.input_ids) for r in requests}
+    prompts = {r.seq: (r.id, r.input_ids, overrides) for r, overrides in entries}
     sampler = RequestSampler(params, args.seed, int(config.vocab_size), prompts,
                              min(len(requests), args.max_batch + args.world_size), args.max_new_tokens,
                              args.eos) if last else None
