@@ -27,8 +27,9 @@ those candidates only. `slots` are replicas of this state, so that micro-batch n
 pipeline depth) share one while other slots are in use. In steady state no [B, V]-sized tensor
 is allocated per step: the penalized logits go to a preallocated work buffer, column-wise [V, B]
 (SiPipe) or row-wise [B, V]; `bench/sampler.py` measures both and DEFAULT_LAYOUT is the faster
-here. Rows that need the whole vocabulary (top_k = 0 with sampling, or a tie at the k-th value)
-take an exact dense path.
+here. Rows that need the whole vocabulary (top_k = 0 with sampling)
+take an exact dense path; a tie (or near tie) at the k-th value widens that row's candidates to
+every id down to it.
 """
 
 from __future__ import annotations
@@ -225,22 +226,30 @@ class CPUSampler:
         top_vals, top_ids = torch.topk(work, k_sel, dim=vocab_dim)
         if vocab_dim == 0:
             top_vals, top_ids = top_vals.t(), top_ids.t()
-        fast, dense = [], []
+        # rows whose k-th and (k+1)-th values tie (bf16 logits tie often), or nearly (float32 arithmetic
+        # may differ from the exact float64 values by an ulp), take every id down to the k-th value
+        fast, dense, wide = [], [], []
         for i, p in enumerate(params):
-            if p.greedy:
-                fast.append(i)
-            elif p.top_k == 0 or (p.top_k < self.vocab_size and top_vals[i, p.top_k - 1] == top_vals[i, p.top_k]):
-                dense.append(i)   # the whole vocabulary, or a tie at the k-th value
+            k = 1 if p.greedy else p.top_k
+            if k == 0 or k >= self.vocab_size:
+                dense.append(i)             # sampling over the whole vocabulary
+                continue
+            kth, nxt = float(top_vals[i, k - 1]), float(top_vals[i, k])
+            floor = kth - 1e-5 * max(1.0, abs(kth))
+            if nxt >= floor:
+                wide.append((i, floor))
             else:
                 fast.append(i)
 
         out_ids = torch.empty(b, dtype=torch.long)
         probs_out = torch.zeros((b, self.vocab_size), dtype=torch.float64) if return_probs else None
-        for rows, ids in ((fast, top_ids[fast] if fast else None), (dense, None)):
-            if not rows:
-                continue
-            if ids is None:
-                ids = torch.arange(self.vocab_size).expand(len(rows), -1)
+        groups = [(fast, top_ids[fast] if fast else None)] if fast else []
+        for i, floor in wide:
+            row = work[:, i] if vocab_dim == 0 else work[i]
+            groups.append(([i], torch.nonzero(row >= floor).flatten()[None, :]))
+        if dense:
+            groups.append((dense, torch.arange(self.vocab_size).expand(len(dense), -1)))
+        for rows, ids in groups:
             vals = self._exact_penalized(st, logits, rows, ids, cols, params)
             self._choose(st, rows, ids, vals, cols_l, params, out_ids, probs_out)
 

@@ -95,6 +95,18 @@ def test_random_parameters_match_reference(layout):
         run_against_reference(vocab, rows, steps=rng.randint(1, 6), rng=rng, layout=layout)
 
 
+def test_bfloat16_logits_with_many_ties_match_reference():
+    """Logits from a bf16 model have 8 significant bits: ties at the k-th value and at the maximum
+    are common, and each must be resolved as the semantics say (ties kept, greedy = first maximum)."""
+    rng = random.Random("bf16")
+    for trial in range(12):
+        vocab = rng.choice([64, 500])
+        rows = [(random_params(rng), [rng.randrange(vocab) for _ in range(rng.randint(0, 6))])
+                for _ in range(rng.randint(1, 5))]
+        run_against_reference(vocab, rows, steps=3, rng=rng, layout="row",
+                              logits_fn=lambda b: (torch.randn(b, vocab) * 2).to(torch.bfloat16).float())
+
+
 @pytest.mark.parametrize("layout", ["row", "column"])
 def test_edge_cases(layout):
     rng = random.Random(1)

@@ -1,0 +1,68 @@
+"""Where a decode-heavy launch spends its time, per stage: compute / wait / send totals and the
+number of micro-batches, from `hpipe launch --timeline-out`. A random-init Llama (hidden 1024,
+8 blocks, vocabulary of --vocab) built here, 2 stages on --device. Prints JSON.
+
+    python bench/decode_timeline.py --device cuda:0 [--vocab 151643] [--prompts 16] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hpipe.cli import main as hpipe
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--vocab", type=int, default=151643)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--sampling", default="inline")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                             num_key_value_heads=4, vocab_size=args.vocab, max_position_embeddings=4096,
+                             bos_token_id=1, eos_token_id=2)
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "m")
+        (tmp / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [3 + (i * 7919 + j * 31) % 30000
+                                                                                       for j in range(64)]}) + "\n"
+                                             for i in range(args.prompts)))
+        assert hpipe(["plan", "--model", str(tmp / "m"), "--stages", "2", "--device", args.device, "--dtype",
+                      args.dtype, "-o", str(tmp / "plan.json")]) == 0
+        rc = hpipe(["launch", str(tmp / "plan.json"), "--local", "--prompts", str(tmp / "p.jsonl"), "--out",
+                    str(tmp / "o.jsonl"), "--max-new-tokens", str(args.new_tokens), "--max-batch", str(args.prompts),
+                    "--sampling", args.sampling, "--temperature", "0.8", "--top-k", "50",
+                    "--timeline-out", str(tmp / "t.json"), "--quiet"])
+        assert rc == 0
+        t = json.loads((tmp / "t.json").read_text())
+        report = {"run": json.loads(Path(f"{tmp / 'o.jsonl'}.summary.json").read_text())["run"], "stages": []}
+        for st in t["stages"]:
+            tot = collections.Counter()
+            n = collections.Counter()
+            for i in st["intervals"]:
+                key = i["what"] + ("/" + i["kind"] if i.get("kind") else "")
+                tot[key] += i["end"] - i["start"]
+                n[key] += 1
+            report["stages"].append({"rank": st["rank"], "load_s": st["load_s"],
+                                     "totals_s": {k: round(v, 3) for k, v in tot.items()}, "counts": dict(n)})
+        print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
