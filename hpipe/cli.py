@@ -249,9 +249,9 @@ def launch(
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="over prompt and output tokens"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="x count of each output token"),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="once per output token"),
-    sampling: str = typer.Option("auto", "--sampling", help="cpu: a pool of sampler processes takes the logits "
-                                 "off the last stage (SiPipe); inline: the last stage samples; auto: cpu when the "
-                                 "last stage is a GPU"),
+    sampling: str = typer.Option("inline", "--sampling", help="inline: the last stage samples; cpu: a pool of "
+                                 "sampler processes takes the logits off the last stage (SiPipe), which pays when "
+                                 "the last stage has other micro-batches to run meanwhile"),
     sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     seed: int = typer.Option(0, "--seed"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
@@ -275,10 +275,8 @@ def launch(
     inventory = formats.load_inventory(cluster) if cluster else None
     if max_batch < 1:
         raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
-    if sampling not in ("auto", "cpu", "inline"):
-        raise HpipeError(f"--sampling {sampling!r}: use cpu, inline or auto")
-    if sampling == "auto":
-        sampling = "cpu" if formats.load_plan(plan_path).stages[-1].device.startswith("cuda") else "inline"
+    if sampling not in ("cpu", "inline"):
+        raise HpipeError(f"--sampling {sampling!r}: use inline or cpu")
     from hpipe.sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -22,7 +22,7 @@ import torch
 _POLL_S = 0.0002
 
 
-def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_locks, stop, config: dict) -> None:
+def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop, config: dict) -> None:
     from hpipe.sampling import RequestSampler
 
     torch.set_num_threads(config["threads"])
@@ -44,10 +44,10 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_locks, sto
         row_seqs = seqs[k, :n].tolist()
         rows = [r for r, s in enumerate(row_seqs) if s % n_procs == index]
         ids = sampler.sample(logits[k, rows], [row_seqs[r] for r in rows]) if rows else []
-        with done_locks[k]:
-            if rows:
-                out[k, rows] = torch.tensor(ids, dtype=torch.long)
-            done[k, index] = m
+        if rows:
+            out[k, rows] = torch.tensor(ids, dtype=torch.long)
+        done[k, index] = m
+        done_sems[k].release()   # a semaphore release orders the writes above before the collector's reads
         m += 1
 
 
@@ -65,11 +65,11 @@ class SamplerPool:
             "done": torch.full((n_slots, n_procs), -1, dtype=torch.long).share_memory_(),
         }
         self.locks = [ctx.Lock() for _ in range(n_slots)]
-        self.done_locks = [ctx.Lock() for _ in range(n_slots)]
+        self.done_sems = [ctx.Semaphore(0) for _ in range(n_slots)]   # one release per process per micro-batch
         self.stop_event = ctx.Event()
         config = {"threads": threads, "prompts": prompts, "params": params, "seed": seed, "max_batch": max_batch,
                   "max_new_tokens": max_new_tokens, "eos": list(eos_ids)}
-        self.procs = [ctx.Process(target=_sampler_main, args=(i, n_procs, self.shared, self.locks, self.done_locks,
+        self.procs = [ctx.Process(target=_sampler_main, args=(i, n_procs, self.shared, self.locks, self.done_sems,
                                                                self.stop_event, config), daemon=True,
                                   name=f"hpipe-sampler-{i}") for i in range(n_procs)]
         for p in self.procs:
@@ -92,7 +92,7 @@ class SamplerPool:
         k = m % self.n_slots
         sh = self.shared
         if n:
-            sh["logits"][k, :n].copy_(logits.detach().to("cpu", torch.float32))
+            sh["logits"][k, :n].copy_(logits.detach())     # device and dtype in one copy
             sh["seqs"][k, :n] = torch.tensor(seqs, dtype=torch.long)
         sh["meta"][k] = torch.tensor([m, n, mb_id])
         # lock ahead: the next slot must be free (its ids collected), then it is ours before k is released
@@ -128,15 +128,16 @@ class SamplerPool:
                             return
                         self.cond.wait(timeout=0.05)
                 k = m % self.n_slots
-                while True:
-                    with self.done_locks[k]:
-                        if bool((sh["done"][k] == m).all()):
-                            n, mb_id = int(sh["meta"][k, 1]), int(sh["meta"][k, 2])
-                            ids = sh["out"][k, :n].tolist()
-                            break
-                    if any(p.exitcode is not None for p in self.procs):
+                waiting = self.n_procs
+                while waiting:                     # every process signals once per micro-batch
+                    if self.done_sems[k].acquire(timeout=0.5):
+                        waiting -= 1
+                    elif any(p.exitcode is not None for p in self.procs):
                         raise RuntimeError("a sampler process died")
-                    time.sleep(_POLL_S)
+                if not bool((sh["done"][k] == m).all()):
+                    raise RuntimeError(f"sampler ring out of step at micro-batch {m}")
+                n, mb_id = int(sh["meta"][k, 1]), int(sh["meta"][k, 2])
+                ids = sh["out"][k, :n].tolist()
                 self.send(mb_id, ids)
                 m += 1
                 with self.cond:
