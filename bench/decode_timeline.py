@@ -15,14 +15,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# bench/profile.py would shadow the standard library's `profile` module: keep bench/ off the path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
+    from bench.common import random_llama, token_prompts
     from hpipe.cli import main as hpipe
 
     ap = argparse.ArgumentParser()
@@ -35,14 +34,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                             num_key_value_heads=4, vocab_size=args.vocab, max_position_embeddings=4096,
-                             bos_token_id=1, eos_token_id=2)
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "m")
-        (tmp / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [3 + (i * 7919 + j * 31) % 30000
-                                                                                       for j in range(64)]}) + "\n"
-                                             for i in range(args.prompts)))
+        random_llama(tmp / "m", args.vocab)
+        token_prompts(tmp / "p.jsonl", args.prompts)
         assert hpipe(["plan", "--model", str(tmp / "m"), "--stages", "2", "--device", args.device, "--dtype",
                       args.dtype, "-o", str(tmp / "plan.json")]) == 0
         rc = hpipe(["launch", str(tmp / "plan.json"), "--local", "--prompts", str(tmp / "p.jsonl"), "--out",

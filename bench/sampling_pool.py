@@ -44,19 +44,11 @@ def main() -> None:
         prompts = tmp / "p.jsonl"
         model = "smollm2"
         if args.random_vocab:
-            import torch
-            from transformers import AutoModelForCausalLM, LlamaConfig
+            from bench.common import random_llama, token_prompts
 
-            torch.manual_seed(0)
-            config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                                 num_key_value_heads=4, vocab_size=args.random_vocab, max_position_embeddings=4096,
-                                 bos_token_id=1, eos_token_id=2)
-            model = str(tmp / "model")
-            AutoModelForCausalLM.from_config(config).save_pretrained(model)
+            model = str(random_llama(tmp / "model", args.random_vocab))
             report["model"] = f"random-init Llama, hidden 1024, 8 blocks, vocab {args.random_vocab}"
-            prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [3 + (i * 7919 + j * 31) % 30000
-                                                                                for j in range(64)]}) + "\n"
-                                       for i in range(args.prompts)))
+            token_prompts(prompts, args.prompts)
         else:
             report["model"] = "smollm2"
             prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write a paragraph about {topics[i % 16]}."})

@@ -1,0 +1,28 @@
+"""Pieces several benchmarks share: a random-init Llama built on the spot (no download) and
+synthetic prompts as token ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def random_llama(directory: Path, vocab: int, hidden: int = 1024, layers: int = 8) -> Path:
+    """A random-init Llama (GQA 16/4 heads) saved as a Hugging Face directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab,
+                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def token_prompts(path: Path, n: int, length: int = 64) -> Path:
+    """n prompts of `length` deterministic token ids each (ids below 30,000)."""
+    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [3 + (i * 7919 + j * 31) % 30000
+                                                                     for j in range(length)]}) + "\n"
+                            for i in range(n)))
+    return path
