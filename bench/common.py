@@ -20,9 +20,10 @@ def random_llama(directory: Path, vocab: int, hidden: int = 1024, layers: int = 
     return directory
 
 
-def token_prompts(path: Path, n: int, length: int = 64) -> Path:
-    """n prompts of `length` deterministic token ids each (ids below 30,000)."""
-    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [3 + (i * 7919 + j * 31) % 30000
+def token_prompts(path: Path, n: int, length: int = 64, vocab: int = 30003) -> Path:
+    """n prompts of `length` deterministic token ids each (3 <= id < min(vocab, 30,003))."""
+    span = min(vocab, 30003) - 3
+    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [3 + (i * 7919 + j * 31) % span
                                                                      for j in range(length)]}) + "\n"
                             for i in range(n)))
     return path

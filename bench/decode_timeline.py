@@ -35,7 +35,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         random_llama(tmp / "m", args.vocab)
-        token_prompts(tmp / "p.jsonl", args.prompts)
+        token_prompts(tmp / "p.jsonl", args.prompts, vocab=args.vocab)
         assert hpipe(["plan", "--model", str(tmp / "m"), "--stages", "2", "--device", args.device, "--dtype",
                       args.dtype, "-o", str(tmp / "plan.json")]) == 0
         rc = hpipe(["launch", str(tmp / "plan.json"), "--local", "--prompts", str(tmp / "p.jsonl"), "--out",

@@ -48,7 +48,7 @@ def main() -> None:
 
             model = str(random_llama(tmp / "model", args.random_vocab))
             report["model"] = f"random-init Llama, hidden 1024, 8 blocks, vocab {args.random_vocab}"
-            token_prompts(prompts, args.prompts)
+            token_prompts(prompts, args.prompts, vocab=args.random_vocab)
         else:
             report["model"] = "smollm2"
             prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Write a paragraph about {topics[i % 16]}."})
