@@ -84,7 +84,7 @@ def test_sampler_pool_gives_the_tokens_of_inline_sampling(sampling_args, procs, 
     prompts_file = tmp_path / "p.jsonl"
     write_prompts(prompts_file, [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 30))] for _ in range(6)])
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "8", "-o", str(plan)]) == 0
+    assert main(["plan", "--model", str(path), "--stages", "2", "--slices", "8", "-o", str(plan)]) == 0
     runs = {}
     for name, extra in (("inline", ["--sampling", "inline"]), ("pool", ["--sampling", "cpu", "--sampler-procs", procs])):
         out = tmp_path / f"{name}.jsonl"
