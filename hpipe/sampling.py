@@ -34,6 +34,7 @@ every id down to it.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from dataclasses import dataclass
@@ -263,8 +264,6 @@ class CPUSampler:
             t = int(new[i])
             seen = st.seen[c]
             if t not in seen:     # sorted list: binary insert keeps it unique
-                import bisect
-
                 bisect.insort(seen, t)
                 st.seen_t[c] = None
         return (out_ids, probs_out) if return_probs else out_ids

@@ -12,7 +12,6 @@ the stage, host, cause and last log lines; results already finished stay in the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from hpipe import formats, models, ssh
 from hpipe.errors import HpipeError
+from hpipe.host_probe import sha256
 from launcher.jobs import (
     JobOutput,
     LaunchSettings,
@@ -133,14 +133,6 @@ def refuse_failed(checks: list[HostCheck]) -> None:
                          "; ".join(f"host {c.name} ({c.address}): {' / '.join(c.problems)}" for c in bad))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], job: PreparedJob, log) -> dict[str, str]:
     """Copies to each host only the files its stages read, into ~/.cache/hpipe/pushed/<fingerprint>/,
     skipping files already there with the same SHA-256 and verifying each copy. Returns the remote
@@ -163,7 +155,7 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
             home = checks[name].info.get("home") or "/root"
             rdir = f"{home}/.cache/hpipe/pushed/{job.source.path.name}-{fp.split(':')[-1][:16]}"
             remote_dirs[name] = rdir
-            local_sums = {str(f): _sha256(f) for f in files}
+            local_sums = {str(f): sha256(f) for f in files}
             targets = [f"{rdir}/{f.name}" for f in files]
             there = ssh.probe(conn, sha256=targets).get("sha256", {})
             todo = [(str(f), t) for f, t in zip(files, targets) if there.get(t) != local_sums[str(f)]]
