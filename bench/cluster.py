@@ -114,7 +114,7 @@ def main() -> None:
                 prompts = work / "prompts.jsonl"
                 prompts.write_text(json.dumps({"id": "doc", "prompt": prompt}) + "\n")
                 from hpipe import models
-                from launcher.jobs import encode_prompt
+                from hpipe.launcher.jobs import encode_prompt
                 from hpipe.formats import load_prompts
 
                 tok = models.load_tokenizer(models.resolve_model("smollm2").path)

@@ -27,8 +27,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hpipe import formats
-    from launcher.jobs import LaunchSettings, busy_fractions, prepare
-    from launcher.local import launch_local
+    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
+    from hpipe.launcher.local import launch_local
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", default="cuda:0,cpu")
@@ -49,7 +49,7 @@ def main() -> None:
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "model")
         run = lambda *a: subprocess.run([sys.executable, "-m", "hpipe", *a], check=True, cwd=ROOT)  # noqa: E731
         # the CPU is profiled with the threads a CPU stage gets beside the GPU stages (see launcher.local)
-        from launcher.local import threads_per_stage
+        from hpipe.launcher.local import threads_per_stage
 
         cpu_threads = max(threads_per_stage(devices))
         run("profile", "--model", str(tmp / "model"), "--local", "--devices", args.devices, "--quick",

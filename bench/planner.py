@@ -78,8 +78,8 @@ def literal_algorithm2_batched(tau: np.ndarray, n_stages: int, device: str = "cp
 
 
 def main() -> None:
-    from planner.partition import partition_layers
-    from planner.slicing import slice_sequence
+    from hpipe.planner.partition import partition_layers
+    from hpipe.planner.slicing import slice_sequence
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--literal-n", default="64,128")

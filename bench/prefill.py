@@ -64,9 +64,9 @@ def single_process(ids: list[int], repeats: int, n_slices: int = 1) -> dict:
 
 def pipeline(ids: list[int], slices: int, repeats: int) -> dict:
     from hpipe import formats, models
-    from launcher.jobs import LaunchSettings, busy_fractions, prepare
-    from launcher.local import launch_local
-    from planner import make_plan
+    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
+    from hpipe.launcher.local import launch_local
+    from hpipe.planner import make_plan
 
     src = models.resolve_model("smollm2")
     config = models.load_config(src.path)

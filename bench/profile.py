@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     from bench.prefill import prompt_ids
     from hpipe import formats
-    from launcher.jobs import LaunchSettings, busy_fractions, prepare
-    from launcher.local import launch_local
+    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
+    from hpipe.launcher.local import launch_local
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)

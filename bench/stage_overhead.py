@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def timed(fn, sync, repeats=5):
-    from profiler.measure import median_time
+    from hpipe.profiler.measure import median_time
 
     return median_time(fn, sync, repeats)
 

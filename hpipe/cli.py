@@ -59,7 +59,7 @@ def profile(
 ):
     """Measure (or estimate) per-unit compute times, memory and links for a model on a cluster."""
     from hpipe import formats
-    from profiler.run import profile_estimate, profile_local, summarize
+    from hpipe.profiler.run import profile_estimate, profile_local, summarize
 
     if dtype not in formats.DTYPES:
         raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
@@ -70,7 +70,7 @@ def profile(
             raise HpipeError("--estimate needs --cluster FILE with device_types and [[links]]")
         result = profile_estimate(model, formats.load_inventory(cluster), out, dtype, max_seq_len)
     elif cluster is not None:
-        from profiler.run import profile_cluster
+        from hpipe.profiler.run import profile_cluster
 
         result = profile_cluster(model, formats.load_inventory(cluster), out, quick, max_seq_len, dtype,
                                  accept_new_keys=accept_new_host_keys)
@@ -119,7 +119,7 @@ def plan(
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
     from hpipe import formats, models
-    from planner import make_plan
+    from hpipe.planner import make_plan
 
     if stages is not None and cluster is not None:
         raise HpipeError("give one of --stages N (local processes) or --cluster FILE, not both")
@@ -153,7 +153,7 @@ def plan(
         p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
                       granularity, dtype or "float32")
     else:
-        from planner.profiled import check_profile_matches, plan_from_profile
+        from hpipe.planner.profiled import check_profile_matches, plan_from_profile
 
         if cuts is not None:
             raise HpipeError("--cuts and --profile exclude each other: the profile decides the cuts")
@@ -168,7 +168,7 @@ def plan(
         if order not in ("inventory", "search"):
             raise HpipeError(f"--order {order!r}: use 'inventory' or 'search'")
         if order == "search" or allow_drop:
-            from planner.search import search_plan
+            from hpipe.planner.search import search_plan
 
             p = search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
                             granularity, order, allow_drop, log=_note, overlap=overlap_sends)
@@ -179,8 +179,8 @@ def plan(
         if compare_baselines:
             p = _with_comparison(p, prof, profile_path, config, devices, granularity)
         if timeline:
-            from planner.profiled import CostModel, _predict
-            from planner.timeline import write_timeline
+            from hpipe.planner.profiled import CostModel, _predict
+            from hpipe.planner.timeline import write_timeline
 
             pr = p.predicted
             cuts = [st.units[0] for st in p.stages] + [p.stages[-1].units[1]]
@@ -208,8 +208,8 @@ def _with_comparison(p, prof, profile_path, config, devices, granularity):
     from rich.table import Table
 
     from hpipe import models
-    from planner.compare import compare
-    from planner.profiled import CostModel
+    from hpipe.planner.compare import compare
+    from hpipe.planner.profiled import CostModel
 
     pr = p.predicted
     cuts = [s.units[0] for s in p.stages] + [p.stages[-1].units[1]]
@@ -265,8 +265,8 @@ def launch(
     import json
 
     from hpipe import formats
-    from launcher.jobs import LaunchSettings, busy_fractions, plan_check, prepare
-    from launcher.local import launch_local
+    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, plan_check, prepare
+    from hpipe.launcher.local import launch_local
 
     if local == (cluster is not None):
         raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
@@ -288,7 +288,7 @@ def launch(
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
     if inventory is not None:
-        from launcher.cluster import launch_cluster
+        from hpipe.launcher.cluster import launch_cluster
 
         report = launch_cluster(job, plan_path, inventory, out, settings, accept_new_keys=accept_new_host_keys,
                                 push=push_model, host_timeout_s=host_timeout, quiet=quiet)
@@ -299,7 +299,7 @@ def launch(
             json.dump({"version": 1, "stages": [report.output.timelines[r] for r in sorted(report.output.timelines)]}, f)
     s = report.output.summary or {}
     busy = busy_fractions(report.output.timelines)
-    check = plan_check(job.plan, report.output, [len(r["input_ids"]) for r in job.requests])
+    check = plan_check(job.plan, report.output, [len(r.input_ids) for r in job.requests])
     summary_path = f"{out}.summary.json"
     with open(summary_path, "w") as f:
         json.dump({"version": 1, "run": s, "busy_fraction": busy, "plan_check": check}, f, indent=2)
@@ -335,7 +335,7 @@ def cluster_check(
     from rich.console import Console
 
     from hpipe import formats, models
-    from launcher.cluster import check_table, plan_hosts, preflight, refuse_failed
+    from hpipe.launcher.cluster import check_table, plan_hosts, preflight, refuse_failed
 
     inventory = formats.load_inventory(inventory_path)
     plan_obj = formats.load_plan(plan_path) if plan_path else None

@@ -16,9 +16,9 @@ DATA = Path(__file__).parent / "data"
 
 
 def run_demo(stages: int = 2, max_new_tokens: int = 48) -> None:
-    from launcher.jobs import LaunchSettings, busy_fractions, prepare
-    from launcher.local import launch_local
-    from planner import make_plan
+    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
+    from hpipe.launcher.local import launch_local
+    from hpipe.planner import make_plan
 
     console = Console()
     work = models.cache_dir() / "demo"
@@ -37,7 +37,7 @@ def run_demo(stages: int = 2, max_new_tokens: int = 48) -> None:
     out_path.unlink(missing_ok=True)
     settings = LaunchSettings(max_new_tokens=max_new_tokens)
     job = prepare(str(plan_path), str(prompts_path), str(out_path), settings)
-    n_prompt = len(job.requests[0]["input_ids"])
+    n_prompt = len(job.requests[0].input_ids)
     with console.status(f"[bold]running {stages} stages on a {n_prompt}-token prompt"):
         report = launch_local(job, str(plan_path), str(out_path), settings, quiet=True)
     result = report.output.results[0]

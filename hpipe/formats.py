@@ -21,6 +21,7 @@ from typing import Any
 import tomllib
 
 from hpipe.errors import HpipeError
+from hpipe.request import SamplingError, SamplingParams
 
 INVENTORY_VERSION = 1
 PLAN_VERSION = 1
@@ -472,10 +473,8 @@ class PromptRecord:
 
 
 def _check_sampling(path, where, obj) -> dict:
-    """A prompt's "sampling" object: any of hpipe.sampling.SamplingParams' fields, checked by the
+    """A prompt's "sampling" object: any of hpipe.request.SamplingParams' fields, checked by the
     same rules."""
-    from hpipe.sampling import SamplingError, SamplingParams
-
     _expect(path, where, obj, dict, 'an object like {"temperature": 0.7, "top_p": 0.9, "seed": 1}')
     _no_unknown_keys(path, where, obj, set(SamplingParams.__dataclass_fields__))
     try:

@@ -35,71 +35,15 @@ every id down to it.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 
-from hpipe.errors import HpipeError
+from hpipe.request import Request, SamplingError, SamplingParams
 
-GREEDY_BELOW = 1e-5      # vLLM: a temperature below this is greedy
+__all__ = ["CPUSampler", "RequestSampler", "SamplingError", "SamplingParams"]
+
 DEFAULT_LAYOUT = "row"   # measured by bench/sampler.py (bench/results/sampler.json)
-
-
-class SamplingError(HpipeError, ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        def bad(name, value, rule):
-            raise SamplingError(f"sampling parameter {name}={value!r}: {rule}")
-
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(name, v, "must be a finite number")
-        if self.temperature < 0:
-            bad("temperature", self.temperature, "must be >= 0 (below 1e-5 is greedy)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", self.top_k, "must be an integer >= 0 (0 turns it off)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 turns it off)")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                bad(name, getattr(self, name), "must be in [-2, 2]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", self.seed, "must be an integer or None")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-
-
-def sequence_seed(seed: int, request_id: str) -> int:
-    """A per-request seed from the launch's seed and the request id (same tokens however batched)."""
-    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class _Slot:
@@ -383,30 +327,26 @@ class CPUSampler:
 
 
 class RequestSampler:
-    """The pipeline's sampling for one launch (the last stage, or a sampler process of the pool):
-    every request gets the launch's parameters with a seed derived from the launch's seed and its
-    id; a sequence joins on its first sampled token and leaves at EOS or its last token, so
+    """The pipeline's sampling (the last stage, or a sampler process of the pool): every request
+    samples with its own resolved parameters (`Request.params`, its seed included); a sequence
+    joins on its first sampled token and leaves when `Request.finish_reason` says it ended, so
     `max_batch` bounds the sequences in flight, not the whole job."""
 
-    def __init__(self, params: SamplingParams, seed: int, vocab_size: int, prompts: dict, max_batch: int,
-                 max_new_tokens: int, eos_ids, layout: str | None = None):
-        # prompts: seq -> (request id, prompt ids[, the prompt's own overrides of `params`, its seed included])
-        self.params, self.seed, self.prompts = params, seed, prompts
-        self.max_new_tokens, self.eos = max_new_tokens, set(eos_ids)
-        self.cpu = CPUSampler(vocab_size, max_batch, max_new_tokens, layout=layout)
+    def __init__(self, requests: dict[int, Request], vocab_size: int, max_batch: int, layout: str | None = None):
+        self.requests = requests    # index -> Request
+        max_len = max((r.max_new_tokens for r in requests.values()), default=1)
+        self.cpu = CPUSampler(vocab_size, max_batch, max_len, layout=layout)
         self.counts: dict[int, int] = {}
 
     def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
         for s in seqs:
             if s not in self.counts:
-                request_id, prompt, *overrides = self.prompts[s]
-                params = SamplingParams(**{**self.params.__dict__, "seed": sequence_seed(self.seed, request_id),
-                                           **(overrides[0] if overrides and overrides[0] else {})})
-                self.cpu.add(s, params, prompt)
+                self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
                 self.counts[s] = 0
         ids = self.cpu.step(logits, seqs).tolist()
         for s, t in zip(seqs, ids):
             self.counts[s] += 1
-            if t in self.eos or self.counts[s] >= self.max_new_tokens:
+            if self.requests[s].finish_reason(t, self.counts[s]):
                 self.cpu.remove(s)
+                del self.counts[s]
         return ids

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from hpipe import formats, models, ssh
 from hpipe.errors import HpipeError
-from hpipe.host_probe import sha256
-from launcher.jobs import (
+from hpipe.ssh import sha256
+from hpipe.launcher.jobs import (
     JobOutput,
     LaunchSettings,
     PreparedJob,
@@ -191,7 +191,7 @@ def remote_model_spec(source: models.ModelSource) -> str:
 def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
                    settings: LaunchSettings, *, accept_new_keys: bool = False, push: bool = False,
                    host_timeout_s: float = 15.0, log=None, quiet: bool = False):
-    from launcher.local import LaunchReport
+    from hpipe.launcher.local import LaunchReport
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     output = JobOutput(out_path, job.tokenizer)
@@ -207,7 +207,7 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     workers: list[ssh.RemoteProcess] = []
     remote_tmp = f"/tmp/hpipe-launch-{launch_id}"
     try:
-        kv_tokens = max(len(r["input_ids"]) for r in job.requests) + settings.max_new_tokens
+        kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)
         kv_tokens *= min(settings.max_batch, len(job.requests))
         spec = remote_model_spec(job.source)
         checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
@@ -217,7 +217,7 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
         model_on = push_model(conns, by_name, job, log) if push else {n: spec for n in names}
         with open(plan_path, "rb") as f:
             plan_bytes = f.read()
-        requests_text = "".join(json.dumps(r) + "\n" for r in job.requests)
+        requests_text = "".join(json.dumps(r.to_json()) + "\n" for r in job.requests)
         for name in names:
             ssh.write_files(conns[name], remote_tmp, {"plan.json": plan_bytes, "requests.jsonl": requests_text.encode()})
         master = hosts[plan.stages[0].host]
@@ -233,7 +233,7 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
             threads = host.threads or (max(1, (cores - n_gpu) // max(1, n_cpu)) if st.device == "cpu" else 1)
             logits = f"{remote_tmp}/logits.npz" if settings.logits_out and rank == world - 1 else None
             argv = worker_command(host.python, f"{remote_tmp}/plan.json", rank, world, master.address, port,
-                                  model_on[st.host], f"{remote_tmp}/requests.jsonl", settings, job.eos, threads,
+                                  model_on[st.host], f"{remote_tmp}/requests.jsonl", settings, threads,
                                   logits)
             env = {**host.env, "HPIPE_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
             workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s))

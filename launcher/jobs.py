@@ -7,17 +7,15 @@ worker command on remote hosts and feeds its output through the same `JobOutput`
 from __future__ import annotations
 
 import collections
-import json
 import os
 import queue
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from hpipe import formats, models
 from hpipe.errors import HpipeError
 from hpipe.reports import parse
-from hpipe.sampling import SamplingParams
+from hpipe.request import Request, SamplingParams, sequence_seed
 
 
 @dataclass
@@ -39,9 +37,8 @@ class PreparedJob:
     source: models.ModelSource
     config: object
     tokenizer: object
-    requests: list[dict]            # {seq, id, input_ids} for the prompts still to run
+    requests: list[Request]         # the prompts still to run
     skipped: list[str]              # ids already in the results file (--resume)
-    eos: list[int]
 
 
 def encode_prompt(tokenizer, record: formats.PromptRecord, where: str = "") -> list[int]:
@@ -77,6 +74,7 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
                              f"it holds, or choose another --out")
         done_ids = {r["id"] for r in formats.load_results(out_path)}
     tokenizer = models.load_tokenizer(source.path)
+    eos = frozenset(models.eos_token_ids(source.path, config))
     ctx = models.context_length(config)
     vocab = int(config.vocab_size)
     requests = []
@@ -92,17 +90,11 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
             raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has {len(ids)} tokens; with --max-new-tokens "
                              f"{settings.max_new_tokens} that exceeds the model's context of {ctx} tokens; "
                              f"shorten the prompt or lower --max-new-tokens")
-        request = {"seq": len(requests), "id": rec.id, "input_ids": ids}
-        if rec.sampling:
-            request["sampling"] = rec.sampling
-        requests.append(request)
-    return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids),
-                       models.eos_token_ids(source.path, config))
-
-
-def write_requests(job: PreparedJob, path: Path) -> None:
-    with open(path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in job.requests)
+        # the launch's parameters, a seed of the request's own, then the prompt's overrides (its seed included)
+        params = SamplingParams(**{**settings.params.__dict__, "seed": sequence_seed(settings.seed, rec.id),
+                                   **(rec.sampling or {})})
+        requests.append(Request(len(requests), rec.id, tuple(ids), params, settings.max_new_tokens, eos))
+    return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids))
 
 
 @dataclass
@@ -175,18 +167,14 @@ def plan_check(plan: formats.Plan, output: JobOutput, prompt_lengths: list[int])
 
 
 def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str, port: int, model: str,
-                   requests_path: str, settings: LaunchSettings, eos: list[int], threads: int,
-                   logits_out: str | None) -> list[str]:
-    """The runtime's worker command line, the same for local processes and remote hosts."""
+                   requests_path: str, settings: LaunchSettings, threads: int, logits_out: str | None) -> list[str]:
+    """The runtime's worker command line, the same for local processes and remote hosts. What is
+    per request (sampling parameters, seeds, limits, EOS ids) travels in the requests file."""
     cmd = [python, "-m", "hpipe.runtime.worker", "--plan", plan_path, "--rank", str(rank),
            "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model,
-           "--requests", requests_path, "--max-new-tokens", str(settings.max_new_tokens),
-           *[arg for name, value in settings.params.__dict__.items() if name != "seed"
-             for arg in (f"--{name.replace('_', '-')}", repr(value))],
-           "--sampling", settings.sampling,
-           "--sampler-procs", str(settings.sampler_procs), "--seed", str(settings.seed),
-           "--max-batch", str(settings.max_batch), "--eos", ",".join(map(str, eos)), "--attn", settings.attn,
-           "--threads", str(threads)]
+           "--requests", requests_path, "--sampling", settings.sampling,
+           "--sampler-procs", str(settings.sampler_procs), "--max-batch", str(settings.max_batch),
+           "--attn", settings.attn, "--threads", str(threads)]
     if logits_out:
         cmd += ["--logits-out", logits_out]
     return cmd

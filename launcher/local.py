@@ -23,14 +23,14 @@ from pathlib import Path
 
 from hpipe.errors import HpipeError
 from hpipe.net import free_port
-from launcher.jobs import (
+from hpipe.request import write_requests
+from hpipe.launcher.jobs import (
     JobOutput,
     LaunchSettings,
     PreparedJob,
     stop_workers,
     watch_workers,
     worker_command,
-    write_requests,
 )
 
 
@@ -66,13 +66,13 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hpipe-launch-") as tmp:
         requests_path = str(Path(tmp) / "requests.jsonl")
-        write_requests(job, Path(requests_path))
+        write_requests(job.requests, requests_path)
         workers: list[LocalWorker] = []
         lines: queue.Queue = queue.Queue()
         try:
             for rank, stage in enumerate(job.plan.stages):
                 cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
-                                     str(job.source.path), requests_path, settings, job.eos, threads[rank],
+                                     str(job.source.path), requests_path, settings, threads[rank],
                                      os.path.abspath(settings.logits_out) if settings.logits_out and rank == world - 1
                                      else None)
                 workers.append(LocalWorker(cmd, env, rank, lines))

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.partition import Infeasible, partition_layers
-from planner.profiled import CostModel, _predict, _tau, _workload
-from planner.slicing import slice_sequence
-from planner.uniform import uniform_cuts
+from hpipe.planner.partition import Infeasible, partition_layers
+from hpipe.planner.profiled import CostModel, _predict, _tau, _workload
+from hpipe.planner.slicing import slice_sequence
+from hpipe.planner.uniform import uniform_cuts
 
 
 def _memory(cost: CostModel, cuts: list[int], seq_len: int, batch: int, slices: list[int]) -> list[float]:

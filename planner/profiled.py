@@ -12,10 +12,10 @@ import numpy as np
 
 from hpipe import __version__, formats, models
 from hpipe.errors import HpipeError
-from planner.partition import partition_layers
-from planner.simulate import simulate
-from planner.uniform import uniform_cuts
-from profiler.fit import GridModel
+from hpipe.planner.partition import partition_layers
+from hpipe.planner.simulate import simulate
+from hpipe.planner.uniform import uniform_cuts
+from hpipe.grid import GridModel
 
 
 def check_profile_matches(profile: dict, config, model_name: str, path: str) -> None:
@@ -142,7 +142,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     iterating partition <-> slicing until the simulated makespan stops improving. A stage's time for
     a slice is its compute plus its send (HPipe eq. 1), or with `overlap` the larger of the two (a
     send that runs beside the next compute, as on GPUs with their own copy engines)."""
-    from planner.slicing import slice_sequence
+    from hpipe.planner.slicing import slice_sequence
 
     ctx = models.context_length(config)
     if not 1 <= seq_len <= ctx:

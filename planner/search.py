@@ -17,8 +17,8 @@ import itertools
 import networkx as nx
 
 from hpipe.errors import HpipeError
-from planner.partition import Infeasible
-from planner.profiled import plan_from_profile
+from hpipe.planner.partition import Infeasible
+from hpipe.planner.profiled import plan_from_profile
 
 MAX_ORDERS = 8
 

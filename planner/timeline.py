@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from hpipe.errors import HpipeError
-from planner.simulate import Timeline
+from hpipe.planner.simulate import Timeline
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
 

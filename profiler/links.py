@@ -1,7 +1,7 @@
 """Measures one link between two workers through the runtime's own transport
 (`hpipe.runtime.comm`: gloo, or NCCL between distinct CUDA devices).
 
-    python -m profiler.links --rank R --master-addr A --master-port P --devices cpu,cuda:0 [--quick]
+    python -m hpipe.profiler.links --rank R --master-addr A --master-port P --devices cpu,cuda:0 [--quick]
 
 Rank 0 and rank 1 each send messages of 8 B to 64 MB to the other and time the round trip with a
 one-element reply. rtt(n) = 2 alpha + n / beta (the reply costs one more latency): 2 alpha is the
@@ -104,7 +104,7 @@ def measure(rank: int, groups, device, quick: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m profiler.links", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m hpipe.profiler.links", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, required=True)

@@ -1,6 +1,6 @@
 """Measures one device: the profiler's worker command, run unchanged on every host.
 
-    python -m profiler.measure --model MODEL --device cpu [--quick] [--max-seq-len N] [--dtype float32]
+    python -m hpipe.profiler.measure --model MODEL --device cpu [--quick] [--max-seq-len N] [--dtype float32]
 
 Loads only the units it times (the embedding, block 0's two halves, the final norm + head) through
 `hpipe.runtime.stage.StageRunner` — the very code the runtime runs — and times each unit kind for
@@ -181,7 +181,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
 
     import numpy as np
 
-    from profiler.fit import heldout_errors
+    from hpipe.grid import heldout_errors
 
     errors = {k: heldout_errors(tab["s"], tab["c"], tab["t"]) for k, tab in tables.items()}
     fit_error = {k: float(np.median(e)) if e.size else None for k, e in errors.items()}
@@ -193,7 +193,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m profiler.measure", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m hpipe.profiler.measure", description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true")

@@ -1,7 +1,7 @@
 """`hpipe profile`: runs the measurement workers, or the catalog's estimates, and writes a profile.
 
 Local devices are measured one after another (concurrent runs would share the CPU cores), each by
-the worker command `python -m profiler.measure` that the SSH launcher will run unchanged on remote
+the worker command `python -m hpipe.profiler.measure` that the SSH launcher will run unchanged on remote
 hosts; devices with the same identity are measured once and the result stands for all of them.
 Links are measured for every ordered pair of devices (and, for CPU devices, between two processes
 on the same one, as two local stages would use it). A device or link that fails is reported in
@@ -23,8 +23,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from hpipe import __version__, formats, models
 from hpipe.errors import HpipeError
 from hpipe.reports import parse
-from profiler import catalog
-from profiler.fit import heldout_error
+from hpipe.profiler import catalog
+from hpipe.grid import heldout_error
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,7 +136,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
                 profile["devices"].append(entry)
                 continue
             task = progress.add_task(f"{dev_id} units", total=None, note="starting")
-            cmd = [sys.executable, "-m", "profiler.measure", "--model", str(source.path), "--device", d,
+            cmd = [sys.executable, "-m", "hpipe.profiler.measure", "--model", str(source.path), "--device", d,
                    "--dtype", dtype, "--max-seq-len", str(n), "--threads", str(threads)] + (["--quick"] if quick else [])
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                                     stdin=subprocess.DEVNULL)
@@ -178,7 +178,7 @@ def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
 
     port = free_port()
     env = _env()
-    procs = [subprocess.Popen([sys.executable, "-m", "profiler.links", "--rank", str(r), "--master-port", str(port),
+    procs = [subprocess.Popen([sys.executable, "-m", "hpipe.profiler.links", "--rank", str(r), "--master-port", str(port),
                                "--devices", f"{dev_a},{dev_b}"] + (["--quick"] if quick else []),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               stdin=subprocess.DEVNULL) for r in (0, 1)]
@@ -278,7 +278,7 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
                 entries = []
                 for d in host.devices:
                     task = progress.add_task(f"{host.name}/{d} units", total=None, note="starting")
-                    argv = [host.python, "-m", "profiler.measure", "--model", model_spec, "--device", d,
+                    argv = [host.python, "-m", "hpipe.profiler.measure", "--model", model_spec, "--device", d,
                             "--dtype", dtype, "--max-seq-len", str(n), "--threads", str(threads)] + \
                         (["--quick"] if quick else [])
                     tail: list[str] = []
@@ -334,7 +334,7 @@ def _measure_remote_link(profile, progress, conns, host_a, host_b, a: dict, b: d
     token = secrets.token_hex(16)
     gens, tails = [], []
     for rank, host in enumerate((host_a, host_b)):
-        argv = [host.python, "-m", "profiler.links", "--rank", str(rank), "--master-addr", host_a.address,
+        argv = [host.python, "-m", "hpipe.profiler.links", "--rank", str(rank), "--master-addr", host_a.address,
                 "--master-port", str(port), "--devices", f"{a['device']},{b['device']}"] + (["--quick"] if quick else [])
         tail: list[str] = []
         tails.append(tail)
@@ -371,7 +371,7 @@ def _measure_remote_link(profile, progress, conns, host_a, host_b, a: dict, b: d
 
 
 def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: int) -> dict:
-    from profiler.measure import grid
+    from hpipe.profiler.measure import grid
 
     s_grid, c_grid = grid(max_seq_len, quick=False)
     tables = {}

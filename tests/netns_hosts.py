@@ -102,7 +102,7 @@ def process_cmdline(pid: int) -> str:
         return ""
 
 
-HPIPE_MARKS = ("hpipe.runtime", "profiler.measure", "profiler.links", "around one worker", "host_probe",
+HPIPE_MARKS = ("hpipe.runtime", "hpipe.profiler.measure", "hpipe.profiler.links", "around one worker", "host_probe",
                "spawn_main")
 
 

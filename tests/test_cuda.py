@@ -15,7 +15,7 @@ from hpipe import models
 from hpipe.cli import main
 from hpipe.formats import Slicing
 from hpipe.runtime.inprocess import run_inprocess
-from hpipe.runtime.scheduler import Request
+from hpipe.request import Request
 from hpipe.runtime.stage import StageRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
@@ -26,9 +26,9 @@ PROMPTS = [[5, 9, 11, 200, 17, 3, 44, 90] * 6, [7] * 33, [12, 13]]
 def run_on(path, bounds, device, dtype):
     config = models.load_config(path)
     runners = [StageRunner(path, config, range(a, b), device=device, dtype=dtype) for a, b in zip(bounds, bounds[1:])]
-    requests = [Request(i, f"p{i}", tuple(p)) for i, p in enumerate(PROMPTS)]
-    return run_inprocess(runners, requests, Slicing(lengths=(16, 8)).slices_for, 12, [2], max_batch=2,
-                         keep_logits=True)
+    requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=12, eos_ids=frozenset([2]))
+                for i, p in enumerate(PROMPTS)]
+    return run_inprocess(runners, requests, Slicing(lengths=(16, 8)).slices_for, max_batch=2, keep_logits=True)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])

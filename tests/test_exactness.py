@@ -18,7 +18,7 @@ from conftest import FAMILIES, VOCAB, assert_greedy_equal, reference_greedy, ref
 from hpipe import models
 from hpipe.formats import Slicing
 from hpipe.runtime.inprocess import run_inprocess
-from hpipe.runtime.scheduler import Request
+from hpipe.request import Request
 from hpipe.runtime.stage import StageRunner
 
 NEW_TOKENS = 16
@@ -41,9 +41,9 @@ def random_plans(draw, n_units: int):
 def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa"):
     config = models.load_config(path)
     runners = [StageRunner(path, config, range(a, b), attn_implementation=attn) for a, b in zip(bounds, bounds[1:])]
-    requests = [Request(i, f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
-    results = run_inprocess(runners, requests, slicing.slices_for, NEW_TOKENS, [EOS], max_batch=max_batch,
-                            keep_logits=True)
+    requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=NEW_TOKENS, eos_ids=frozenset([EOS]))
+                for i, p in enumerate(prompts)]
+    results = run_inprocess(runners, requests, slicing.slices_for, max_batch=max_batch, keep_logits=True)
     assert set(results) == {r.id for r in requests}
     for r in requests:
         got = results[r.id]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hpipe import formats, models
 from hpipe.cli import main
-from planner import uniform_cuts
+from hpipe.planner import uniform_cuts
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "profiles" / "examples" / "office.toml"
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.partition import Infeasible, partition_layers
-from planner.simulate import simulate
-from planner.slicing import slice_sequence
+from hpipe.planner.partition import Infeasible, partition_layers
+from hpipe.planner.simulate import simulate
+from hpipe.planner.slicing import slice_sequence
 
 
 def brute_force(unit_time, out_comm, unit_mem, device_mem, overlap=False):
@@ -117,7 +117,7 @@ def test_slicing_puts_longer_slices_first_when_context_costs():
 
 
 def test_split_orders_keep_every_device_once():
-    from planner.search import split_orders
+    from hpipe.planner.search import split_orders
 
     order = [("a", "0"), ("a", "1"), ("a", "2"), ("b", "0"), ("b", "1"), ("c", "0")]
     variants = split_orders(order)

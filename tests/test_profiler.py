@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import FAMILIES
 from hpipe import formats, models
 from hpipe.cli import main
-from profiler.fit import GridModel
+from hpipe.grid import GridModel
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "profiles" / "examples"
 

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpipe.formats import Slicing
-from hpipe.runtime.scheduler import Request, Scheduler
+from hpipe.request import Request
+from hpipe.runtime.kv import microbatch_kind
+from hpipe.runtime.scheduler import Scheduler
 
 EOS = 0
 
@@ -25,13 +27,15 @@ def token_for(seq: int, step: int) -> int:
        max_batch=st.integers(1, 6), new_tokens=st.integers(1, 9), slice_len=st.integers(1, 25),
        eos=st.booleans())
 def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_len, eos):
-    requests = [Request(i, f"r{i}", tuple(range(1, n + 1))) for i, n in enumerate(lengths)]
+    stop = frozenset([EOS] if eos else [])
+    requests = [Request(i, f"r{i}", tuple(range(1, n + 1)), max_new_tokens=new_tokens, eos_ids=stop)
+                for i, n in enumerate(lengths)]
     slicing = Slicing(lengths=(slice_len,) * 3)
-    sched = Scheduler(requests, slicing.slices_for, n_stages, new_tokens, [EOS] if eos else [], max_batch)
+    sched = Scheduler(requests, slicing.slices_for, n_stages, max_batch)
     pipe: deque = deque()
     cached = {}            # seq -> tokens the stages hold
-    fed: dict[int, list[int]] = {r.seq: [] for r in requests}
-    produced: dict[int, list[int]] = {r.seq: [] for r in requests}
+    fed: dict[int, list[int]] = {r.index: [] for r in requests}
+    produced: dict[int, list[int]] = {r.index: [] for r in requests}
     finished = {}
     while not sched.done:
         mb = sched.next_microbatch()
@@ -44,11 +48,12 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
             offset = 0
             for seg in mb.segments:
                 assert seg.start == cached.get(seg.seq, 0), "segments of a sequence must be contiguous"
+                assert seg.prefill == (seg.start < lengths[seg.seq]), "prompt tokens are prefill, the rest decode"
                 cached[seg.seq] = seg.end
                 fed[seg.seq] += mb.tokens[offset:offset + seg.length]
                 offset += seg.length
             assert offset == len(mb.tokens)
-            if mb.phase == "decode":
+            if mb.kind == "decode":
                 decoding = sum(1 for a in sched.active if a.prefilled and a.finish_reason is None)
                 assert len(mb.segments) <= math.ceil(decoding / n_stages)
             pipe.append(mb)
@@ -61,16 +66,29 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
                 ids.append(token_for(seg.seq, len(produced[seg.seq])))
                 produced[seg.seq].append(ids[-1])
         for state in sched.on_sampled(done_mb.id, ids):
-            finished[state.request.seq] = state
+            finished[state.request.index] = state
     for r in requests:
-        state = finished[r.seq]
-        out = produced[r.seq]
+        state = finished[r.index]
+        out = produced[r.index]
         assert state.output == out
         # every prompt token, then every produced token but the last, was fed exactly once, in order
-        assert fed[r.seq] == list(r.input_ids) + out[:-1]
+        assert fed[r.index] == list(r.input_ids) + out[:-1]
         if eos and EOS in out:
             assert out.index(EOS) == len(out) - 1 and state.finish_reason == "eos"
         else:
             assert len(out) == new_tokens and state.finish_reason == "length"
         slices_seen = slicing.slices_for(len(r.input_ids))
         assert sum(slices_seen) == len(r.input_ids)
+
+
+def test_a_one_token_last_slice_is_prefill_on_every_stage():
+    """A 33-token prompt cut [32, 1]: its second slice is one token after context, like a decode
+    step, but it is the prompt's: every stage must call it prefill."""
+    sched = Scheduler([Request(0, "r", tuple(range(1, 34)), max_new_tokens=3)], lambda n: [32, 1], 2, 1)
+    first, second = sched.next_microbatch(), sched.next_microbatch()
+    assert [s.length for s in first.segments + second.segments] == [32, 1]
+    assert first.kind == second.kind == microbatch_kind(second.segments) == "prefill"
+    sched.on_sampled(first.id, [])
+    sched.on_sampled(second.id, [7])
+    decode = sched.next_microbatch()
+    assert decode.kind == "decode" and decode.tokens == [7]

@@ -2,7 +2,7 @@
 
 Two directions, each FIFO:
 - forward, stage j -> j+1 (tag 0): a header [op, micro-batch id, segments, tokens, ...], the
-  segments [n, 5] (seq, slot, start, length, sample), then the hidden states [tokens, hidden];
+  segments [n, 6] (seq, slot, start, length, sample, prefill), then the hidden states [tokens, hidden];
 - back, last stage -> stage 0 (tag 1): a header [op, micro-batch id, n] and the n sampled ids.
 
 Headers and segments always travel on a gloo group (small, CPU); the hidden states travel on the
@@ -26,6 +26,7 @@ from hpipe.runtime.kv import Segment
 
 OP_WORK, OP_STOP, OP_TOKENS = 1, 2, 3
 HEADER_LEN = 8
+SEGMENT_FIELDS = 6
 TAG_FORWARD, TAG_BACK = 0, 1
 
 
@@ -105,7 +106,8 @@ def isend_work(groups: Groups, dst: int, mb_id: int, segments: list[Segment], hi
                pending: Pending) -> None:
     n_tokens = 0 if hidden is None else hidden.shape[0]
     header = torch.tensor([OP_WORK, mb_id, len(segments), n_tokens] + [0] * (HEADER_LEN - 4), dtype=torch.long)
-    segs = torch.tensor([[s.seq, s.slot, s.start, s.length, int(s.sample)] for s in segments], dtype=torch.long)
+    segs = torch.tensor([[s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill)] for s in segments],
+                        dtype=torch.long).reshape(-1, SEGMENT_FIELDS)
     pending.works.append(dist.isend(header, dst, group=groups.ctrl, tag=TAG_FORWARD))
     pending.works.append(dist.isend(segs, dst, group=groups.ctrl, tag=TAG_FORWARD))
     pending.tensors += [header, segs]
@@ -128,9 +130,10 @@ def irecv_header(groups: Groups, src: int, tag: int = TAG_FORWARD):
 def recv_work_body(groups: Groups, src: int, header: torch.Tensor, hidden_size: int, dtype: torch.dtype):
     """After a WORK header arrived: receives its segments and hidden states."""
     _, mb_id, n_segs, n_tokens = header[:4].tolist()
-    segs = torch.empty((n_segs, 5), dtype=torch.long)
+    segs = torch.empty((n_segs, SEGMENT_FIELDS), dtype=torch.long)
     dist.recv(segs, src, group=groups.ctrl, tag=TAG_FORWARD)
-    segments = [Segment(seq, slot, start, length, bool(sample)) for seq, slot, start, length, sample in segs.tolist()]
+    segments = [Segment(seq, slot, start, length, bool(sample), bool(prefill))
+                for seq, slot, start, length, sample, prefill in segs.tolist()]
     hidden = torch.empty((n_tokens, hidden_size), dtype=dtype, device=groups.data_device)
     dist.recv(hidden, src, group=groups.data, tag=TAG_FORWARD)
     return mb_id, segments, hidden

@@ -8,20 +8,19 @@ from collections.abc import Callable
 
 import torch
 
-from hpipe.runtime.scheduler import Request, Scheduler
+from hpipe.request import Request
+from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.stage import StageRunner
-from hpipe.sampling import RequestSampler, SamplingParams
+from hpipe.sampling import RequestSampler
 
 
 def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
-                  max_new_tokens: int, eos_ids: list[int], params: SamplingParams | None = None, max_batch: int = 16,
-                  n_stages: int | None = None, keep_logits: bool = False) -> dict:
+                  max_batch: int = 16, n_stages: int | None = None, keep_logits: bool = False) -> dict:
     """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}."""
-    ids = {r.seq: r.id for r in requests}
+    ids = {r.index: r.id for r in requests}
     vocab = runners[-1].config.vocab_size
-    sampler = RequestSampler(params or SamplingParams(temperature=0.0), 0, vocab,
-                             {r.seq: (r.id, r.input_ids) for r in requests}, len(requests), max_new_tokens, eos_ids)
-    sched = Scheduler(requests, slices_for, n_stages or len(runners), max_new_tokens, eos_ids, max_batch)
+    sampler = RequestSampler({r.index: r for r in requests}, vocab, len(requests))
+    sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch)
     logits: dict[int, list] = {}
     out: dict[str, dict] = {}
     while not sched.done:

@@ -32,10 +32,20 @@ class Segment:
     start: int    # tokens of this sequence already in the cache = position of the first token
     length: int
     sample: bool  # the segment ends at a position whose next token is sampled
+    prefill: bool = False  # its tokens are the prompt's (else: tokens the pipeline generated)
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+
+def microbatch_kind(segments: list[Segment]) -> str:
+    """The one definition of a micro-batch's kind, the same on every stage (timelines, plan
+    checks): "prefill" (prompt tokens only), "decode" (generated tokens only) or "mixed"."""
+    kinds = {s.prefill for s in segments}
+    if len(kinds) > 1:
+        return "mixed"
+    return "prefill" if True in kinds else "decode"
 
 
 def layout_of(segments: list[Segment]) -> str:

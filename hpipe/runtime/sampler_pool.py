@@ -28,9 +28,8 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
     torch.set_num_threads(config["threads"])
     logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
     n_slots = logits.shape[0]
-    mine = {s: v for s, v in config["prompts"].items() if s % n_procs == index}
-    sampler = RequestSampler(config["params"], config["seed"], logits.shape[2], mine, config["max_batch"],
-                             config["max_new_tokens"], config["eos"])
+    mine = {s: r for s, r in config["requests"].items() if s % n_procs == index}
+    sampler = RequestSampler(mine, logits.shape[2], config["max_batch"])
     m = 0
     while not stop.is_set():
         k = m % n_slots
@@ -52,8 +51,8 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
 
 
 class SamplerPool:
-    def __init__(self, vocab_size: int, max_rows: int, prompts: dict, params, seed: int, max_batch: int,
-                 max_new_tokens: int, eos_ids, send, n_procs: int = 1, n_slots: int = 4, threads: int = 1):
+    def __init__(self, vocab_size: int, max_rows: int, requests: dict, max_batch: int, send, n_procs: int = 1,
+                 n_slots: int = 4, threads: int = 1):
         """send(mb_id, ids) is called by the collector thread for every micro-batch, in order."""
         ctx = torch.multiprocessing.get_context("spawn")
         self.n_slots, self.n_procs, self.max_rows = n_slots, n_procs, max_rows
@@ -67,8 +66,7 @@ class SamplerPool:
         self.locks = [ctx.Lock() for _ in range(n_slots)]
         self.done_sems = [ctx.Semaphore(0) for _ in range(n_slots)]   # one release per process per micro-batch
         self.stop_event = ctx.Event()
-        config = {"threads": threads, "prompts": prompts, "params": params, "seed": seed, "max_batch": max_batch,
-                  "max_new_tokens": max_new_tokens, "eos": list(eos_ids)}
+        config = {"threads": threads, "requests": requests, "max_batch": max_batch}
         self.procs = [ctx.Process(target=_sampler_main, args=(i, n_procs, self.shared, self.locks, self.done_sems,
                                                                self.stop_event, config), daemon=True,
                                   name=f"hpipe-sampler-{i}") for i in range(n_procs)]

@@ -21,14 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hpipe.runtime.kv import Segment
-
-
-@dataclass(frozen=True)
-class Request:
-    seq: int
-    id: str
-    input_ids: tuple[int, ...]
+from hpipe.request import Request
+from hpipe.runtime.kv import Segment, microbatch_kind
 
 
 @dataclass
@@ -36,15 +30,10 @@ class MicroBatch:
     id: int
     segments: list[Segment]
     tokens: list[int]          # the input token ids of all segments, concatenated
-    phase: str                 # "prefill" (a prompt slice) or "decode" (one new token per sequence)
 
-
-def microbatch_kind(segments: list[Segment]) -> str:
-    """What a stage can tell from the segments alone, for timelines: 'decode' (one token per
-    sequence after some context), 'prefill' (one prompt slice) or 'mixed'."""
-    if all(s.length == 1 and s.start > 0 for s in segments):
-        return "decode"
-    return "prefill" if len(segments) == 1 else "mixed"
+    @property
+    def kind(self) -> str:
+        return microbatch_kind(self.segments)
 
 
 @dataclass
@@ -67,15 +56,10 @@ class SequenceState:
 
 class Scheduler:
     def __init__(self, requests: list[Request], slices_for: Callable[[int], list[int]], n_stages: int,
-                 max_new_tokens: int, eos_ids: list[int], max_batch: int = 16, max_inflight: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
+                 max_batch: int = 16, max_inflight: int | None = None, clock: Callable[[], float] = time.perf_counter):
         self.queue = list(requests)
         self.slices_for = slices_for
         self.n_stages = n_stages
-        self.max_new_tokens = max_new_tokens
-        self.eos = set(eos_ids)
         self.max_batch = max(1, max_batch)
         self.max_inflight = max_inflight or 2 * n_stages
         self.clock = clock
@@ -101,8 +85,8 @@ class Scheduler:
             assert sum(slices) == len(req.input_ids), (slices, len(req.input_ids))
             self.active.append(SequenceState(req, slot, list(slices), t_admit=self.clock()))
 
-    def _emit(self, segments: list[Segment], tokens: list[int], phase: str) -> MicroBatch:
-        mb = MicroBatch(self.next_id, segments, tokens, phase)
+    def _emit(self, segments: list[Segment], tokens: list[int]) -> MicroBatch:
+        mb = MicroBatch(self.next_id, segments, tokens)
         self.next_id += 1
         self.inflight[mb.id] = mb
         return mb
@@ -114,11 +98,11 @@ class Scheduler:
         for st in self.active:  # prefill first, in admission order
             if st.slices:
                 n = st.slices.pop(0)
-                seg = Segment(st.request.seq, st.slot, st.pos, n, sample=not st.slices)
+                seg = Segment(st.request.index, st.slot, st.pos, n, sample=not st.slices, prefill=True)
                 tokens = list(st.request.input_ids[st.pos:st.pos + n])
                 st.pos += n
                 st.waiting = seg.sample
-                return self._emit([seg], tokens, "prefill")
+                return self._emit([seg], tokens)
         decoding = [st for st in self.active if st.prefilled and st.finish_reason is None]
         ready = [st for st in decoding if not st.waiting]
         if not ready:
@@ -127,10 +111,10 @@ class Scheduler:
         group = ready[:cap]
         segments = []
         for st in group:
-            segments.append(Segment(st.request.seq, st.slot, st.pos, 1, sample=True))
+            segments.append(Segment(st.request.index, st.slot, st.pos, 1, sample=True))
             st.pos += 1
             st.waiting = True
-        return self._emit(segments, [st.output[-1] for st in group], "decode")
+        return self._emit(segments, [st.output[-1] for st in group])
 
     def on_sampled(self, mb_id: int, ids: list[int]) -> list[SequenceState]:
         """Takes the ids sampled for micro-batch `mb_id` (one per sampling segment, in order) and
@@ -139,7 +123,7 @@ class Scheduler:
         sampled = [s for s in mb.segments if s.sample]
         if len(sampled) != len(ids):
             raise RuntimeError(f"micro-batch {mb_id}: {len(ids)} ids for {len(sampled)} sampling segments")
-        by_seq = {st.request.seq: st for st in self.active}
+        by_seq = {st.request.index: st for st in self.active}
         now = self.clock()
         finished = []
         for seg, token in zip(sampled, ids):
@@ -148,10 +132,7 @@ class Scheduler:
             st.waiting = False
             st.t_first = now if st.t_first is None else st.t_first
             st.t_last = now
-            if token in self.eos:
-                st.finish_reason = "eos"
-            elif len(st.output) >= self.max_new_tokens:
-                st.finish_reason = "length"
+            st.finish_reason = st.request.finish_reason(token, len(st.output))
             if st.finish_reason:
                 finished.append(st)
         for st in finished:

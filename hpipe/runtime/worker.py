@@ -14,7 +14,6 @@ stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import sys
@@ -28,19 +27,6 @@ from hpipe.reports import emit
 def log(msg: str) -> None:
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
-
-
-def read_requests(path: str):
-    """[(scheduler Request, the prompt's sampling overrides or None)] from the launcher's file."""
-    from hpipe.runtime.scheduler import Request
-
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                out.append((Request(int(r["seq"]), str(r["id"]), tuple(r["input_ids"])), r.get("sampling")))
-    return out
 
 
 class Timeline:
@@ -64,19 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--master-port", type=int, required=True)
     p.add_argument("--model", help="model to load (default: the plan's model name)")
     p.add_argument("--requests", required=True,
-                   help="JSONL of {seq, id, input_ids[, sampling]} (written by the launcher)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    from hpipe.sampling import SamplingParams
-
-    for name, default in SamplingParams(temperature=0.0).__dict__.items():   # --temperature, --top-k, ...
-        if name != "seed":
-            p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+                   help="JSONL of hpipe.request.Request (written by the launcher): ids, sampling parameters, limits")
     p.add_argument("--sampling", choices=["inline", "cpu"], default="inline",
                    help="last stage: sample in its own loop, or in a pool of sampler processes (SiPipe)")
     p.add_argument("--sampler-procs", type=int, default=1, help="with --sampling cpu: processes in the pool")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--eos", default=None, help="comma-separated EOS token ids, '' for none (default: the model's)")
     p.add_argument("--logits-out", help="last stage: write an .npz of logits per request id")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -104,7 +82,8 @@ def run(args) -> None:
     from hpipe import formats, models
     from hpipe.runtime import comm
     from hpipe.runtime.stage import StageRunner
-    from hpipe.sampling import RequestSampler, SamplingParams
+    from hpipe.request import read_requests
+    from hpipe.sampling import RequestSampler
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,22 +97,13 @@ def run(args) -> None:
     models.check_plan_matches(plan, config, source.name)
     units = range(*stage.units)
     runner = StageRunner(source.path, config, units, stage.device, plan.dtype, args.attn)
-    if args.eos is None:
-        args.eos = models.eos_token_ids(source.path, config)
-    else:
-        args.eos = [int(x) for x in args.eos.split(",") if x.strip()]
-    entries = read_requests(args.requests)
-    requests = [r for r, _ in entries]
+    requests = read_requests(args.requests)
     warm_up(runner, requests, args)
     load_s = time.time() - t_load
-    ids_by_seq = {r.seq: r.id for r in requests}
+    by_index = {r.index: r for r in requests}
     last = args.rank == args.world_size - 1
-    params = SamplingParams(**{name: getattr(args, name) for name in SamplingParams.__dataclass_fields__
-                               if name != "seed"})
-    prompts = {r.seq: (r.id, r.input_ids, overrides) for r, overrides in entries}
-    sampler = RequestSampler(params, args.seed, int(config.vocab_size), prompts,
-                             min(len(requests), args.max_batch + args.world_size), args.max_new_tokens,
-                             args.eos) if last else None
+    sampler = RequestSampler(by_index, int(config.vocab_size),
+                             min(len(requests), args.max_batch + args.world_size)) if last else None
     logits_rows: dict[int, list] = {}
 
     def sampling_rows(out, segments) -> list[int]:
@@ -155,10 +125,9 @@ def run(args) -> None:
     if last and args.sampling == "cpu" and args.world_size > 1:
         from hpipe.runtime.sampler_pool import SamplerPool
 
-        pool = SamplerPool(int(config.vocab_size), max(1, min(len(requests), 2 * args.max_batch)), prompts, params,
-                           args.seed, min(len(requests), args.max_batch + args.world_size), args.max_new_tokens,
-                           args.eos, send=lambda mb_id, ids: comm.send_tokens(groups, 0, mb_id, ids),
-                           n_procs=args.sampler_procs)
+        pool = SamplerPool(int(config.vocab_size), max(1, min(len(requests), 2 * args.max_batch)), by_index,
+                           min(len(requests), args.max_batch + args.world_size),
+                           send=lambda mb_id, ids: comm.send_tokens(groups, 0, mb_id, ids), n_procs=args.sampler_procs)
 
     dist.barrier(group=groups.ctrl)
     timeline = Timeline()
@@ -176,7 +145,7 @@ def run(args) -> None:
     if args.logits_out and last:
         import numpy as np
 
-        np.savez(args.logits_out, **{ids_by_seq[s]: np.stack(rows) for s, rows in logits_rows.items()})
+        np.savez(args.logits_out, **{by_index[s].id: np.stack(rows) for s, rows in logits_rows.items()})
     emit("timeline", rank=args.rank, host=stage.host, device=stage.device, units=list(stage.units),
          start=t_start, end=t_end, load_s=round(load_s, 3), peak_rss_bytes=models.peak_rss_bytes(),
          kv_bytes=runner.kv.bytes(), intervals=timeline.intervals)
@@ -197,7 +166,7 @@ def warm_up(runner, requests, args) -> None:
     if not requests:
         return
     slots = min(args.max_batch, len(requests))
-    runner.kv.reserve(slots, max(len(r.input_ids) for r in requests) + args.max_new_tokens)
+    runner.kv.reserve(slots, max(len(r.input_ids) + r.max_new_tokens for r in requests))
     n = min(16, max(len(r.input_ids) for r in requests))
     x = torch.zeros(n, dtype=torch.long) if runner.first else torch.zeros(n, runner.hidden_size, dtype=runner.dtype)
     runner.forward(runner.prepare_inputs([Segment(0, 0, 0, n, True)]), x)
@@ -213,7 +182,7 @@ def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
     from hpipe.runtime.scheduler import Scheduler
 
     world = args.world_size
-    sched = Scheduler(requests, plan.slicing.slices_for, world, args.max_new_tokens, args.eos, args.max_batch)
+    sched = Scheduler(requests, plan.slicing.slices_for, world, args.max_batch)
     t0 = sched.t0
     wall0 = time.time()
     back: queue.Queue = queue.Queue()
@@ -260,7 +229,7 @@ def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
         inputs = runner.prepare_inputs(mb.segments)
         out = runner.forward(inputs, torch.tensor(mb.tokens, dtype=torch.long))
         sync()
-        timeline.add("compute", t, time.time(), mb.id, mb.phase, len(mb.tokens))
+        timeline.add("compute", t, time.time(), mb.id, mb.kind, len(mb.tokens))
         if world == 1:
             handle(mb.id, sample(out, mb.segments))
         else:
@@ -287,7 +256,7 @@ def serve(args, runner, groups, sample, timeline, sync, pool=None, rows_of=None)
     """Stages 1..N-1: receive, compute, pass on. The last stage samples and sends the ids back, or
     hands the logits to the sampler pool (rows_of picks the rows to sample) and goes on."""
     from hpipe.runtime import comm
-    from hpipe.runtime.scheduler import microbatch_kind
+    from hpipe.runtime.kv import microbatch_kind
 
     rank, world = args.rank, args.world_size
     last = rank == world - 1

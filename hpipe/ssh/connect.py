@@ -6,8 +6,8 @@ cannot outlive their launcher.
   are checked against the inventory's known_hosts file (default ~/.ssh/known_hosts): an unknown or
   changed key refuses the host before anything starts; `accept_new_keys=True` records unknown keys
   (never changed ones) and says so.
-- `probe(conn)` runs hpipe/host_probe.py remotely (interpreter, versions, memory, devices, model).
-- `RemoteProcess` runs one command under hpipe/remote_wrapper.py, streaming its lines into a queue;
+- `probe(conn)` runs hpipe/ssh/host_probe.py remotely (interpreter, versions, memory, devices, model).
+- `RemoteProcess` runs one command under hpipe/ssh/remote_wrapper.py, streaming its lines into a queue;
   it stops the remote process group on `stop()`, on a closed connection, and when the launcher
   goes silent (the wrapper's own timeout).
 

@@ -1,6 +1,6 @@
 """Runs on a remote host, around one worker: `python -c <this file's text> WORKER_ARGV...`.
 
-hpipe/ssh.py sends this file's source with every remote command, so the wrapper always matches the
+hpipe/ssh/connect.py sends this file's source with every remote command, so the wrapper always matches the
 launcher and needs nothing installed. It exists because sshd signals nothing to a command when the
 connection drops (no pty): without it, a launcher that dies or loses a host leaves workers running.
 

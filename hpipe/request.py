@@ -1,0 +1,128 @@
+"""One request, from the launcher to the last stage's sampler, and the one rule for when a
+sequence ends.
+
+A `Request` is what every part of the pipeline knows of a prompt: its index in the job (KV slots,
+sampler rows and the schedule's segments key on it), its id, its token ids, its sampling
+parameters already resolved (the launch's, the prompt's own overrides, the per-request seed), how
+many tokens it may generate and which token ids end it. The launcher writes the job's requests
+(`write_requests`), every stage reads the same file (`read_requests`), the scheduler and the
+sampler take them as they are. `Request.finish_reason` is the only place that decides a
+sequence's end.
+
+Pure Python (no torch): the file formats validate prompts' sampling objects with the same rules.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from hpipe.errors import HpipeError
+
+GREEDY_BELOW = 1e-5      # vLLM: a temperature below this is greedy
+
+
+class SamplingError(HpipeError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        def bad(name, value, rule):
+            raise SamplingError(f"sampling parameter {name}={value!r}: {rule}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, v, "must be a finite number")
+        if self.temperature < 0:
+            bad("temperature", self.temperature, "must be >= 0 (below 1e-5 is greedy)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", self.top_k, "must be an integer >= 0 (0 turns it off)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 turns it off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, getattr(self, name), "must be in [-2, 2]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", self.seed, "must be an integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+def sequence_seed(seed: int, request_id: str) -> int:
+    """A per-request seed from the launch's seed and the request id (same tokens however batched)."""
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int                                  # position in the job, stable over the run
+    id: str
+    input_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    max_new_tokens: int = 64
+    eos_ids: frozenset[int] = frozenset()       # the model's end-of-sequence ids
+    stop_ids: frozenset[int] = frozenset()      # the request's own stop token ids
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise HpipeError(f"request {self.id!r}: max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.input_ids:
+            raise HpipeError(f"request {self.id!r}: no input tokens")
+
+    def finish_reason(self, last_token: int, n_generated: int) -> str | None:
+        """Why the sequence ends after generating `n_generated` tokens, the last `last_token`:
+        "eos", "stop" (one of its stop ids), "length", or None while it goes on."""
+        if last_token in self.eos_ids:
+            return "eos"
+        if last_token in self.stop_ids:
+            return "stop"
+        if n_generated >= self.max_new_tokens:
+            return "length"
+        return None
+
+    def to_json(self) -> dict:
+        return {"index": self.index, "id": self.id, "input_ids": list(self.input_ids),
+                "params": self.params.__dict__, "max_new_tokens": self.max_new_tokens,
+                "eos_ids": sorted(self.eos_ids), "stop_ids": sorted(self.stop_ids)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Request:
+        return cls(int(d["index"]), str(d["id"]), tuple(d["input_ids"]), SamplingParams(**d["params"]),
+                   int(d["max_new_tokens"]), frozenset(d["eos_ids"]), frozenset(d["stop_ids"]))
+
+
+def write_requests(requests: list[Request], path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r.to_json()) + "\n" for r in requests)
+
+
+def read_requests(path: str | os.PathLike) -> list[Request]:
+    with open(path) as f:
+        return [Request.from_json(json.loads(line)) for line in f if line.strip()]
