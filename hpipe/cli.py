@@ -9,14 +9,18 @@ Errors the user can fix are printed as one line (`hpipe: error: ...`) with exit 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import click
 import typer
 
-from hpipe import __version__
+from hpipe import __version__, formats, launcher, memory, models, planner, profiler, ssh
+from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
+from hpipe.planner import gap
+from hpipe.request import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan and launch pipeline-parallel LLM inference on mixed commodity hardware.")
@@ -58,8 +62,6 @@ def profile(
     out: str = typer.Option(..., "-o", "--out", help="where to write the profile (JSON)"),
 ):
     """Measure (or estimate) per-unit compute times, memory and links for a model on a cluster."""
-    from hpipe import formats
-    from hpipe.profiler.run import profile_estimate, profile_local, summarize
 
     if dtype not in formats.DTYPES:
         raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
@@ -68,18 +70,16 @@ def profile(
     if estimate:
         if cluster is None:
             raise HpipeError("--estimate needs --cluster FILE with device_types and [[links]]")
-        result = profile_estimate(model, formats.load_inventory(cluster), out, dtype, max_seq_len)
+        result = profiler.profile_estimate(model, formats.load_inventory(cluster), out, dtype, max_seq_len)
     elif cluster is not None:
-        from hpipe.profiler.run import profile_cluster
-
-        result = profile_cluster(model, formats.load_inventory(cluster), out, quick, max_seq_len, dtype,
+        result = profiler.profile_cluster(model, formats.load_inventory(cluster), out, quick, max_seq_len, dtype,
                                  accept_new_keys=accept_new_host_keys)
     else:
         device_list = [d.strip() for d in devices.split(",") if d.strip()]
         if not device_list:
             raise HpipeError("--devices: name at least one device, e.g. --devices cpu")
-        result = profile_local(model, device_list, out, quick, max_seq_len, dtype, threads=threads)
-    typer.echo(summarize(result))
+        result = profiler.profile_local(model, device_list, out, quick, max_seq_len, dtype, threads=threads)
+    typer.echo(profiler.summarize(result))
     typer.echo(f"wrote {out}")
     if result.get("errors"):
         raise HpipeError(f"{len(result['errors'])} device(s) or link(s) failed (see above); what was measured "
@@ -118,112 +118,123 @@ def plan(
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
-    from hpipe import formats, models
-    from hpipe.planner import make_plan
 
     if stages is not None and cluster is not None:
         raise HpipeError("give one of --stages N (local processes) or --cluster FILE, not both")
-    if stages is None and cluster is None and profile_path is None:
-        raise HpipeError("give --stages N (local processes) or --cluster FILE (or --profile: one stage per device "
-                         "of the profile)")
-    if stages is None and cluster is None:
-        devices = [(d["host"], d["device"]) for d in formats.load_profile(profile_path)["devices"]]
-    elif stages is not None:
-        if stages < 1:
-            raise HpipeError(f"--stages must be at least 1, got {stages}")
-        formats.check_device("--device", "value", device)
-        devices = [("local", device)] * stages
-    else:
-        devices = formats.load_inventory(cluster).devices()
     if num_slices is not None and num_slices < 1:
         raise HpipeError(f"--num-slices must be at least 1, got {num_slices}")
     if granularity < 1:
         raise HpipeError(f"--granularity must be at least 1, got {granularity}")
     if dtype is not None and dtype not in formats.DTYPES:
         raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
-    if model in models.ARCHITECTURES:  # an architecture without weights: plans for hardware not at hand
-        config, name = models.config_for(model), model
-    else:
-        config = models.load_config(models.resolve_model(model, progress=_note).path)
-        name = model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve())
+    devices = _plan_devices(stages, cluster, profile_path, device)
+    config, name = _plan_model(model)
     if profile_path is None:
         if seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline or overlap_sends:
-            raise HpipeError("--seq-len, --compare, --order and --allow-drop plan from measured times: "
-                             "add --profile FILE")
-        p = make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
-                      granularity, dtype or "float32")
+            raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline and --overlap-sends plan from "
+                             "measured times: add --profile FILE")
+        p = planner.make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
+                              granularity, dtype or "float32")
+        formats.write_plan(p, out)
+        _print_plan(p, out)
+        return
+    if cuts is not None:
+        raise HpipeError("--cuts and --profile exclude each other: the profile decides the cuts")
+    if seq_len is None:
+        raise HpipeError("--profile needs --seq-len N, the prompt length to plan for")
+    if order not in ("inventory", "search"):
+        raise HpipeError(f"--order {order!r}: use 'inventory' or 'search'")
+    prof = formats.load_profile(profile_path)
+    planner.check_profile_matches(prof, config, model, profile_path)
+    slicing = None  # the DP slices, unless told otherwise
+    if slices is not None or num_slices is not None:
+        slicing = formats.Slicing(count=num_slices or 1, lengths=tuple(_ints(slices, "--slices") or ()),
+                                  granularity=granularity)
+    if order == "search" or allow_drop:
+        result = planner.search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin,
+                                     dtype, granularity, order, allow_drop, log=_note, overlap=overlap_sends)
     else:
-        from hpipe.planner.profiled import check_profile_matches, plan_from_profile
-
-        if cuts is not None:
-            raise HpipeError("--cuts and --profile exclude each other: the profile decides the cuts")
-        if seq_len is None:
-            raise HpipeError("--profile needs --seq-len N, the prompt length to plan for")
-        prof = formats.load_profile(profile_path)
-        check_profile_matches(prof, config, model, profile_path)
-        slicing = None  # the DP slices, unless told otherwise
-        if slices is not None or num_slices is not None:
-            slicing = formats.Slicing(count=num_slices or 1, lengths=tuple(_ints(slices, "--slices") or ()),
-                                      granularity=granularity)
-        if order not in ("inventory", "search"):
-            raise HpipeError(f"--order {order!r}: use 'inventory' or 'search'")
-        if order == "search" or allow_drop:
-            from hpipe.planner.search import search_plan
-
-            p = search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
-                            granularity, order, allow_drop, log=_note, overlap=overlap_sends)
-            devices = [(st.host, st.device) for st in p.stages]
-        else:
-            p = plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
-                                  granularity, overlap=overlap_sends)
-        if compare_baselines:
-            p = _with_comparison(p, prof, profile_path, config, devices, granularity)
-        if timeline:
-            from hpipe.planner.profiled import CostModel, _predict
-            from hpipe.planner.timeline import write_timeline
-
-            pr = p.predicted
-            cuts = [st.units[0] for st in p.stages] + [p.stages[-1].units[1]]
-            tl = _predict(CostModel(prof, config, devices, profile_path), cuts, pr["slices"], pr["batch"])
-            write_timeline(tl, [f"{st.host}/{st.device} [{st.units[0]}-{st.units[1] - 1}]" for st in p.stages],
-                           len(pr["slices"]), timeline,
-                           f"{pr['batch']} x {pr['seq_len']} tokens, {len(pr['slices'])} slices: "
-                           f"{pr['makespan_s']:.3f} s predicted")
-            typer.echo(f"wrote {timeline}")
+        result = planner.plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing,
+                                           margin, dtype, granularity, overlap=overlap_sends)
+    p = result.plan
+    if compare_baselines:
+        rows = planner.compare(result, granularity)
+        _print_comparison(rows, result)
+        p = dataclasses.replace(p, predicted={**p.predicted, "compare": rows})
+    if timeline:
+        pr = p.predicted
+        planner.write_timeline(result.timeline, [f"{st.host}/{st.device} [{st.units[0]}-{st.units[1] - 1}]"
+                                                 for st in p.stages], len(pr["slices"]), timeline,
+                               f"{pr['batch']} x {pr['seq_len']} tokens, {len(pr['slices'])} slices: "
+                               f"{pr['makespan_s']:.3f} s predicted")
+        typer.echo(f"wrote {timeline}")
     formats.write_plan(p, out)
+    _print_plan(p, out, result)
+
+
+def _plan_devices(stages: int | None, cluster: str | None, profile_path: str | None, device: str):
+    """(host, device) per stage, in pipeline order: N local stages, a cluster file's devices, or the
+    profile's devices."""
+
+    if stages is not None:
+        if stages < 1:
+            raise HpipeError(f"--stages must be at least 1, got {stages}")
+        formats.check_device("--device", "value", device)
+        return [("local", device)] * stages
+    if cluster is not None:
+        return formats.load_inventory(cluster).devices()
+    if profile_path is None:
+        raise HpipeError("give --stages N (local processes) or --cluster FILE (or --profile: one stage per device "
+                         "of the profile)")
+    return [(d["host"], d["device"]) for d in formats.load_profile(profile_path)["devices"]]
+
+
+def _plan_model(model: str):
+    """The model's config and the name the plan records: an architecture name (plans for hardware
+    not at hand, no weights), the default model, or a resolved path."""
+
+    if model in models.ARCHITECTURES:
+        return models.config_for(model), model
+    config = models.load_config(models.resolve_model(model, progress=_note).path)
+    return config, (model if model == models.DEFAULT_MODEL else str(Path(model).expanduser().resolve()))
+
+
+def _print_plan(p, out: str, result=None) -> None:
     desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
     typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")
-    if p.predicted:
-        pr = p.predicted
-        typer.echo(f"slices for {pr['seq_len']} tokens: {pr['slices']}")
-        typer.echo(f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens: {pr['makespan_s']:.3f} s "
-                   f"({pr['throughput_tokens_per_s']:.0f} tokens/s), uniform cuts: {pr['uniform_makespan_s']:.3f} s; "
-                   f"utilization " + ", ".join(f"{u:.0%}" for u in pr["utilization"]))
+    if result is None:
+        return
+
+    pr = p.predicted
+    typer.echo(f"slices for {pr['seq_len']} tokens: {pr['slices']}")
+    typer.echo(f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens: {pr['makespan_s']:.3f} s "
+               f"({pr['throughput_tokens_per_s']:.0f} tokens/s), uniform cuts: {pr['uniform_makespan_s']:.3f} s; "
+               f"utilization " + ", ".join(f"{u:.0%}" for u in pr["utilization"]))
+    b = result.bound
+    g = gap(pr["makespan_s"], pr["stage_busy_s"], b)
+    typer.echo(f"lower bound for this work: {b.makespan_s:.3f} s ({b.binding}: perfect balance {b.compute_s:.3f} s, "
+               f"busiest link {b.link_s:.3f} s); this plan is {pr['ratio_to_lower_bound']:.2f}x the bound "
+               f"(pipeline fill/drain {g['fill_drain_s']:.3f} s, bottleneck stage above balance "
+               f"{g['imbalance_s']:.3f} s)")
 
 
-def _with_comparison(p, prof, profile_path, config, devices, granularity):
-    import dataclasses
-
+def _print_comparison(rows: list[dict], result) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from hpipe import models
-    from hpipe.planner.compare import compare
-    from hpipe.planner.profiled import CostModel
-
-    pr = p.predicted
-    cuts = [s.units[0] for s in p.stages] + [p.stages[-1].units[1]]
-    rows = compare(CostModel(prof, config, devices, profile_path), models.num_units(config), pr["seq_len"],
-                   pr["batch"], granularity, cuts, pr["slices"])
-    table = Table(title=f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens on {len(devices)} devices")
+    pr = result.plan.predicted
+    table = Table(title=f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens on {len(result.cost.entries)} "
+                        f"devices")
     for col in ("method", "latency s", "tokens/s", "max memory / free", "x HPipe"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in rows:
         worst = max(m / f for m, f in zip(r["memory_bytes"], pr["memory_free_bytes"]))
         table.add_row(r["method"], f"{r['makespan_s']:.3f}", f"{r['throughput_tokens_per_s']:.0f}",
                       f"{worst:.0%}" + ("" if r["fits"] else " OOM"), f"{r['ratio_to_hpipe']:.2f}")
+    b = result.bound.makespan_s
+    table.add_row("lower bound (no plan is faster)", f"{b:.3f}", f"{pr['seq_len'] * pr['batch'] / b:.0f}", "-",
+                  f"{b / pr['makespan_s']:.2f}")
     Console().print(table)
-    return dataclasses.replace(p, predicted={**pr, "compare": rows})
 
 
 @app.command()
@@ -264,9 +275,6 @@ def launch(
     """Run a plan: start the stage workers and pipeline the prompts through them."""
     import json
 
-    from hpipe import formats
-    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, plan_check, prepare
-    from hpipe.launcher.local import launch_local
 
     if local == (cluster is not None):
         raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
@@ -277,29 +285,26 @@ def launch(
         raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
     if sampling not in ("cpu", "inline"):
         raise HpipeError(f"--sampling {sampling!r}: use inline or cpu")
-    from hpipe.sampling import SamplingParams
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty)
-    settings = LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
+    settings = launcher.LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
                               logits_out=logits_out, resume=resume, sampling=sampling, sampler_procs=sampler_procs)
-    job = prepare(plan_path, prompts, out, settings, model=model, progress=_note)
+    job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
     if inventory is not None:
-        from hpipe.launcher.cluster import launch_cluster
-
-        report = launch_cluster(job, plan_path, inventory, out, settings, accept_new_keys=accept_new_host_keys,
+        report = launcher.launch_cluster(job, plan_path, inventory, out, settings, accept_new_keys=accept_new_host_keys,
                                 push=push_model, host_timeout_s=host_timeout, quiet=quiet)
     else:
-        report = launch_local(job, plan_path, out, settings, quiet=quiet)
+        report = launcher.launch_local(job, plan_path, out, settings, quiet=quiet)
     if timeline_out:
         with open(timeline_out, "w") as f:
             json.dump({"version": 1, "stages": [report.output.timelines[r] for r in sorted(report.output.timelines)]}, f)
     s = report.output.summary or {}
-    busy = busy_fractions(report.output.timelines)
-    check = plan_check(job.plan, report.output, [len(r.input_ids) for r in job.requests])
+    busy = launcher.busy_fractions(report.output.timelines)
+    check = launcher.plan_check(job.plan, report.output, [len(r.input_ids) for r in job.requests])
     summary_path = f"{out}.summary.json"
     with open(summary_path, "w") as f:
         json.dump({"version": 1, "run": s, "busy_fraction": busy, "plan_check": check}, f, indent=2)
@@ -334,28 +339,27 @@ def cluster_check(
     """The launch preflight alone: reach every host, compare versions, devices, memory and the model."""
     from rich.console import Console
 
-    from hpipe import formats, models
-    from hpipe.launcher.cluster import check_table, plan_hosts, preflight, refuse_failed
 
     inventory = formats.load_inventory(inventory_path)
     plan_obj = formats.load_plan(plan_path) if plan_path else None
-    names = plan_hosts(plan_obj, inventory) if plan_obj else [h.name for h in inventory.hosts]
+    names = launcher.plan_hosts(plan_obj, inventory) if plan_obj else [h.name for h in inventory.hosts]
     spec = model or (plan_obj.model.name if plan_obj else None)
     config = None
     if plan_obj is not None:
         config = models.load_config(models.resolve_model(spec, progress=_note).path)
         models.check_plan_matches(plan_obj, config, spec)
-    from hpipe import ssh
 
     conns = ssh.connect_all(inventory, names, accept_new_host_keys, log=_note)
     try:
-        checks = preflight(conns, plan=plan_obj, config=config, model_spec=spec, kv_tokens=0)
+        slices = list((plan_obj.predicted or {}).get("slices", [])) if plan_obj else []
+        checks = launcher.preflight(conns, plan=plan_obj, config=config, model_spec=spec, kv_tokens=0,
+                           microbatch_tokens=memory.microbatch_tokens(slices))
     finally:
         for c in conns.values():
             c.close()
     console = Console()
-    Console(width=max(console.width, 150)).print(check_table(checks))
-    refuse_failed(checks)
+    Console(width=max(console.width, 150)).print(launcher.check_table(checks))
+    launcher.refuse_failed(checks)
     typer.echo(f"all {len(checks)} hosts ready")
 
 
@@ -365,7 +369,6 @@ def demo(
     stages: int = typer.Option(2, "--stages"),
 ):
     """Plan a 2-stage local pipeline on the default model and answer a question about a long document."""
-    from hpipe.demo import run_demo
 
     run_demo(stages=stages, max_new_tokens=max_new_tokens)
 

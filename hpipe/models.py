@@ -354,16 +354,6 @@ def files_for_units(path: Path, config, units: range) -> list[Path]:
     return small + sorted(shards)
 
 
-def stage_memory_bytes(config, units: range, dtype: str, kv_tokens: int) -> int:
-    """What a stage holding `units` needs: its weights, the KV cache for `kv_tokens` tokens, and
-    activation buffers (two slices of up to 2,048 tokens in flight, a generous bound)."""
-    b = unit_bytes(config, dtype)
-    weights = sum(b["weights_per_unit"][u] for u in units)
-    kv = sum(b["kv_per_token_per_unit"][u] for u in units) * kv_tokens
-    activations = 2 * 2048 * max(b["activation_per_token_at_cut"]) * 4
-    return int(weights + kv + activations)
-
-
 def check_model_available(spec: str) -> tuple[bool, str]:
     """Whether MODEL can be resolved on this machine, without converting anything: (ok, note)."""
     try:

@@ -1,2 +1,9 @@
-"""hpipe's launcher: prepares a job from a plan and prompts, starts the stage workers, collects
-their reports into the results file. `launcher.local` runs workers as local processes."""
+"""hpipe's launcher: prepares a job from a plan and prompts, starts the stage workers (local
+processes, or remote hosts over SSH), collects their reports into the results file."""
+
+from hpipe.launcher.cluster import check_table, launch_cluster, plan_hosts, preflight, refuse_failed
+from hpipe.launcher.jobs import LaunchSettings, PreparedJob, busy_fractions, plan_check, prepare
+from hpipe.launcher.local import launch_local
+
+__all__ = ["LaunchSettings", "PreparedJob", "busy_fractions", "check_table", "launch_cluster", "launch_local",
+           "plan_check", "plan_hosts", "preflight", "prepare", "refuse_failed"]

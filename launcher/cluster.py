@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpipe import formats, models, ssh
+from hpipe import formats, memory, models, ssh
 from hpipe.errors import HpipeError
 from hpipe.ssh import sha256
 from hpipe.launcher.jobs import (
@@ -64,8 +64,21 @@ def plan_hosts(plan: formats.Plan, inventory: formats.Inventory) -> list[str]:
     return names
 
 
+def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, microbatch_tokens: int) -> dict:
+    """Bytes each device of the host needs for its stages: the planner's memory model
+    (hpipe.memory), for kv_tokens tokens of KV cache and micro-batches of up to microbatch_tokens."""
+    table = models.unit_bytes(config, plan.dtype)
+    need: dict[str, int] = {}
+    for st in plan.stages:
+        if st.host == host_name:
+            m = memory.stage_memory(table, range(*st.units), kv_tokens, microbatch_tokens)
+            need[st.device] = need.get(st.device, 0) + m.total
+    return need
+
+
 def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None = None, config=None,
-               model_spec: str | None = None, kv_tokens: int = 0, push_model: bool = False) -> HostCheck:
+               model_spec: str | None = None, kv_tokens: int = 0, microbatch_tokens: int = 1,
+               push_model: bool = False) -> HostCheck:
     host = conn.host
     check = HostCheck(host.name, f"{host.address}:{host.port}")
     try:
@@ -76,25 +89,21 @@ def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None =
     check.info = p
     check.problems += [x + ("; or pass --push-model" if x.startswith("model:") else "")
                        for x in ssh.host_problems(p, versions)]
-    if plan is not None and config is not None:
-        need: dict[str, int] = {}
-        for st in plan.stages:
-            if st.host != host.name:
+    if plan is None or config is None:
+        return check
+    n_cuda = len(p.get("cuda", []))
+    for dev, nbytes in device_needs(plan, config, host.name, kv_tokens, microbatch_tokens).items():
+        if dev.startswith("cuda"):
+            index = int(dev.split(":")[1]) if ":" in dev else 0
+            if index >= n_cuda:
+                check.problems.append(f"{dev} not found (the host has {n_cuda} CUDA devices visible to torch)")
                 continue
-            if st.device.startswith("cuda"):
-                index = int(st.device.split(":")[1]) if ":" in st.device else 0
-                if index >= len(p.get("cuda", [])):
-                    check.problems.append(f"{st.device} not found (the host has {len(p.get('cuda', []))} CUDA "
-                                          f"devices visible to torch)")
-                    continue
-            need[st.device] = need.get(st.device, 0) + models.stage_memory_bytes(config, range(*st.units),
-                                                                                  plan.dtype, kv_tokens)
-        for dev, nbytes in need.items():
-            free = p.get("mem_available_bytes") if dev == "cpu" else \
-                p["cuda"][int(dev.split(":")[1]) if ":" in dev else 0]["free_bytes"]
-            if free is not None and nbytes > free:
-                check.problems.append(f"{dev}: its stages need {nbytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB "
-                                      f"free; move units to another device (hpipe plan --cuts ...)")
+            free = p["cuda"][index]["free_bytes"]
+        else:
+            free = p.get("mem_available_bytes")
+        if free is not None and nbytes > free:
+            check.problems.append(f"{dev}: its stages need {nbytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB "
+                                  f"free; move units to another device (hpipe plan --cuts ...)")
     return check
 
 
@@ -209,8 +218,11 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     try:
         kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)
         kv_tokens *= min(settings.max_batch, len(job.requests))
+        slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in job.requests]
         spec = remote_model_spec(job.source)
         checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
+                           microbatch_tokens=memory.microbatch_tokens(slices, min(settings.max_batch,
+                                                                                  len(job.requests))),
                            push_model=push)
         refuse_failed(checks)
         by_name = {c.name: c for c in checks}

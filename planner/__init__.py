@@ -2,12 +2,25 @@
 
 Data flows one way: profiler -> profile file -> planner -> plan file -> launcher -> runtime.
 The algorithms are pure functions (numpy in, result objects out); see planner/README.md.
+
+    result = plan_from_profile(profile, path, name, config, devices, seq_len)   # a PlanResult
+    result.plan                     # the plan file's object (hpipe.formats.Plan)
+    result.timeline, result.bound   # the simulated pipeline and the lower bound it is held against
+    compare(result, granularity)    # the paper's baselines under the same cost model
 """
 
+from hpipe.planner.bound import LowerBound, gap, lower_bound
+from hpipe.planner.compare import compare
 from hpipe.planner.partition import Infeasible, Partition, partition_layers
+from hpipe.planner.profiled import (CostModel, PlanResult, check_profile_matches, plan_from_profile, predict,
+                                    slice_time_table, workload)
+from hpipe.planner.search import search_plan
 from hpipe.planner.simulate import Timeline, simulate
-from hpipe.planner.slicing import Slicing, slice_sequence
+from hpipe.planner.slicing import slice_sequence
+from hpipe.planner.timeline import write_timeline
 from hpipe.planner.uniform import make_plan, uniform_cuts
 
-__all__ = ["Infeasible", "Partition", "Slicing", "Timeline", "make_plan", "partition_layers", "simulate",
-           "slice_sequence", "uniform_cuts"]
+__all__ = ["CostModel", "Infeasible", "LowerBound", "Partition", "PlanResult", "Timeline", "check_profile_matches",
+           "compare", "gap", "lower_bound", "make_plan", "partition_layers", "plan_from_profile", "predict",
+           "search_plan", "simulate", "slice_sequence", "slice_time_table", "uniform_cuts", "workload",
+           "write_timeline"]

@@ -1,21 +1,30 @@
 """Plans from a profile: the profile's fitted unit times and link figures turned into the
-partition's inputs (HPipe eq. 1 and 3), memory per stage, and the predicted pipeline.
+partition's inputs (HPipe eq. 1 and 3), memory per stage (hpipe.memory), the predicted pipeline
+and a lower bound on its makespan.
 
 A slice of s tokens after c tokens of context on stage j costs the sum of its units' t(s, c) on
 that stage's device; sending it to stage j+1 costs alpha + s x (activation bytes per token at
 the cut) / beta of that link.
+
+`plan_from_profile` returns a `PlanResult`: the plan file's object and what it was decided with
+(the cost model, the simulated timeline, the lower bound), so that callers (the CLI, `--compare`,
+`--timeline`) use the planner's own figures instead of recomputing them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from hpipe import __version__, formats, models
+from hpipe import __version__, formats, memory, models
 from hpipe.errors import HpipeError
-from hpipe.planner.partition import partition_layers
-from hpipe.planner.simulate import simulate
-from hpipe.planner.uniform import uniform_cuts
 from hpipe.grid import GridModel
+from hpipe.planner.bound import LowerBound, lower_bound
+from hpipe.planner.partition import Partition, partition_layers
+from hpipe.planner.simulate import Timeline, simulate
+from hpipe.planner.slicing import slice_sequence
+from hpipe.planner.uniform import uniform_cuts
 
 
 def check_profile_matches(profile: dict, config, model_name: str, path: str) -> None:
@@ -87,8 +96,10 @@ class CostModel:
         return alpha + s * self.bytes["activation_per_token_at_cut"][cut] / beta
 
 
-def _workload(cost: CostModel, slices: list[int], batch: int, d: int, n_units: int):
-    """The partition's inputs for a slicing: every unit's time summed over all slices of the batch."""
+def workload(cost: CostModel, slices: list[int], batch: int):
+    """The partition's inputs for a slicing: every unit's time on every device, summed over all
+    slices of the batch [D, U], and the send after each unit [D, U]."""
+    d, n_units = len(cost.entries), len(cost.kinds)
     starts = np.cumsum([0] + slices[:-1])
     unit_time = np.zeros((d, n_units))
     out_comm = np.zeros((d, n_units))
@@ -100,7 +111,7 @@ def _workload(cost: CostModel, slices: list[int], batch: int, d: int, n_units: i
     return unit_time, out_comm
 
 
-def _predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int):
+def predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> Timeline:
     """The simulated pipeline of one batch: every sequence's slices in order through the stages."""
     d = len(cuts) - 1
     starts = np.cumsum([0] + slices[:-1])
@@ -115,9 +126,9 @@ def _predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int):
     return simulate(t, comm)
 
 
-def _tau(cost: CostModel, cuts: list[int], seq_len: int, g: int, overlap: bool = False) -> np.ndarray:
-    """tau[s, c] in units of g tokens: the slowest stage's time for that slice, its send included
-    (added, or overlapped with the compute)."""
+def slice_time_table(cost: CostModel, cuts: list[int], seq_len: int, g: int, overlap: bool = False) -> np.ndarray:
+    """tau[s, c] in units of g tokens (Algorithm 2's input): the slowest stage's time for that
+    slice, its send included (added, or overlapped with the compute)."""
     n = -(-seq_len // g)
     s_u, c_u = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     s_tok = np.clip(np.minimum((c_u + s_u) * g, seq_len) - c_u * g, 0, None).astype(float)
@@ -134,16 +145,40 @@ def _tau(cost: CostModel, cuts: list[int], seq_len: int, g: int, overlap: bool =
     return tau
 
 
+def slices_in_tokens(units: list[int], g: int, seq_len: int) -> list[int]:
+    """Algorithm 2's slice lengths (in units of g tokens) as token counts; the last one is cut at
+    the prompt's end."""
+    out, done = [], 0
+    for u in units:
+        out.append(min(u * g, seq_len - done))
+        done += out[-1]
+    return out
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: formats.Plan           # what `hpipe plan` writes (its `predicted` holds the figures below)
+    cost: CostModel              # the profile's costs for the plan's devices, in pipeline order
+    timeline: Timeline           # the simulated prefill of the planned batch
+    bound: LowerBound            # no plan on these devices does this work faster
+
+    @property
+    def cuts(self) -> list[int]:
+        return [st.units[0] for st in self.plan.stages] + [self.plan.stages[-1].units[1]]
+
+    @property
+    def slices(self) -> list[int]:
+        return list(self.plan.predicted["slices"])
+
+
 def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
                       margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
-                      max_rounds: int = 6, overlap: bool = False) -> formats.Plan:
+                      max_rounds: int = 6, overlap: bool = False) -> PlanResult:
     """Cuts (Algorithm 1) and, unless `slicing` is given, token slices (Algorithm 2) from a profile,
     iterating partition <-> slicing until the simulated makespan stops improving. A stage's time for
     a slice is its compute plus its send (HPipe eq. 1), or with `overlap` the larger of the two (a
     send that runs beside the next compute, as on GPUs with their own copy engines)."""
-    from hpipe.planner.slicing import slice_sequence
-
     ctx = models.context_length(config)
     if not 1 <= seq_len <= ctx:
         raise HpipeError(f"--seq-len {seq_len}: must be between 1 and the model's context ({ctx} tokens)")
@@ -154,41 +189,42 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     if d > n_units:
         raise HpipeError(f"{d} devices but the model has only {n_units} units")
     cost = CostModel(profile, config, devices, profile_path)
-    b = cost.bytes
-    unit_mem = np.array(b["weights_per_unit"], dtype=float) + \
-        np.array(b["kv_per_token_per_unit"], dtype=float) * seq_len * batch
+    unit_mem = memory.unit_memory(cost.bytes, seq_len * batch)
     names = [f"{h}/{dv}" for h, dv in devices]
 
-    def partition(slices):
-        act_buffer = 4 * max(slices) * max(b["activation_per_token_at_cut"])
-        device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act_buffer for e in cost.entries])
-        return partition_layers(*_workload(cost, slices, batch, d, n_units), unit_mem, device_mem, names,
-                                overlap=overlap), act_buffer
+    def partition(slices) -> Partition:
+        act = memory.activation_bytes(cost.bytes, memory.microbatch_tokens(slices))
+        device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act for e in cost.entries])
+        return partition_layers(*workload(cost, slices, batch), unit_mem, device_mem, names, overlap=overlap)
 
     fixed = slicing is not None
     slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
     best = None
     for _ in range(1 if fixed else max_rounds):
-        part, act_buffer = partition(slices)
-        timeline = _predict(cost, part.cuts, slices, batch)
+        part = partition(slices)
+        timeline = predict(cost, part.cuts, slices, batch)
         if best is not None and timeline.makespan >= best[2].makespan * (1 - 1e-9):
             break
-        best = (part, slices, timeline, act_buffer)
+        best = (part, slices, timeline)
         if fixed:
             break
-        units = slice_sequence(_tau(cost, part.cuts, seq_len, granularity, overlap=overlap), d).lengths
-        slices = [min(u * granularity, seq_len - sum(x * granularity for x in units[:i])) for i, u in enumerate(units)]
-    part, slices, timeline, act_buffer = best
+        units = slice_sequence(slice_time_table(cost, part.cuts, seq_len, granularity, overlap=overlap), d).lengths
+        slices = slices_in_tokens(units, granularity, seq_len)
+    part, slices, timeline = best
     cuts = part.cuts
+    bound = lower_bound(cost, slices, batch)
     busy = timeline.busy()
     predicted = {
         "profile": profile_path, "seq_len": seq_len, "batch": batch, "slices": slices,
         "makespan_s": timeline.makespan, "throughput_tokens_per_s": seq_len * batch / timeline.makespan,
         "stage_busy_s": busy.tolist(), "utilization": (busy / timeline.makespan).tolist(),
         "partition_bottleneck_s": part.bottleneck, "overlap_sends": overlap,
-        "memory_bytes_per_stage": [float(unit_mem[cuts[j]:cuts[j + 1]].sum() + act_buffer) for j in range(d)],
+        "memory_bytes_per_stage": [memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), seq_len * batch,
+                                                       memory.microbatch_tokens(slices)).total for j in range(d)],
         "memory_free_bytes": [int(e["memory"]["free_bytes"]) for e in cost.entries],
-        "uniform_makespan_s": _predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
+        "uniform_makespan_s": predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
+        "lower_bound_s": bound.makespan_s, "lower_bound": bound.as_dict(),
+        "ratio_to_lower_bound": timeline.makespan / bound.makespan_s,
     }
     if not fixed:
         slicing = formats.Slicing(count=len(slices), granularity=granularity, by_seq_len={seq_len: tuple(slices)})
@@ -200,4 +236,4 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                         predicted=predicted, created_by=f"hpipe {__version__} (profile: DP partition"
                                                         f"{'' if fixed else ' and DP slicing'})")
     formats.validate_plan(plan)
-    return plan
+    return PlanResult(plan, cost, timeline, bound)

@@ -12,13 +12,14 @@ it only if it is faster.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import networkx as nx
 
 from hpipe.errors import HpipeError
 from hpipe.planner.partition import Infeasible
-from hpipe.planner.profiled import plan_from_profile
+from hpipe.planner.profiled import PlanResult, plan_from_profile
 
 MAX_ORDERS = 8
 
@@ -74,7 +75,7 @@ def split_orders(order: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
 
 
 def search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
-                order: str = "inventory", allow_drop: bool = False, log=None, overlap: bool = False):
+                order: str = "inventory", allow_drop: bool = False, log=None, overlap: bool = False) -> PlanResult:
     orders = candidate_orders(profile, devices) if order == "search" else [list(devices)]
     tried, best, first_error = [], None, None
     for candidate in orders:
@@ -83,34 +84,33 @@ def search_plan(profile, profile_path, name, config, devices, seq_len, batch, sl
             options += [candidate[:i] + candidate[i + 1:] for i in range(len(candidate))]
         for devs in options:
             try:
-                plan = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing, margin,
-                                         dtype, granularity, overlap=overlap)
+                result = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing,
+                                           margin, dtype, granularity, overlap=overlap)
             except (Infeasible, HpipeError) as e:
                 first_error = first_error or e
                 tried.append({"devices": [f"{h}/{d}" for h, d in devs], "error": str(e)})
                 continue
-            makespan = plan.predicted["makespan_s"]
+            makespan = result.timeline.makespan
             tried.append({"devices": [f"{h}/{d}" for h, d in devs], "makespan_s": makespan})
             if log:
                 log(f"  {' -> '.join(f'{h}/{d}' for h, d in devs)}: {makespan:.3f} s")
-            if best is None or makespan < best.predicted["makespan_s"] * (1 - 1e-9):
-                best = plan
+            if best is None or makespan < best.timeline.makespan * (1 - 1e-9):
+                best = result
     if best is None:
         raise first_error
     if order == "search":
-        for devs in split_orders([(st.host, st.device) for st in best.stages]):
+        for devs in split_orders([(st.host, st.device) for st in best.plan.stages]):
             try:
-                plan = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing, margin,
-                                         dtype, granularity, overlap=overlap)
+                result = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing,
+                                           margin, dtype, granularity, overlap=overlap)
             except (Infeasible, HpipeError) as e:
                 tried.append({"devices": [f"{h}/{d}" for h, d in devs], "error": str(e)})
                 continue
-            tried.append({"devices": [f"{h}/{d}" for h, d in devs], "makespan_s": plan.predicted["makespan_s"]})
+            tried.append({"devices": [f"{h}/{d}" for h, d in devs], "makespan_s": result.timeline.makespan})
             if log:
-                log(f"  {' -> '.join(f'{h}/{d}' for h, d in devs)} (split): {plan.predicted['makespan_s']:.3f} s")
-            if plan.predicted["makespan_s"] < best.predicted["makespan_s"] * (1 - 1e-9):
-                best = plan
-    import dataclasses
-
-    return dataclasses.replace(best, predicted={**best.predicted, "candidates": tried,
-                                                "order": order, "allow_drop": allow_drop})
+                log(f"  {' -> '.join(f'{h}/{d}' for h, d in devs)} (split): {result.timeline.makespan:.3f} s")
+            if result.timeline.makespan < best.timeline.makespan * (1 - 1e-9):
+                best = result
+    plan = dataclasses.replace(best.plan, predicted={**best.plan.predicted, "candidates": tried, "order": order,
+                                                     "allow_drop": allow_drop})
+    return dataclasses.replace(best, plan=plan)

@@ -1,5 +1,11 @@
-"""hpipe's profiler (`hpipe profile`): per-unit compute tables and per-link latency/bandwidth.
+"""hpipe's profiler (`hpipe profile`): per-unit compute tables, memory and per-link latency and
+bandwidth, written as a profile file (hpipe.formats) that the planner reads.
 
-Not built yet: see profiler/README.md and the profiler issue. It will write profile files that
-the planner reads; it may import hpipe.models and hpipe.runtime, never planner or launcher.
+`measure` and `links` are the measurement workers (`python -m hpipe.profiler.measure`, run
+unchanged on remote hosts over SSH); `run` orchestrates them; `catalog` holds device peaks for
+estimated profiles. See profiler/README.md.
 """
+
+from hpipe.profiler.run import profile_cluster, profile_estimate, profile_local, summarize
+
+__all__ = ["profile_cluster", "profile_estimate", "profile_local", "summarize"]

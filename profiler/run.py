@@ -20,11 +20,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hpipe import __version__, formats, models
+from hpipe import __version__, formats, models, ssh
 from hpipe.errors import HpipeError
 from hpipe.reports import parse
 from hpipe.profiler import catalog
 from hpipe.grid import heldout_error
+from hpipe.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,7 +175,6 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
 
 
 def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
-    from hpipe.net import free_port
 
     port = free_port()
     env = _env()
@@ -202,7 +202,6 @@ def _remote_reports(conn, argv: list[str], env: dict, tail: list[str], timeout_s
     stderr lines are kept in `tail` for error messages; a non-zero exit becomes an error report."""
     import queue
 
-    from hpipe import ssh
 
     lines: queue.Queue = queue.Queue()
     proc = ssh.RemoteProcess(conn, argv, env, lines, conn.host.name, timeout_s=timeout_s)
@@ -233,7 +232,6 @@ def _remote_reports(conn, argv: list[str], env: dict, tail: list[str], timeout_s
 
 
 def _remote_free_port(conn) -> int:
-    from hpipe import ssh
 
     code, out, err = ssh.run_python(conn, "import socket\ns = socket.socket()\ns.bind(('', 0))\n"
                                           "print(s.getsockname()[1])", [])
@@ -252,7 +250,6 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
     import itertools
     from concurrent.futures import ThreadPoolExecutor
 
-    from hpipe import ssh
 
     console = console or Console(stderr=True)
     config = models.load_config(models.resolve_model(model_spec, progress=lambda m: console.print(m)).path)
