@@ -1,25 +1,70 @@
-"""`hpipe demo`: a 2-stage local pipeline with token slicing on the embedded default model,
-answering a question about a document of ~1,700 tokens kept in hpipe/data/."""
+"""`hpipe demo`: what hpipe is for, on this machine, in about a minute: a measured profile -> the
+planner's optimal plan (cuts, and a long prompt sliced longer first, shorter later) -> a pipeline
+of local stages on the embedded default model answering a question about a ~1,700-token document
+-> the plan's predicted prefill against the measured one, beside the uniform plan's prediction.
+
+The profile is the one shipped in the checkout's profiles/ when it was measured on a CPU like this
+one, else one measured here with --quick (about 30 s, kept in hpipe's cache for the next run).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from hpipe import formats, models
+from hpipe import formats, launcher, models, planner, profiler
+from hpipe.errors import HpipeError
 
 DATA = Path(__file__).parent / "data"
+SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1thread-quick.json"
+
+
+def cpu_name() -> str:
+    """This machine's CPU as the profiler names it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def profile_fits(path: Path, config, threads: int) -> bool:
+    """A profile of the default model on this kind of CPU (name and cores), measured with the
+    threads each stage will get."""
+    try:
+        prof = formats.load_profile(path)
+    except HpipeError:
+        return False
+    dev = next((d for d in prof["devices"] if d["id"] == "local/cpu"), None)
+    if dev is None or prof["model"]["fingerprint"] != models.fingerprint(config):
+        return False
+    ident = dev.get("identity", {})
+    return (ident.get("name") == cpu_name() and ident.get("cores") == os.cpu_count()
+            and ident.get("threads") == threads)
+
+
+def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[dict, str, str]:
+    """(profile, its path, where it came from)."""
+    cached = work / "profile.json"
+    for path, origin in ((SHIPPED_PROFILE, "shipped"), (cached, "measured here earlier")):
+        if path.exists() and profile_fits(path, config, threads):
+            return formats.load_profile(path), str(path), origin
+    with console.status(f"[bold]no profile of this CPU yet: measuring one (--quick, {threads} thread per stage, "
+                        f"about 30 s)"):
+        profiler.profile_local(models.DEFAULT_MODEL, ["cpu"], str(cached), True, None, "float32", threads=threads)
+    return formats.load_profile(cached), str(cached), "measured now"
 
 
 def run_demo(stages: int = 2, max_new_tokens: int = 48) -> None:
-    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
-    from hpipe.launcher.local import launch_local
-    from hpipe.planner import make_plan
-
     console = Console()
     work = models.cache_dir() / "demo"
     work.mkdir(parents=True, exist_ok=True)
@@ -27,37 +72,53 @@ def run_demo(stages: int = 2, max_new_tokens: int = 48) -> None:
     with console.status("[bold]resolving the default model (first run converts the GGUF file, ~30 s)"):
         source = models.resolve_model(models.DEFAULT_MODEL)
         config = models.load_config(source.path)
+        tokenizer = models.load_tokenizer(source.path)
     document = (DATA / "demo_document.md").read_text()
     question = (DATA / "demo_question.txt").read_text().strip()
     prompt = f"Read this report and answer the question.\n\n{document}\n\nQuestion: {question}"
     plan_path, prompts_path, out_path = work / "plan.json", work / "prompts.jsonl", work / "results.jsonl"
-    plan = make_plan(models.DEFAULT_MODEL, config, [("local", "cpu")] * stages, num_slices=4)
-    formats.write_plan(plan, plan_path)
     prompts_path.write_text(json.dumps({"id": "demo", "prompt": prompt}) + "\n")
-    out_path.unlink(missing_ok=True)
-    settings = LaunchSettings(max_new_tokens=max_new_tokens)
-    job = prepare(str(plan_path), str(prompts_path), str(out_path), settings)
-    n_prompt = len(job.requests[0].input_ids)
-    with console.status(f"[bold]running {stages} stages on a {n_prompt}-token prompt"):
-        report = launch_local(job, str(plan_path), str(out_path), settings, quiet=True)
-    result = report.output.results[0]
-    console.print(f"[bold]Question:[/bold] {question}")
-    console.print(f"[bold]Answer:[/bold] {result['text'].strip()}\n")
+    n_prompt = len(launcher.encode_prompt(tokenizer, formats.load_prompts(prompts_path)[0]))
 
-    busy = busy_fractions(report.output.timelines)
-    table = Table(title=f"hpipe demo: {stages}-stage pipeline, {models.DEFAULT_MODEL}")
-    for col in ("stage", "device", "units", "first unit .. last unit", "load s", "busy"):
+    threads = launcher.threads_per_stage(["cpu"] * stages)[0]
+    prof, prof_path, origin = demo_profile(config, threads, work, console)
+    devices = [("local", "cpu")] * stages
+    result = planner.plan_from_profile(prof, prof_path, models.DEFAULT_MODEL, config, devices, seq_len=n_prompt)
+    formats.write_plan(result.plan, plan_path)
+    # what hpipe replaces: uniform cuts and the prompt cut into equal slices
+    n_units = models.num_units(config)
+    uniform_slices = formats.Slicing(count=2 * stages).slices_for(n_prompt)
+    uniform = planner.predict(result.cost, [0, *planner.uniform_cuts(n_units, stages), n_units], uniform_slices, 1)
+
+    out_path.unlink(missing_ok=True)
+    settings = launcher.LaunchSettings(max_new_tokens=max_new_tokens)
+    job = launcher.prepare(str(plan_path), str(prompts_path), str(out_path), settings)
+    with console.status(f"[bold]running {stages} stages on a {n_prompt}-token prompt"):
+        report = launcher.launch_local(job, str(plan_path), str(out_path), settings, quiet=True)
+    answer = report.output.results[0]
+    console.print(f"[bold]Question:[/bold] {question}")
+    console.print(f"[bold]Answer:[/bold] {answer['text'].strip()}\n")
+
+    pr = result.plan.predicted
+    check = launcher.plan_check(result.plan, report.output, [n_prompt])
+    busy = launcher.busy_fractions(report.output.timelines)
+    table = Table(title=f"hpipe demo: {stages}-stage pipeline, {models.DEFAULT_MODEL}, profile {origin}")
+    for col in ("stage", "device", "units", "first .. last", "prefill busy: predicted", "measured", "whole run"):
         table.add_column(col)
-    for r, st in enumerate(plan.stages):
-        tl = report.output.timelines.get(r, {})
+    for r, st in enumerate(result.plan.stages):
         table.add_row(str(r), f"{st.host}/{st.device}", f"{st.units[0]}-{st.units[1] - 1}",
                       f"{models.unit_name(config, st.units[0])} .. {models.unit_name(config, st.units[1] - 1)}",
-                      f"{tl.get('load_s', 0):.1f}", f"{busy.get(r, 0):.0%}")
+                      f"{pr['stage_busy_s'][r]:.2f} s", f"{check['measured_stage_busy_s'][r]:.2f} s",
+                      f"{busy.get(r, 0):.0%}")
     console.print(table)
+    console.print(f"prompt {n_prompt} tokens in {len(pr['slices'])} slices chosen by the DP (longer first, shorter "
+                  f"later): {pr['slices']}")
+    console.print(f"prefill: [bold]predicted {pr['makespan_s']:.2f} s, measured {check['measured_makespan_s']:.2f} s"
+                  f"[/bold] ({check['relative_difference']:+.0%}); the uniform plan (equal cuts, slices "
+                  f"{uniform_slices}) predicts {uniform.makespan:.2f} s; no plan can beat "
+                  f"{pr['lower_bound_s']:.2f} s on these devices ({pr['ratio_to_lower_bound']:.2f}x)")
     s = report.output.summary or {}
-    slices = plan.slicing.slices_for(n_prompt)
-    console.print(f"prompt {n_prompt} tokens in {len(slices)} slices {slices}; "
-                  f"TTFT {result['ttft_s']:.2f} s; {len(result['output_ids'])} tokens at "
-                  f"{1 / result['tpot_s'] if result['tpot_s'] else 0:.1f} tok/s decode; "
-                  f"wall {s.get('wall_s', 0):.1f} s (total with start-up {time.time() - t0:.1f} s)")
-    console.print(f"files: {plan_path}, {out_path}")
+    console.print(f"decode: {len(answer['output_ids'])} tokens at "
+                  f"{1 / answer['tpot_s'] if answer['tpot_s'] else 0:.1f} tok/s; wall {s.get('wall_s', 0):.1f} s "
+                  f"(total with start-up {time.time() - t0:.1f} s)")
+    console.print(f"files: {prof_path}, {plan_path}, {out_path}")

@@ -317,8 +317,18 @@ def test_push_model_copies_only_each_hosts_shards(cluster, tiny_models, tmp_path
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [5 + i, 9, 11, 40, 7]}) + "\n"
                                for i in range(2)))
-    pushed = Path.home() / ".cache" / "hpipe" / "pushed"
-    shutil.rmtree(pushed, ignore_errors=True)
+    # where each host keeps pushed models: ask the hosts (their user's home need not be this HOME)
+    from hpipe import formats, ssh
+
+    inventory = formats.load_inventory(cluster.inventory_path)
+    conns = ssh.connect_all(inventory, [h.name for h in inventory.hosts], log=lambda msg: None)
+    try:
+        homes = {name: ssh.probe(conn)["home"] for name, conn in conns.items()}
+    finally:
+        for conn in conns.values():
+            conn.close()
+    for home in set(homes.values()):
+        shutil.rmtree(Path(home) / ".cache" / "hpipe" / "pushed", ignore_errors=True)
     # a model a host does not have is refused by the preflight
     line = error_line(hpipe("cluster", "check", cluster.inventory_path, "--model", tmp_path / "absent", cwd=tmp_path))
     assert "host h0" in line and "absent" in line and "--push-model" in line, line
@@ -330,9 +340,12 @@ def test_push_model_copies_only_each_hosts_shards(cluster, tiny_models, tmp_path
     for host, line in copied.items():
         needed, total = (int(x) for x in line.split("(")[1].split(" weight shards")[0].split(" of "))
         assert total == len(shards) and 1 <= needed < total, line      # only the shards of its own units
-    remote_dir = next(pushed.iterdir())
-    for name in shards:
-        if (remote_dir / name).exists():
+    for host, line in copied.items():   # the hosts share this file system: read what each was given
+        remote_dir = Path(line.rsplit(" to ", 1)[1].strip())
+        assert remote_dir.is_relative_to(Path(homes[host]) / ".cache" / "hpipe" / "pushed"), line
+        present = [name for name in shards if (remote_dir / name).exists()]
+        assert present, line
+        for name in present:
             assert (remote_dir / name).read_bytes() == (src / name).read_bytes()
     r = hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", tmp_path / "b.jsonl",
               "--max-new-tokens", "6", "--push-model", "--quiet", cwd=tmp_path)
