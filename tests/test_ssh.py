@@ -161,11 +161,12 @@ def test_hostile_inventory_is_rejected_or_quoted(cluster, tmp_path):
 def test_worker_with_wrong_job_token_refuses_to_join(tiny_models, tmp_path):
     """Two workers of one job on this machine: rank 1 presents another token and must refuse."""
     from hpipe.net import free_port
+    from hpipe.request import Request, write_requests
 
     path = tiny_models["llama"]
     plan = tmp_path / "plan.json"
     assert hpipe("plan", "--model", path, "--stages", "2", "-o", plan, cwd=tmp_path).returncode == 0
-    (tmp_path / "req.jsonl").write_text(json.dumps({"seq": 0, "id": "a", "input_ids": [5, 6, 7]}) + "\n")
+    write_requests([Request(0, "a", (5, 6, 7))], tmp_path / "req.jsonl")
     port = free_port()
     procs = []
     for rank, token in ((0, "a" * 32), (1, "b" * 32)):
