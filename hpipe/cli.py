@@ -273,41 +273,31 @@ def launch(
     quiet: bool = typer.Option(False, "--quiet", help="do not stream the workers' logs"),
 ):
     """Run a plan: start the stage workers and pipeline the prompts through them."""
-    import json
-
-
     if local == (cluster is not None):
         raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
     if host_timeout <= 0:
         raise HpipeError(f"--host-timeout must be > 0, got {host_timeout}")
     inventory = formats.load_inventory(cluster) if cluster else None
-    if max_batch < 1:
-        raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
-    if sampling not in ("cpu", "inline"):
-        raise HpipeError(f"--sampling {sampling!r}: use inline or cpu")
-
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty)
     settings = launcher.LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
-                              logits_out=logits_out, resume=resume, sampling=sampling, sampler_procs=sampler_procs)
+                                       logits_out=logits_out, resume=resume, sampling=sampling,
+                                       sampler_procs=sampler_procs)
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
     if inventory is not None:
-        report = launcher.launch_cluster(job, plan_path, inventory, out, settings, accept_new_keys=accept_new_host_keys,
-                                push=push_model, host_timeout_s=host_timeout, quiet=quiet)
+        report = launcher.launch_cluster(job, plan_path, inventory, out, settings,
+                                         accept_new_keys=accept_new_host_keys, push=push_model,
+                                         host_timeout_s=host_timeout, quiet=quiet)
     else:
         report = launcher.launch_local(job, plan_path, out, settings, quiet=quiet)
-    if timeline_out:
-        with open(timeline_out, "w") as f:
-            json.dump({"version": 1, "stages": [report.output.timelines[r] for r in sorted(report.output.timelines)]}, f)
-    s = report.output.summary or {}
-    busy = launcher.busy_fractions(report.output.timelines)
-    check = launcher.plan_check(job.plan, report.output, [len(r.input_ids) for r in job.requests])
-    summary_path = f"{out}.summary.json"
-    with open(summary_path, "w") as f:
-        json.dump({"version": 1, "run": s, "busy_fraction": busy, "plan_check": check}, f, indent=2)
+    _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
+
+
+def _print_launch(summary: dict, out: str) -> None:
+    check, s, busy = summary["plan_check"], summary["run"], summary["busy_fraction"]
     if check:
         pf, mf = check["predicted_for"], check["measured_for"]
         typer.echo(f"prefill: predicted {check['predicted_makespan_s']:.3f} s for {pf['batch']} x {pf['seq_len']} "
@@ -318,7 +308,7 @@ def launch(
         if check["reprofile_suggested"]:
             typer.echo("the measured prefill differs from the plan's prediction by more than 15 %: the profile may "
                        "be stale or made under other conditions; re-run `hpipe profile` and `hpipe plan`", err=True)
-    typer.echo(f"{len(report.output.results)} prompts done -> {out}; "
+    typer.echo(f"{summary['prompts_done']} prompts done -> {out}; "
                f"{s.get('generated_tokens', 0)} tokens in {s.get('wall_s', 0):.2f} s "
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))

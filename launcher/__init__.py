@@ -2,8 +2,10 @@
 processes, or remote hosts over SSH), collects their reports into the results file."""
 
 from hpipe.launcher.cluster import check_table, launch_cluster, plan_hosts, preflight, refuse_failed
-from hpipe.launcher.jobs import LaunchSettings, PreparedJob, busy_fractions, encode_prompt, plan_check, prepare
+from hpipe.launcher.jobs import (LaunchSettings, PreparedJob, busy_fractions, encode_prompt, plan_check, prepare,
+                                 write_run_summary)
 from hpipe.launcher.local import launch_local, threads_per_stage
 
 __all__ = ["LaunchSettings", "PreparedJob", "busy_fractions", "check_table", "encode_prompt", "launch_cluster",
-           "launch_local", "plan_check", "plan_hosts", "preflight", "prepare", "refuse_failed", "threads_per_stage"]
+           "launch_local", "plan_check", "plan_hosts", "preflight", "prepare", "refuse_failed", "threads_per_stage",
+           "write_run_summary"]

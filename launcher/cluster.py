@@ -22,9 +22,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpipe import formats, memory, models, ssh
-from hpipe.errors import HpipeError
-from hpipe.ssh import sha256
 from hpipe.launcher.jobs import (
     JobOutput,
     LaunchSettings,
@@ -33,6 +30,11 @@ from hpipe.launcher.jobs import (
     watch_workers,
     worker_command,
 )
+from hpipe.launcher.local import LaunchReport
+
+from hpipe import formats, memory, models, ssh
+from hpipe.errors import HpipeError
+from hpipe.ssh import sha256
 
 
 @dataclass
@@ -200,8 +202,6 @@ def remote_model_spec(source: models.ModelSource) -> str:
 def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
                    settings: LaunchSettings, *, accept_new_keys: bool = False, push: bool = False,
                    host_timeout_s: float = 15.0, log=None, quiet: bool = False):
-    from hpipe.launcher.local import LaunchReport
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     output = JobOutput(out_path, job.tokenizer)
     if not job.requests:

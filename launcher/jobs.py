@@ -7,6 +7,7 @@ worker command on remote hosts and feeds its output through the same `JobOutput`
 from __future__ import annotations
 
 import collections
+import json
 import os
 import queue
 import time
@@ -59,6 +60,10 @@ def encode_prompt(tokenizer, record: formats.PromptRecord, where: str = "") -> l
 def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSettings,
             model: str | None = None, progress=None) -> PreparedJob:
     plan = formats.load_plan(plan_path)
+    if settings.max_batch < 1:
+        raise HpipeError(f"--max-batch must be at least 1, got {settings.max_batch}")
+    if settings.sampling not in ("cpu", "inline"):
+        raise HpipeError(f"--sampling {settings.sampling!r}: use inline or cpu")
     if settings.max_new_tokens < 1:
         raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
     if settings.sampler_procs < 1:
@@ -164,6 +169,19 @@ def plan_check(plan: formats.Plan, output: JobOutput, prompt_lengths: list[int])
         "measured_throughput_tokens_per_s": tokens / measured if measured > 0 else None,
         "reprofile_suggested": abs(diff) > 0.15,
     }
+
+
+def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeline_out: str | None = None) -> dict:
+    """After a launch: `OUT.summary.json` (the run's figures, busy fractions, predicted against
+    measured prefill) and, if asked, the timelines as JSON. Returns the summary."""
+    if timeline_out:
+        with open(timeline_out, "w") as f:
+            json.dump({"version": 1, "stages": [output.timelines[r] for r in sorted(output.timelines)]}, f)
+    summary = {"version": 1, "run": output.summary or {}, "busy_fraction": busy_fractions(output.timelines),
+               "plan_check": plan_check(job.plan, output, [len(r.input_ids) for r in job.requests])}
+    with open(f"{out_path}.summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    return {**summary, "prompts_done": len(output.results)}
 
 
 def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str, port: int, model: str,

@@ -35,7 +35,7 @@ def test_planner_and_preflight_count_the_same_bytes(paper_plan):
     kv_tokens, mb_tokens = pr["seq_len"] * pr["batch"], max(pr["slices"])
     # the preflight's figure comes from the model itself (models.unit_bytes), the planner's from the profile
     preflight = {}
-    for host in {st.host for st in plan.stages}:
+    for host in {stage.host for stage in plan.stages}:
         for dev, need in device_needs(plan, config, host, kv_tokens, mb_tokens).items():
             preflight[(host, dev)] = need
     planner = {(st.host, st.device): need for st, need in zip(plan.stages, pr["memory_bytes_per_stage"])}

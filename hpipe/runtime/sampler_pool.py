@@ -19,12 +19,12 @@ import time
 
 import torch
 
+from hpipe.sampling import RequestSampler
+
 _POLL_S = 0.0002
 
 
 def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop, config: dict) -> None:
-    from hpipe.sampling import RequestSampler
-
     torch.set_num_threads(config["threads"])
     logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
     n_slots = logits.shape[0]

@@ -21,7 +21,20 @@ import threading
 import time
 import traceback
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpipe import formats, models
+from hpipe.errors import HpipeError
 from hpipe.reports import emit
+from hpipe.request import read_requests
+from hpipe.runtime import comm
+from hpipe.runtime.kv import Segment, microbatch_kind
+from hpipe.runtime.sampler_pool import SamplerPool
+from hpipe.runtime.scheduler import Scheduler
+from hpipe.runtime.stage import StageRunner
+from hpipe.sampling import RequestSampler
 
 
 def log(msg: str) -> None:
@@ -68,8 +81,6 @@ def main(argv=None) -> int:
         run(args)
         return 0
     except Exception as e:  # report one line to the launcher, the traceback to the log
-        from hpipe.errors import HpipeError
-
         emit("error", rank=args.rank, message=str(e) if isinstance(e, HpipeError) else f"{type(e).__name__}: {e}")
         if not isinstance(e, HpipeError):
             traceback.print_exc()
@@ -77,13 +88,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> None:
-    import torch
 
-    from hpipe import formats, models
-    from hpipe.runtime import comm
-    from hpipe.runtime.stage import StageRunner
-    from hpipe.request import read_requests
-    from hpipe.sampling import RequestSampler
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,12 +124,9 @@ def run(args) -> None:
     groups = comm.init(args.rank, args.world_size, args.master_addr, args.master_port,
                        os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in plan.stages], args.timeout_s)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    import torch.distributed as dist
 
     pool = None
     if last and args.sampling == "cpu" and args.world_size > 1:
-        from hpipe.runtime.sampler_pool import SamplerPool
-
         pool = SamplerPool(int(config.vocab_size), max(1, min(len(requests), 2 * args.max_batch)), by_index,
                            min(len(requests), args.max_batch + args.world_size),
                            send=lambda mb_id, ids: comm.send_tokens(groups, 0, mb_id, ids), n_procs=args.sampler_procs)
@@ -143,8 +145,6 @@ def run(args) -> None:
         summary = None
     t_end = time.time()
     if args.logits_out and last:
-        import numpy as np
-
         np.savez(args.logits_out, **{by_index[s].id: np.stack(rows) for s, rows in logits_rows.items()})
     emit("timeline", rank=args.rank, host=stage.host, device=stage.device, units=list(stage.units),
          start=t_start, end=t_end, load_s=round(load_s, 3), peak_rss_bytes=models.peak_rss_bytes(),
@@ -159,9 +159,7 @@ def warm_up(runner, requests, args) -> None:
     """Before the clock starts: reserve the KV cache for the longest request of every sequence that
     can run at once (no growth copies mid-run), and run one small slice through the stage's units
     (kernel selection, thread pools, first-touch allocations)."""
-    import torch
 
-    from hpipe.runtime.kv import Segment
 
     if not requests:
         return
@@ -176,10 +174,7 @@ def warm_up(runner, requests, args) -> None:
 
 def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
     """Stage 0: the scheduler loop. Sampled ids come back from the last stage on a thread."""
-    import torch
 
-    from hpipe.runtime import comm
-    from hpipe.runtime.scheduler import Scheduler
 
     world = args.world_size
     sched = Scheduler(requests, plan.slicing.slices_for, world, args.max_batch)
@@ -255,8 +250,6 @@ def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
 def serve(args, runner, groups, sample, timeline, sync, pool=None, rows_of=None) -> None:
     """Stages 1..N-1: receive, compute, pass on. The last stage samples and sends the ids back, or
     hands the logits to the sampler pool (rows_of picks the rows to sample) and goes on."""
-    from hpipe.runtime import comm
-    from hpipe.runtime.kv import microbatch_kind
 
     rank, world = args.rank, args.world_size
     last = rank == world - 1
