@@ -10,31 +10,19 @@ one, else one measured here with --quick (about 30 s, kept in hpipe's cache for 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from hpipe import formats, launcher, models, planner, profiler
 from hpipe.errors import HpipeError
+from hpipe.profiler.measure import device_identity
 
 DATA = Path(__file__).parent / "data"
 SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1thread-quick.json"
-
-
-def cpu_name() -> str:
-    """This machine's CPU as the profiler names it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "cpu"
 
 
 def profile_fits(path: Path, config, threads: int) -> bool:
@@ -47,9 +35,8 @@ def profile_fits(path: Path, config, threads: int) -> bool:
     dev = next((d for d in prof["devices"] if d["id"] == "local/cpu"), None)
     if dev is None or prof["model"]["fingerprint"] != models.fingerprint(config):
         return False
-    ident = dev.get("identity", {})
-    return (ident.get("name") == cpu_name() and ident.get("cores") == os.cpu_count()
-            and ident.get("threads") == threads)
+    ident, here = dev.get("identity", {}), device_identity("cpu", torch)
+    return ident.get("name") == here["name"] and ident.get("cores") == here["cores"] and ident.get("threads") == threads
 
 
 def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[dict, str, str]:

@@ -62,14 +62,10 @@ def balanced_compute(work: np.ndarray) -> float:
     return float(res.x[-1])
 
 
-def lower_bound(cost, slices: list[int], batch: int) -> LowerBound:
-    """cost: a planner CostModel for the devices in pipeline order."""
-    d, n_units = len(cost.entries), len(cost.kinds)
-    starts = np.cumsum([0] + list(slices[:-1]))
-    unit_time = np.zeros((d, n_units))
-    for j in range(d):
-        for s, c in zip(slices, starts):
-            unit_time[j] += batch * cost.unit_times(j, s, c)
+def lower_bound(cost, unit_time: np.ndarray, slices: list[int], batch: int) -> LowerBound:
+    """cost: a planner CostModel for the devices in pipeline order; unit_time [D, U]: every unit's
+    time on every device for all slices of the batch (profiled.unit_work)."""
+    d, n_units = unit_time.shape
     kinds = sorted(set(cost.kinds))
     work = np.array([[unit_time[j, [u for u in range(n_units) if cost.kinds[u] == k]].sum() for j in range(d)]
                      for k in kinds])

@@ -100,15 +100,21 @@ def workload(cost: CostModel, slices: list[int], batch: int):
     """The partition's inputs for a slicing: every unit's time on every device, summed over all
     slices of the batch [D, U], and the send after each unit [D, U]."""
     d, n_units = len(cost.entries), len(cost.kinds)
-    starts = np.cumsum([0] + slices[:-1])
-    unit_time = np.zeros((d, n_units))
     out_comm = np.zeros((d, n_units))
-    for j in range(d):
+    for j in range(d - 1):
+        for s in slices:
+            out_comm[j] += batch * np.array([cost.send_time(j, u + 1, s) for u in range(n_units)])
+    return unit_work(cost, slices, batch), out_comm
+
+
+def unit_work(cost: CostModel, slices: list[int], batch: int) -> np.ndarray:
+    """[D, U]: every unit's time on every device for all slices of the batch."""
+    starts = np.cumsum([0] + slices[:-1])
+    unit_time = np.zeros((len(cost.entries), len(cost.kinds)))
+    for j in range(len(cost.entries)):
         for s, c in zip(slices, starts):
             unit_time[j] += batch * cost.unit_times(j, s, c)
-            if j < d - 1:
-                out_comm[j] += batch * np.array([cost.send_time(j, u + 1, s) for u in range(n_units)])
-    return unit_time, out_comm
+    return unit_time
 
 
 def predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> Timeline:
@@ -212,7 +218,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         slices = slices_in_tokens(units, granularity, seq_len)
     part, slices, timeline = best
     cuts = part.cuts
-    bound = lower_bound(cost, slices, batch)
+    bound = lower_bound(cost, unit_work(cost, slices, batch), slices, batch)
     busy = timeline.busy()
     predicted = {
         "profile": profile_path, "seq_len": seq_len, "batch": batch, "slices": slices,
