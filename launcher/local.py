@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpipe.errors import HpipeError
+from hpipe.lifeline import PARENT_ENV, arm_parent_death_signal
 from hpipe.net import free_port
 from hpipe.request import write_requests
 from hpipe.launcher.jobs import (
@@ -60,6 +61,7 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
     threads = threads_per_stage([s.device for s in job.plan.stages])
     port = free_port()
     env = dict(os.environ, HPIPE_JOB_TOKEN=secrets.token_hex(16), PYTHONUNBUFFERED="1")
+    env[PARENT_ENV] = str(os.getpid())       # the workers die with us (hpipe.lifeline)
     # so that `python -m hpipe.runtime.worker` finds this checkout even when it is not installed
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -97,7 +99,8 @@ class LocalWorker:
 
     def __init__(self, cmd: list[str], env: dict, rank: int, lines: queue.Queue):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True, stdin=subprocess.DEVNULL)
+                                     start_new_session=True, stdin=subprocess.DEVNULL,
+                                     preexec_fn=arm_parent_death_signal)
         for stream, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
             threading.Thread(target=_pump, args=(stream, rank, name, lines), daemon=True).start()
 

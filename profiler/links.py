@@ -22,6 +22,7 @@ import traceback
 
 import numpy as np
 
+from hpipe.lifeline import tie_to_parent
 from hpipe.reports import emit
 
 SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
@@ -104,6 +105,7 @@ def measure(rank: int, groups, device, quick: bool) -> dict:
 
 
 def main(argv=None) -> int:
+    tie_to_parent("profiler worker")
     p = argparse.ArgumentParser(prog="python -m hpipe.profiler.links", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--master-addr", default="127.0.0.1")

@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 
+from hpipe.lifeline import tie_to_parent
 from hpipe.reports import emit
 
 
@@ -193,6 +194,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
 
 
 def main(argv=None) -> int:
+    tie_to_parent("profiler worker")
     p = argparse.ArgumentParser(prog="python -m hpipe.profiler.measure", description=__doc__)
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cpu")

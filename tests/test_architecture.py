@@ -24,7 +24,7 @@ SOURCE_DIRS = {"hpipe": "hpipe", "planner": "hpipe.planner", "profiler": "hpipe.
 
 FLOORS = {
     0: ["hpipe", "hpipe.errors", "hpipe.formats", "hpipe.models", "hpipe.reports", "hpipe.request", "hpipe.memory",
-        "hpipe.net", "hpipe.grid"],                                    # ground: errors, formats, models, reports
+        "hpipe.net", "hpipe.grid", "hpipe.lifeline"],                                    # ground: errors, formats, models, reports
     1: ["hpipe.sampling", "hpipe.runtime", "hpipe.ssh"],               # what runs on a host
     2: ["hpipe.profiler", "hpipe.planner", "hpipe.launcher"],          # the three commands' machinery
     3: ["hpipe.cli", "hpipe.demo", "hpipe.__main__"],                  # the top: nothing imports these

@@ -227,7 +227,7 @@ def test_profile_plan_launch_end_to_end(cluster, tmp_path):
     assert nothing_running(cluster) == []
 
 
-def start_launch(cluster, plan_and_prompts, tmp_path, *extra):
+def spawn_launch(cluster, plan_and_prompts, tmp_path, *extra):
     plan, prompts = plan_and_prompts
     out = tmp_path / "out.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -236,6 +236,11 @@ def start_launch(cluster, plan_and_prompts, tmp_path, *extra):
                              "--max-new-tokens", "64", "--max-batch", "1", "--quiet", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
                             stdin=subprocess.DEVNULL)
+    return proc, out
+
+
+def start_launch(cluster, plan_and_prompts, tmp_path, *extra):
+    proc, out = spawn_launch(cluster, plan_and_prompts, tmp_path, *extra)
     deadline = time.time() + 180
     while not (out.exists() and out.read_text().strip()):   # mid-run: the first prompt is done
         assert proc.poll() is None, proc.communicate()
@@ -268,6 +273,61 @@ def test_remote_worker_killed_mid_run(cluster, plan_and_prompts, tmp_path):
     assert "stage 1 (h1 cpu" in err and "SIGKILL" in err, err
     assert wait_until_clean(cluster, 1.0) == []
     assert len(out.read_text().splitlines()) >= 1   # finished prompts stay
+
+
+def wait_for_worker(cluster, host: str, proc, within: float = 120) -> int:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        for pid in namespace_pids(cluster.host(host).namespace):
+            if process_cmdline(pid).split(" ")[1:3] == ["-m", "hpipe.runtime.worker"]:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no worker on {host} within {within} s")
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def in_rendezvous(cluster, host: str, worker: int) -> bool:
+    """The worker holds a TCP connection to the rendezvous port (it has loaded its model)."""
+    port = process_cmdline(worker).split("--master-port ")[1].split(" ")[0]
+    r = subprocess.run(["ip", "netns", "exec", cluster.host(host).namespace, "ss", "-tnpH", "state", "established",
+                        f"( dport = :{port} )"], capture_output=True, text=True)
+    return f"pid={worker}," in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["loading", "rendezvous", "decode"])
+def test_remote_wrapper_killed(cluster, plan_and_prompts, tmp_path, phase):
+    """SIGKILL the remote wrapper around stage 1's worker: the worker goes on its own (nothing is
+    left on any host 2 s after the launcher exits) and the launcher names the SIGKILL."""
+    if phase == "decode":
+        proc, out = start_launch(cluster, plan_and_prompts, tmp_path)
+    else:
+        proc, out = spawn_launch(cluster, plan_and_prompts, tmp_path)
+    worker = wait_for_worker(cluster, "h1", proc)
+    stopped = None
+    if phase == "rendezvous":   # hold stage 2 back so that stage 1 waits in the rendezvous
+        stopped = wait_for_worker(cluster, "h2", proc)
+        os.kill(stopped, signal.SIGSTOP)
+        deadline = time.time() + 120
+        while not in_rendezvous(cluster, "h1", worker):
+            assert time.time() < deadline and proc.poll() is None, "stage 1 never reached the rendezvous"
+            time.sleep(0.05)
+    try:
+        os.kill(parent_of(worker), signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "SIGKILL" in err and "SIGHUP" not in err, err
+    assert wait_until_clean(cluster, 2.0) == []
 
 
 @pytest.mark.slow

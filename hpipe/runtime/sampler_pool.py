@@ -14,17 +14,20 @@ sequence's penalty state and generator live in exactly one process.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import torch
 
+from hpipe.lifeline import tie_to_parent
 from hpipe.sampling import RequestSampler
 
 _POLL_S = 0.0002
 
 
 def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop, config: dict) -> None:
+    tie_to_parent("sampler process", config["parent"])
     torch.set_num_threads(config["threads"])
     logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
     n_slots = logits.shape[0]
@@ -66,7 +69,7 @@ class SamplerPool:
         self.locks = [ctx.Lock() for _ in range(n_slots)]
         self.done_sems = [ctx.Semaphore(0) for _ in range(n_slots)]   # one release per process per micro-batch
         self.stop_event = ctx.Event()
-        config = {"threads": threads, "requests": requests, "max_batch": max_batch}
+        config = {"threads": threads, "requests": requests, "max_batch": max_batch, "parent": os.getpid()}
         self.procs = [ctx.Process(target=_sampler_main, args=(i, n_procs, self.shared, self.locks, self.done_sems,
                                                                self.stop_event, config), daemon=True,
                                   name=f"hpipe-sampler-{i}") for i in range(n_procs)]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hpipe import formats, models
 from hpipe.errors import HpipeError
+from hpipe.lifeline import tie_to_parent
 from hpipe.reports import emit
 from hpipe.request import read_requests
 from hpipe.runtime import comm
@@ -76,6 +77,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    tie_to_parent("stage worker")
     args = parse_args(argv)
     try:
         run(args)

@@ -22,6 +22,7 @@ import hashlib
 import json
 import queue
 import shlex
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -241,7 +242,9 @@ class RemoteProcess:
         self.heard = time.monotonic()
         self._closed = False
         self.chan = conn.client.get_transport().open_session()
-        self.chan.exec_command(python_command(conn.host, WRAPPER_SOURCE, argv))
+        # not exec'd: the login shell stays the wrapper's parent and turns its death by a signal into
+        # an exit status 128 + n (sshd's "exit-signal" never reaches paramiko, which reads it as -1)
+        self.chan.exec_command(python_command(conn.host, WRAPPER_SOURCE, argv) + "; exit $?")
         self._stdin = self.chan.makefile_stdin("wb")
         self._send(json.dumps({"env": env, "timeout_s": timeout_s, "marker": MARKER}) + "\n")
         self._threads = [threading.Thread(target=self._pump, args=(self.chan.makefile("rb"), "out", lines),
@@ -323,15 +326,20 @@ class RemoteProcess:
         c = rep.get("code", code)
         if rep.get("why"):
             return str(rep["why"])
+        if not rep and code == -1:      # the channel closed without any exit status
+            return "the remote wrapper was lost (no exit status: killed, or its connection dropped)"
+        if not rep and code > 128:      # the wrapper itself died; its shell reported 128 + signal
+            return f"the remote wrapper was killed by {_signal_name(code - 128)}"
         if isinstance(c, int) and c < 0:
-            import signal
-
-            try:
-                name = signal.Signals(-c).name
-            except ValueError:
-                name = f"signal {-c}"
-            return f"killed by {name}"
+            return f"killed by {_signal_name(-c)}"
         return f"exit code {c}"
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def _sftp(conn: Connection, what: str):

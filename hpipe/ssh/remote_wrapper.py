@@ -33,6 +33,7 @@ def main():
     timeout = float(config.get("timeout_s", 30))
     env = dict(os.environ)
     env.update(config.get("env", {}))
+    env["HPIPE_PARENT_PID"] = str(os.getpid())   # the worker dies with this wrapper (hpipe/lifeline.py)
     lock = threading.Lock()
     out, err = sys.stdout.buffer, sys.stderr.buffer
 
@@ -47,7 +48,8 @@ def main():
 
     try:
         child = subprocess.Popen(sys.argv[1:], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, start_new_session=True, cwd=config.get("cwd") or None)
+                                 stderr=subprocess.PIPE, start_new_session=True, cwd=config.get("cwd") or None,
+                                 preexec_fn=die_with_parent)
     except OSError as e:
         report("exit", code=127, why="cannot start %s: %s" % (sys.argv[1] if len(sys.argv) > 1 else "?", e))
         return 127
@@ -98,9 +100,20 @@ def main():
     return code if code >= 0 else 128 - code
 
 
+def die_with_parent():
+    """In the child, before exec: the kernel kills it with SIGKILL when this wrapper dies, even by
+    SIGKILL, even while it still imports torch (the setting survives exec; Linux only)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - other systems: the worker's own lifeline thread remains
+        pass
+
+
 def kill_group(child):
     try:
         os.killpg(child.pid, signal.SIGTERM)
+        os.killpg(child.pid, signal.SIGCONT)   # a stopped process would never see the SIGTERM
     except OSError:
         return
     deadline = time.monotonic() + 3
