@@ -260,14 +260,21 @@ def launch(
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="over prompt and output tokens"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="x count of each output token"),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="once per output token"),
-    sampling: str = typer.Option("inline", "--sampling", help="inline: the last stage samples; cpu: a pool of "
-                                 "sampler processes takes the logits off the last stage (SiPipe), which pays when "
-                                 "the last stage has other micro-batches to run meanwhile"),
+    sampling: str = typer.Option("auto", "--sampling", help="inline: the last stage samples (on a sampler thread "
+                                 "under TSEM); cpu: a pool of sampler processes takes the logits off the last stage "
+                                 "(SiPipe); auto: cpu when the last stage is a GPU, else inline"),
+    no_tsem: bool = typer.Option(False, "--no-tsem", help="prepare each micro-batch's inputs inline, not on a CPU "
+                                 "thread while the previous one computes"),
+    no_sat: bool = typer.Option(False, "--no-sat", help="send header and segments with every hop's hidden states "
+                                "instead of the schedule ahead on the control plane"),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="CUDA stages: run decode steps eagerly"),
     sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     seed: int = typer.Option(0, "--seed"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
     logits_out: str | None = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
-    timeline_out: str | None = typer.Option(None, "--timeline-out", help="JSON of every stage's busy intervals"),
+    timeline_out: str | None = typer.Option(None, "--timeline-out", help="the measured run per stage (compute, "
+                                             "prepare, wait, send), next to the plan's predicted prefill: .html, "
+                                             ".png (needs matplotlib) or .json"),
     resume: bool = typer.Option(False, "--resume", help="skip prompts whose ids are already in --out"),
     model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(False, "--quiet", help="do not stream the workers' logs"),
@@ -278,12 +285,15 @@ def launch(
     if host_timeout <= 0:
         raise HpipeError(f"--host-timeout must be > 0, got {host_timeout}")
     inventory = formats.load_inventory(cluster) if cluster else None
+    if timeline_out:
+        launcher.check_timeline_out(timeline_out)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty)
     settings = launcher.LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
                                        logits_out=logits_out, resume=resume, sampling=sampling,
-                                       sampler_procs=sampler_procs)
+                                       sampler_procs=sampler_procs, tsem=not no_tsem, sat=not no_sat,
+                                       cuda_graphs=not no_cuda_graphs)
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")

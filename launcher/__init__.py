@@ -5,7 +5,8 @@ from hpipe.launcher.cluster import check_table, launch_cluster, plan_hosts, pref
 from hpipe.launcher.jobs import (LaunchSettings, PreparedJob, busy_fractions, encode_prompt, plan_check, prepare,
                                  write_run_summary)
 from hpipe.launcher.local import launch_local, threads_per_stage
+from hpipe.launcher.run_chart import check_timeline_out, predicted_timeline, write_run_timeline
 
-__all__ = ["LaunchSettings", "PreparedJob", "busy_fractions", "check_table", "encode_prompt", "launch_cluster",
-           "launch_local", "plan_check", "plan_hosts", "preflight", "prepare", "refuse_failed", "threads_per_stage",
-           "write_run_summary"]
+__all__ = ["LaunchSettings", "PreparedJob", "busy_fractions", "check_table", "check_timeline_out", "encode_prompt",
+           "launch_cluster", "launch_local", "plan_check", "plan_hosts", "predicted_timeline", "preflight", "prepare",
+           "refuse_failed", "threads_per_stage", "write_run_summary", "write_run_timeline"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from hpipe import formats, models
 from hpipe.errors import HpipeError
+from hpipe.launcher.run_chart import predicted_timeline, stage_table, write_run_timeline
 from hpipe.reports import parse
 from hpipe.request import Request, SamplingParams, sequence_seed
 
@@ -23,8 +24,11 @@ from hpipe.request import Request, SamplingParams, sequence_seed
 class LaunchSettings:
     max_new_tokens: int = 64
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))  # seed: see `seed`
-    sampling: str = "inline"         # "inline" (the last stage samples) or "cpu" (a sampler pool)
+    sampling: str = "auto"           # "inline" (the last stage samples), "cpu" (a sampler pool) or "auto"
     sampler_procs: int = 1
+    tsem: bool = True                # the asynchronous runtime's switches (hpipe.runtime.pipeline)
+    sat: bool = True
+    cuda_graphs: bool = True
     seed: int = 0
     max_batch: int = 16
     logits_out: str | None = None
@@ -62,8 +66,8 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
     plan = formats.load_plan(plan_path)
     if settings.max_batch < 1:
         raise HpipeError(f"--max-batch must be at least 1, got {settings.max_batch}")
-    if settings.sampling not in ("cpu", "inline"):
-        raise HpipeError(f"--sampling {settings.sampling!r}: use inline or cpu")
+    if settings.sampling not in ("cpu", "inline", "auto"):
+        raise HpipeError(f"--sampling {settings.sampling!r}: use inline, cpu or auto")
     if settings.max_new_tokens < 1:
         raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
     if settings.sampler_procs < 1:
@@ -87,10 +91,11 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
         if rec.id in done_ids:
             continue
         ids = encode_prompt(tokenizer, rec, f"{prompts_path}: ")
-        bad = [t for t in ids if t >= vocab]
-        if bad:
-            raise HpipeError(f"{prompts_path}: prompt {rec.id!r}: token id {bad[0]} is outside the vocabulary "
-                             f"(size {vocab})")
+        for what, tokens in (("token id", ids), ("stop_token_ids: id", rec.stop_token_ids)):
+            bad = [t for t in tokens if t >= vocab]
+            if bad:
+                raise HpipeError(f"{prompts_path}: prompt {rec.id!r}: {what} {bad[0]} is outside the vocabulary "
+                                 f"(size {vocab})")
         if len(ids) + settings.max_new_tokens > ctx:
             raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has {len(ids)} tokens; with --max-new-tokens "
                              f"{settings.max_new_tokens} that exceeds the model's context of {ctx} tokens; "
@@ -98,7 +103,8 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
         # the launch's parameters, a seed of the request's own, then the prompt's overrides (its seed included)
         params = SamplingParams(**{**settings.params.__dict__, "seed": sequence_seed(settings.seed, rec.id),
                                    **(rec.sampling or {})})
-        requests.append(Request(len(requests), rec.id, tuple(ids), params, settings.max_new_tokens, eos))
+        requests.append(Request(len(requests), rec.id, tuple(ids), params, settings.max_new_tokens, eos,
+                                frozenset(rec.stop_token_ids)))
     return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids))
 
 
@@ -135,13 +141,7 @@ class JobOutput:
 
 def busy_fractions(timelines: dict[int, dict]) -> dict[int, float]:
     """Per stage: the share of the run (first to last activity of any stage) spent computing."""
-    if not timelines:
-        return {}
-    start = min(t["start"] for t in timelines.values())
-    end = max(t["end"] for t in timelines.values())
-    span = max(end - start, 1e-9)
-    return {r: sum(i["end"] - i["start"] for i in t["intervals"] if i["what"] == "compute") / span
-            for r, t in sorted(timelines.items())}
+    return {r: row["busy"] for r, row in stage_table(timelines).items()}
 
 
 def stage_busy_seconds(timelines: dict[int, dict], kind: str | None = None) -> dict[int, float]:
@@ -173,14 +173,18 @@ def plan_check(plan: formats.Plan, output: JobOutput, prompt_lengths: list[int])
 
 def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeline_out: str | None = None) -> dict:
     """After a launch: `OUT.summary.json` (the run's figures, busy fractions, predicted against
-    measured prefill) and, if asked, the timelines as JSON. Returns the summary."""
-    if timeline_out:
-        with open(timeline_out, "w") as f:
-            json.dump({"version": 1, "stages": [output.timelines[r] for r in sorted(output.timelines)]}, f)
+    measured prefill) and, if asked, the timelines (.json, or charts as .html / .png, the plan's
+    predicted prefill beside the measured run when the plan carries one). Returns the summary."""
     summary = {"version": 1, "run": output.summary or {}, "busy_fraction": busy_fractions(output.timelines),
                "plan_check": plan_check(job.plan, output, [len(r.input_ids) for r in job.requests])}
-    with open(f"{out_path}.summary.json", "w") as f:
+    with open(f"{out_path}.summary.json", "w") as f:   # first: a timeline that cannot be written loses nothing
         json.dump(summary, f, indent=2)
+    if timeline_out:
+        predicted = predicted_timeline(job)
+        n_slices = len(job.plan.predicted["slices"]) if predicted is not None else None
+        title = (f"hpipe launch: {job.plan.model.name}, {len(job.plan.stages)} stages, "
+                 f"{len(output.results)} prompts")
+        write_run_timeline(timeline_out, output.timelines, predicted, title, slices_per_sequence=n_slices)
     return {**summary, "prompts_done": len(output.results)}
 
 
@@ -193,6 +197,8 @@ def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str
            "--requests", requests_path, "--sampling", settings.sampling,
            "--sampler-procs", str(settings.sampler_procs), "--max-batch", str(settings.max_batch),
            "--attn", settings.attn, "--threads", str(threads)]
+    cmd += [flag for flag, off in (("--no-tsem", not settings.tsem), ("--no-sat", not settings.sat),
+                                   ("--no-cuda-graphs", not settings.cuda_graphs)) if off]
     if logits_out:
         cmd += ["--logits-out", logits_out]
     return cmd

@@ -17,10 +17,10 @@ from hpipe.planner.profiled import (CostModel, PlanResult, check_profile_matches
 from hpipe.planner.search import search_plan
 from hpipe.planner.simulate import Timeline, simulate
 from hpipe.planner.slicing import slice_sequence
-from hpipe.planner.timeline import write_timeline
+from hpipe.planner.timeline import PALETTE, plot_gantt, pyplot, svg_gantt, timeline_bars, write_timeline
 from hpipe.planner.uniform import make_plan, uniform_cuts
 
-__all__ = ["CostModel", "Infeasible", "LowerBound", "Partition", "PlanResult", "Timeline", "check_profile_matches",
-           "compare", "gap", "lower_bound", "make_plan", "partition_layers", "plan_from_profile", "predict",
-           "search_plan", "simulate", "slice_sequence", "slice_time_table", "uniform_cuts", "workload",
-           "write_timeline"]
+__all__ = ["PALETTE", "CostModel", "Infeasible", "LowerBound", "Partition", "PlanResult", "Timeline",
+           "check_profile_matches", "compare", "gap", "lower_bound", "make_plan", "partition_layers",
+           "plan_from_profile", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
+           "slice_time_table", "svg_gantt", "timeline_bars", "uniform_cuts", "workload", "write_timeline"]

@@ -121,3 +121,56 @@ def test_per_prompt_sampling_overrides(tiny_models, reference_models, tmp_path):
                                                                                     NEW_TOKENS, 2))
     assert runs[0]["seeded"] == runs[1]["seeded"]
     assert runs[0]["plain"] != runs[1]["plain"], "without its own seed a prompt follows --seed"
+
+
+SWITCHES = [(tsem, sat, sampling) for tsem in (False, True) for sat in (False, True) for sampling in ("inline", "cpu")]
+
+
+def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
+    return (["--sampling", sampling] + ([] if tsem else ["--no-tsem"]) + ([] if sat else ["--no-sat"])
+            + ["--no-cuda-graphs"])
+
+
+def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, reference_models, tmp_path):
+    """--no-tsem/--no-sat/--sampling inline|cpu, all eight combinations, each on its own random plan
+    (1-4 stages, mid-block cuts, random slicing) with early EOS: greedy prompts give transformers'
+    tokens, seeded prompts with every penalty give the tokens of the baseline (all off, which is
+    the first runtime)."""
+    family = "qwen2"
+    path = tiny_models[family]
+    ref_model = reference_models[family]
+    n_units = models.num_units(models.load_config(path))
+    rng = random.Random("switches")
+    hot = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "repetition_penalty": 1.2, "frequency_penalty": 0.4,
+           "presence_penalty": 0.2}
+    lines, greedy = [], {}
+    for i in range(7):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 60))]
+        if i % 2:
+            lines.append({"id": f"p{i}", "input_ids": prompt, "sampling": {**hot, "seed": 100 + i},
+                          "stop_token_ids": list(range(3, 40))})    # stops early, mid-pipeline
+        else:
+            lines.append({"id": f"p{i}", "input_ids": prompt, "sampling": {"temperature": 0}})
+            greedy[f"p{i}"] = prompt
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    runs = {}
+    for k, (tsem, sat, sampling) in enumerate(SWITCHES):
+        n_stages = 1 + k % 4
+        cuts = sorted(rng.sample(range(1, n_units), n_stages - 1))
+        slices = [rng.randint(2, 25) for _ in range(rng.randint(1, 3))]
+        plan, out = tmp_path / f"plan{k}.json", tmp_path / f"out{k}.jsonl"
+        assert main(["plan", "--model", str(path), "--stages", str(n_stages), "--slices", ",".join(map(str, slices)),
+                     "-o", str(plan)] + (["--cuts", ",".join(map(str, cuts))] if cuts else [])) == 0
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
+                     "--max-new-tokens", "12", "--max-batch", "3", "--quiet",
+                     *switch_args(tsem, sat, sampling)]) == 0
+        runs[(tsem, sat, sampling)] = {k2: v["output_ids"] for k2, v in read_results(out).items()}
+    baseline = runs[(False, False, "inline")]
+    assert len(baseline) == len(lines)
+    stopped = [pid for pid, out in baseline.items() if int(pid[1:]) % 2 and len(out) < 12]
+    assert stopped, "some seeded prompt should stop early (its stop ids)"
+    for switches, tokens in runs.items():
+        assert tokens == baseline, f"tsem, sat, sampling = {switches}"
+    for pid, prompt in greedy.items():
+        assert_greedy_equal(ref_model, prompt, baseline[pid], reference_greedy(ref_model, prompt, 12, 2))

@@ -22,20 +22,24 @@ def token_for(seq: int, step: int) -> int:
     return EOS if (seq * 7 + step * 3) % 23 == 0 and step > 0 else 1 + (seq + step) % 50
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=8), n_stages=st.integers(1, 5),
        max_batch=st.integers(1, 6), new_tokens=st.integers(1, 9), slice_len=st.integers(1, 25),
-       eos=st.booleans())
-def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_len, eos):
+       eos=st.booleans(), lookahead=st.booleans())
+def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_len, eos, lookahead):
+    """Micro-batches are committed, then start in order (with lookahead only once their input ids
+    are back), then leave the pipeline in order."""
     stop = frozenset([EOS] if eos else [])
     requests = [Request(i, f"r{i}", tuple(range(1, n + 1)), max_new_tokens=new_tokens, eos_ids=stop)
                 for i, n in enumerate(lengths)]
     slicing = Slicing(lengths=(slice_len,) * 3)
-    sched = Scheduler(requests, slicing.slices_for, n_stages, max_batch)
+    sched = Scheduler(requests, slicing.slices_for, n_stages, max_batch, lookahead=lookahead)
+    committed: deque = deque()
     pipe: deque = deque()
     cached = {}            # seq -> tokens the stages hold
     fed: dict[int, list[int]] = {r.index: [] for r in requests}
     produced: dict[int, list[int]] = {r.index: [] for r in requests}
+    leftovers: dict[int, int] = {r.index: 0 for r in requests}
     finished = {}
     while not sched.done:
         mb = sched.next_microbatch()
@@ -45,17 +49,26 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
             assert len(active_slots) == len(set(active_slots)) and len(active_slots) <= max_batch
             seqs = [s.seq for s in mb.segments]
             assert len(seqs) == len(set(seqs))
-            offset = 0
             for seg in mb.segments:
                 assert seg.start == cached.get(seg.seq, 0), "segments of a sequence must be contiguous"
                 assert seg.prefill == (seg.start < lengths[seg.seq]), "prompt tokens are prefill, the rest decode"
                 cached[seg.seq] = seg.end
-                fed[seg.seq] += mb.tokens[offset:offset + seg.length]
-                offset += seg.length
-            assert offset == len(mb.tokens)
             if mb.kind == "decode":
                 decoding = sum(1 for a in sched.active if a.prefilled and a.finish_reason is None)
                 assert len(mb.segments) <= math.ceil(decoding / n_stages)
+            assert lookahead or mb.tokens is not None, "without lookahead a micro-batch's ids are known"
+            committed.append(mb)
+            continue
+        if committed and (tokens := sched.input_ids(committed[0])) is not None:   # it enters stage 0
+            mb = committed.popleft()
+            offset = 0
+            for seg in mb.segments:
+                if seg.seq in finished:          # committed before its sequence stopped: a leftover
+                    leftovers[seg.seq] += 1
+                else:
+                    fed[seg.seq] += tokens[offset:offset + seg.length]
+                offset += seg.length
+            assert offset == len(tokens)
             pipe.append(mb)
             continue
         assert pipe, "the scheduler stalled with nothing in flight"
@@ -64,9 +77,11 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
         for seg in done_mb.segments:
             if seg.sample:
                 ids.append(token_for(seg.seq, len(produced[seg.seq])))
-                produced[seg.seq].append(ids[-1])
+                if seg.seq not in finished:
+                    produced[seg.seq].append(ids[-1])
         for state in sched.on_sampled(done_mb.id, ids):
             finished[state.request.index] = state
+    assert not committed and not pipe
     for r in requests:
         state = finished[r.index]
         out = produced[r.index]
@@ -77,6 +92,8 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
             assert out.index(EOS) == len(out) - 1 and state.finish_reason == "eos"
         else:
             assert len(out) == new_tokens and state.finish_reason == "length"
+        # a leftover step only follows a stop the scheduler could not foresee, and only with lookahead
+        assert leftovers[r.index] <= (1 if lookahead and state.finish_reason == "eos" else 0)
         slices_seen = slicing.slices_for(len(r.input_ids))
         assert sum(slices_seen) == len(r.input_ids)
 

@@ -1,21 +1,29 @@
-"""Point-to-point messages between stages, over torch.distributed.
+"""Messages between stages, over torch.distributed.
 
-Two directions, each FIFO:
-- forward, stage j -> j+1 (tag 0): a header [op, micro-batch id, segments, tokens, ...], the
-  segments [n, 6] (seq, slot, start, length, sample, prefill), then the hidden states [tokens, hidden];
-- back, last stage -> stage 0 (tag 1): a header [op, micro-batch id, n] and the n sampled ids.
+Three streams, each FIFO (torch.distributed matches messages by source and tag, in order):
+- the schedule (tag 2, the control plane): stage 0's scheduler publishes every micro-batch to every
+  other stage as soon as it is decided, in one fixed-size message (op, micro-batch id, segments),
+  ahead of the data;
+- the hop, stage j -> j+1 (tag 0): the hidden states;
+- back, last stage -> stage 0 (tag 1): the sampled ids.
 
-Headers and segments always travel on a gloo group (small, CPU); the hidden states travel on the
-data group: NCCL when every stage is a distinct CUDA device, else the same gloo group (CUDA tensors
-are staged through host memory). Splitting control from data is the seam where SiPipe's
-structure-aware transfers go.
+Structure-aware transfer (SAT, SiPipe §5.3): a receiver knows every transfer's shape from the
+schedule, so the hidden states travel alone, into a receive posted ahead into a preallocated, reused
+buffer, and the ids come back alone (stage 0 knows how many each micro-batch returns). Without SAT
+(`--no-sat`, the baseline) every hop carries the schedule with the data, as a header and the segments
+before the hidden states, and the ids come back after a header: three and two messages.
+
+Control messages (schedule, headers, ids) travel on a gloo group; the hidden states on the data
+group: NCCL when every stage is a distinct CUDA device, else the same gloo group (CUDA tensors are
+staged through host memory). `Counters` counts messages and bytes per link and kind.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,7 +35,7 @@ from hpipe.runtime.kv import Segment
 OP_WORK, OP_STOP, OP_TOKENS = 1, 2, 3
 HEADER_LEN = 8
 SEGMENT_FIELDS = 6
-TAG_FORWARD, TAG_BACK = 0, 1
+TAG_FORWARD, TAG_BACK, TAG_SCHEDULE = 0, 1, 2
 
 
 def choose_backend(devices: list[str]) -> str:
@@ -40,11 +48,36 @@ def choose_backend(devices: list[str]) -> str:
 
 
 @dataclass
+class Counters:
+    """Messages and bytes sent, per link ("0->1", "2->0") and kind: "meta" (headers, segments),
+    "data" (hidden states, sampled ids) and "schedule" (the control plane)."""
+
+    sent: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, src: int, dst: int, kind: str, tensor: torch.Tensor) -> None:
+        with self.lock:
+            link = self.sent.setdefault(f"{src}->{dst}", {})
+            link[f"{kind}_msgs"] = link.get(f"{kind}_msgs", 0) + 1
+            link[f"{kind}_bytes"] = link.get(f"{kind}_bytes", 0) + tensor.numel() * tensor.element_size()
+
+    def as_dict(self) -> dict:
+        with self.lock:
+            return {k: dict(v) for k, v in self.sent.items()}
+
+
+@dataclass
 class Groups:
     backend: str
-    ctrl: object          # gloo process group for headers and tokens
+    ctrl: object          # gloo process group for schedules, headers and ids
     data: object          # process group for hidden states
     data_device: torch.device
+    rank: int = 0
+    counters: Counters = field(default_factory=Counters)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int, kind: str, data: bool = False):
+        self.counters.add(self.rank, dst, kind, tensor)
+        return dist.isend(tensor, dst, group=self.data if data else self.ctrl, tag=tag)
 
 
 class TokenRejected(HpipeError):
@@ -83,9 +116,9 @@ def init(rank: int, world: int, addr: str, port: int, job_token: str, devices: l
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=torch.device(devices[rank]))
         ctrl = dist.new_group(backend="gloo", timeout=timeout)
-        return Groups(backend, ctrl, dist.group.WORLD, torch.device(devices[rank]))
+        return Groups(backend, ctrl, dist.group.WORLD, torch.device(devices[rank]), rank)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    return Groups(backend, dist.group.WORLD, dist.group.WORLD, torch.device("cpu"))
+    return Groups(backend, dist.group.WORLD, dist.group.WORLD, torch.device("cpu"), rank)
 
 
 class Pending:
@@ -95,6 +128,10 @@ class Pending:
         self.works: list = []
         self.tensors: list = []
 
+    def add(self, work, tensor: torch.Tensor) -> None:
+        self.works.append(work)
+        self.tensors.append(tensor)
+
     def wait(self):
         for w in self.works:
             w.wait()
@@ -102,58 +139,114 @@ class Pending:
         self.tensors.clear()
 
 
+def encode_segments(segments: list[Segment]) -> torch.Tensor:
+    return torch.tensor([[s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill)] for s in segments],
+                        dtype=torch.long).reshape(-1, SEGMENT_FIELDS)
+
+
+def decode_segments(rows: list[list[int]]) -> list[Segment]:
+    return [Segment(seq, slot, start, length, bool(sample), bool(prefill))
+            for seq, slot, start, length, sample, prefill in rows]
+
+
+# ------------------------------------------------------------------ the control plane (schedule)
+def schedule_len(max_segments: int) -> int:
+    return HEADER_LEN + SEGMENT_FIELDS * max_segments
+
+
+def publish_schedule(groups: Groups, world: int, mb_id: int, segments: list[Segment] | None,
+                     max_segments: int, pending: Pending) -> None:
+    """Stage 0: one fixed-size message per stage: [op, id, n segments, tokens, ...] + segments.
+    segments None publishes the stop."""
+    msg = torch.zeros(schedule_len(max_segments), dtype=torch.long)
+    if segments is None:
+        msg[0] = OP_STOP
+    else:
+        if len(segments) > max_segments:
+            raise ValueError(f"{len(segments)} segments, the schedule holds {max_segments}")
+        msg[:4] = torch.tensor([OP_WORK, mb_id, len(segments), sum(s.length for s in segments)])
+        msg[HEADER_LEN:HEADER_LEN + SEGMENT_FIELDS * len(segments)] = encode_segments(segments).flatten()
+    for dst in range(1, world):
+        pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
+
+
+def recv_schedule(groups: Groups, max_segments: int) -> tuple[int, list[Segment] | None]:
+    """Stages 1..N-1: the next micro-batch's (id, segments), or (-1, None) at the stop."""
+    msg = torch.empty(schedule_len(max_segments), dtype=torch.long)
+    dist.recv(msg, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
+    op, mb_id, n = msg[:3].tolist()
+    if op == OP_STOP:
+        return -1, None
+    return mb_id, decode_segments(msg[HEADER_LEN:HEADER_LEN + SEGMENT_FIELDS * n].view(n, SEGMENT_FIELDS).tolist())
+
+
+# ------------------------------------------------------------------ the hop (hidden states)
+def send_hidden(groups: Groups, dst: int, hidden: torch.Tensor, pending: Pending) -> None:
+    """SAT: the hidden states alone; the receiver knows their shape from the schedule."""
+    payload = hidden.contiguous() if groups.backend == "nccl" else hidden.detach().to("cpu").contiguous()
+    pending.add(groups.isend(payload, dst, TAG_FORWARD, "data", data=True), payload)
+
+
+def post_recv_hidden(groups: Groups, src: int, buffer: torch.Tensor):
+    """SAT: posts the receive of one micro-batch's hidden states into `buffer` (a view of a
+    preallocated buffer); returns the work handle to wait on."""
+    return dist.irecv(buffer, src, group=groups.data, tag=TAG_FORWARD)
+
+
 def isend_work(groups: Groups, dst: int, mb_id: int, segments: list[Segment], hidden: torch.Tensor | None,
                pending: Pending) -> None:
+    """Without SAT: header, segments, hidden states."""
     n_tokens = 0 if hidden is None else hidden.shape[0]
     header = torch.tensor([OP_WORK, mb_id, len(segments), n_tokens] + [0] * (HEADER_LEN - 4), dtype=torch.long)
-    segs = torch.tensor([[s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill)] for s in segments],
-                        dtype=torch.long).reshape(-1, SEGMENT_FIELDS)
-    pending.works.append(dist.isend(header, dst, group=groups.ctrl, tag=TAG_FORWARD))
-    pending.works.append(dist.isend(segs, dst, group=groups.ctrl, tag=TAG_FORWARD))
-    pending.tensors += [header, segs]
+    segs = encode_segments(segments)
+    pending.add(groups.isend(header, dst, TAG_FORWARD, "meta"), header)
+    pending.add(groups.isend(segs, dst, TAG_FORWARD, "meta"), segs)
     if hidden is not None:
-        payload = hidden.contiguous() if groups.backend == "nccl" else hidden.detach().to("cpu").contiguous()
-        pending.works.append(dist.isend(payload, dst, group=groups.data, tag=TAG_FORWARD))
-        pending.tensors.append(payload)
+        send_hidden(groups, dst, hidden, pending)
 
 
 def send_stop(groups: Groups, dst: int, tag: int = TAG_FORWARD) -> None:
     header = torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.long)
-    dist.send(header, dst, group=groups.ctrl, tag=tag)
+    groups.isend(header, dst, tag, "meta").wait()
 
 
-def irecv_header(groups: Groups, src: int, tag: int = TAG_FORWARD):
+def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype):
+    """Without SAT: (id, segments, hidden states), or (-1, None, None) at the stop."""
     header = torch.empty(HEADER_LEN, dtype=torch.long)
-    return header, dist.irecv(header, src, group=groups.ctrl, tag=tag)
-
-
-def recv_work_body(groups: Groups, src: int, header: torch.Tensor, hidden_size: int, dtype: torch.dtype):
-    """After a WORK header arrived: receives its segments and hidden states."""
-    _, mb_id, n_segs, n_tokens = header[:4].tolist()
+    dist.recv(header, src, group=groups.ctrl, tag=TAG_FORWARD)
+    op, mb_id, n_segs, n_tokens = header[:4].tolist()
+    if op == OP_STOP:
+        return -1, None, None
     segs = torch.empty((n_segs, SEGMENT_FIELDS), dtype=torch.long)
     dist.recv(segs, src, group=groups.ctrl, tag=TAG_FORWARD)
-    segments = [Segment(seq, slot, start, length, bool(sample), bool(prefill))
-                for seq, slot, start, length, sample, prefill in segs.tolist()]
     hidden = torch.empty((n_tokens, hidden_size), dtype=dtype, device=groups.data_device)
     dist.recv(hidden, src, group=groups.data, tag=TAG_FORWARD)
-    return mb_id, segments, hidden
+    return mb_id, decode_segments(segs.tolist()), hidden
 
 
-def send_tokens(groups: Groups, dst: int, mb_id: int, ids: list[int]) -> None:
-    header = torch.tensor([OP_TOKENS, mb_id, len(ids)] + [0] * (HEADER_LEN - 3), dtype=torch.long)
-    dist.send(header, dst, group=groups.ctrl, tag=TAG_BACK)
+# ------------------------------------------------------------------ back (sampled ids)
+def send_tokens(groups: Groups, dst: int, mb_id: int, ids: list[int], sat: bool) -> None:
+    """The ids of one micro-batch; without SAT after a header [op, id, n]."""
+    if not sat:
+        header = torch.tensor([OP_TOKENS, mb_id, len(ids)] + [0] * (HEADER_LEN - 3), dtype=torch.long)
+        groups.isend(header, dst, TAG_BACK, "meta").wait()
     if ids:
-        dist.send(torch.tensor(ids, dtype=torch.long), dst, group=groups.ctrl, tag=TAG_BACK)
+        groups.isend(torch.tensor(ids, dtype=torch.long), dst, TAG_BACK, "data").wait()
 
 
-def recv_tokens(groups: Groups, src: int) -> tuple[int, int, list[int]]:
-    """Blocks for the next message on the back path: (op, micro-batch id, sampled ids)."""
-    header = torch.empty(HEADER_LEN, dtype=torch.long)
-    dist.recv(header, src, group=groups.ctrl, tag=TAG_BACK)
-    op, mb_id, n = header[:3].tolist()
+def recv_tokens(groups: Groups, src: int, n: int | None = None) -> tuple[int, int, list[int]]:
+    """Stage 0: (op, micro-batch id, ids). With SAT, `n` (the micro-batch's sampling rows, from its
+    schedule) replaces the header and the id is the caller's."""
+    mb_id = -1
+    if n is None:
+        header = torch.empty(HEADER_LEN, dtype=torch.long)
+        dist.recv(header, src, group=groups.ctrl, tag=TAG_BACK)
+        op, mb_id, n = header[:3].tolist()
+        if op == OP_STOP:
+            return op, mb_id, []
     ids: list[int] = []
-    if op == OP_TOKENS and n:
+    if n:
         buf = torch.empty(n, dtype=torch.long)
         dist.recv(buf, src, group=groups.ctrl, tag=TAG_BACK)
         ids = buf.tolist()
-    return op, mb_id, ids
+    return OP_TOKENS, mb_id, ids

@@ -11,7 +11,13 @@ The policy of this first version:
   so slice i+1 enters stage 0 while slice i runs on stage 1 (HPipe's token-dimension pipeline);
 - decode: sequences whose last token came back are grouped, at most ceil(decoding / stages) per
   micro-batch, so that as many micro-batches as stages are in flight and every stage works;
-- at most `max_inflight` micro-batches are in the pipeline at once.
+- at most `max_inflight` micro-batches are in the pipeline at once;
+- with `lookahead` (the asynchronous runtime), a sequence's next decode step is committed while its
+  previous token is still in flight, so that every stage knows (and prepares) a micro-batch before
+  its data arrives; its input ids are filled in by `input_ids()` once they are back. A sequence that
+  stops (EOS, a stop id) with such a step committed lets it run on a dummy id; the id sampled for it
+  is dropped (its sampler state no longer matters, and its KV slot is rewritten from position 0 by
+  whichever sequence takes it next, later in every stage's FIFO order).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from hpipe.runtime.kv import Segment, microbatch_kind
 class MicroBatch:
     id: int
     segments: list[Segment]
-    tokens: list[int]          # the input token ids of all segments, concatenated
+    tokens: list[int] | None   # the input token ids of all segments, concatenated (None: not all back yet)
 
     @property
     def kind(self) -> str:
@@ -43,7 +49,9 @@ class SequenceState:
     slices: list[int]
     pos: int = 0                               # tokens of this sequence already sent into the pipeline
     output: list[int] = field(default_factory=list)
-    waiting: bool = False                      # a token of it is in flight
+    in_flight: int = 0                         # committed steps whose token has not come back
+    committed: int = 0                         # tokens it will have once every committed step is back
+    last_mb: int = -1                          # the micro-batch of its latest step (round-robin order)
     finish_reason: str | None = None
     t_admit: float = 0.0
     t_first: float | None = None
@@ -53,16 +61,22 @@ class SequenceState:
     def prefilled(self) -> bool:
         return not self.slices
 
+    @property
+    def waiting(self) -> bool:
+        return self.in_flight > 0
+
 
 class Scheduler:
     def __init__(self, requests: list[Request], slices_for: Callable[[int], list[int]], n_stages: int,
-                 max_batch: int = 16, max_inflight: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 max_batch: int = 16, max_inflight: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 lookahead: bool = False):
         self.queue = list(requests)
         self.slices_for = slices_for
         self.n_stages = n_stages
         self.max_batch = max(1, max_batch)
         self.max_inflight = max_inflight or 2 * n_stages
         self.clock = clock
+        self.lookahead = lookahead
         self.active: list[SequenceState] = []
         self.free_slots: list[int] = []
         self.n_slots = 0
@@ -101,20 +115,49 @@ class Scheduler:
                 seg = Segment(st.request.index, st.slot, st.pos, n, sample=not st.slices, prefill=True)
                 tokens = list(st.request.input_ids[st.pos:st.pos + n])
                 st.pos += n
-                st.waiting = seg.sample
-                return self._emit([seg], tokens)
+                if seg.sample:
+                    st.in_flight, st.committed = 1, 1
+                mb = self._emit([seg], tokens)
+                st.last_mb = mb.id
+                return mb
         decoding = [st for st in self.active if st.prefilled and st.finish_reason is None]
-        ready = [st for st in decoding if not st.waiting]
+        ahead = 2 if self.lookahead else 1
+        ready = sorted((st for st in decoding if st.in_flight < ahead and st.committed < st.request.max_new_tokens),
+                       key=lambda st: st.last_mb)
         if not ready:
             return None
         cap = math.ceil(len(decoding) / self.n_stages)
         group = ready[:cap]
         segments = []
+        known = all(st.in_flight == 0 for st in group)
         for st in group:
             segments.append(Segment(st.request.index, st.slot, st.pos, 1, sample=True))
             st.pos += 1
-            st.waiting = True
-        return self._emit(segments, [st.output[-1] for st in group])
+            st.in_flight += 1
+            st.committed += 1
+        mb = self._emit(segments, [st.output[-1] for st in group] if known else None)
+        for st in group:
+            st.last_mb = mb.id
+        return mb
+
+    def input_ids(self, mb: MicroBatch) -> list[int] | None:
+        """The micro-batch's input ids, or None while a decode step's token is still in flight. A
+        sequence that stopped in the meantime gets a dummy id (its step's output is dropped)."""
+        if mb.tokens is not None:
+            return mb.tokens
+        by_seq = {st.request.index: st for st in self.active}
+        ids = []
+        for seg in mb.segments:
+            st = by_seq.get(seg.seq)
+            if st is None:             # finished: this step is a leftover
+                ids.append(0)
+                continue
+            k = seg.start - len(st.request.input_ids)    # index of the generated token it feeds
+            if k >= len(st.output):
+                return None
+            ids.append(st.output[k])
+        mb.tokens = ids
+        return ids
 
     def on_sampled(self, mb_id: int, ids: list[int]) -> list[SequenceState]:
         """Takes the ids sampled for micro-batch `mb_id` (one per sampling segment, in order) and
@@ -127,9 +170,11 @@ class Scheduler:
         now = self.clock()
         finished = []
         for seg, token in zip(sampled, ids):
-            st = by_seq[seg.seq]
+            st = by_seq.get(seg.seq)
+            if st is None or st.finish_reason is not None:   # a step committed after its sequence stopped
+                continue
             st.output.append(token)
-            st.waiting = False
+            st.in_flight -= 1
             st.t_first = now if st.t_first is None else st.t_first
             st.t_last = now
             st.finish_reason = st.request.finish_reason(token, len(st.output))

@@ -14,10 +14,9 @@ stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-import queue
 import sys
-import threading
 import time
 import traceback
 
@@ -31,7 +30,8 @@ from hpipe.lifeline import tie_to_parent
 from hpipe.reports import emit
 from hpipe.request import read_requests
 from hpipe.runtime import comm
-from hpipe.runtime.kv import Segment, microbatch_kind
+from hpipe.runtime.kv import Segment
+from hpipe.runtime.pipeline import Options, Stage, Timeline, emit_result, run_first_stage, run_later_stage
 from hpipe.runtime.sampler_pool import SamplerPool
 from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.stage import StageRunner
@@ -41,18 +41,6 @@ from hpipe.sampling import RequestSampler
 def log(msg: str) -> None:
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
-
-
-class Timeline:
-    def __init__(self):
-        self.intervals: list[dict] = []
-
-    def add(self, what: str, start: float, end: float, mb: int | None = None, kind: str | None = None,
-            tokens: int | None = None):
-        rec = {"what": what, "start": start, "end": end}
-        if mb is not None:
-            rec.update(mb=mb, kind=kind, tokens=tokens)
-        self.intervals.append(rec)
 
 
 def parse_args(argv=None):
@@ -65,8 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--model", help="model to load (default: the plan's model name)")
     p.add_argument("--requests", required=True,
                    help="JSONL of hpipe.request.Request (written by the launcher): ids, sampling parameters, limits")
-    p.add_argument("--sampling", choices=["inline", "cpu"], default="inline",
-                   help="last stage: sample in its own loop, or in a pool of sampler processes (SiPipe)")
+    p.add_argument("--sampling", choices=["inline", "cpu", "auto"], default="auto",
+                   help="last stage: sample in this process (a sampler thread under TSEM), or in a pool of sampler "
+                        "processes (SiPipe); auto: the pool when the last stage is a GPU, else inline")
+    p.add_argument("--no-tsem", action="store_true", help="prepare inputs inline, one micro-batch at a time")
+    p.add_argument("--no-sat", action="store_true", help="send header and segments with every hop's hidden states")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
     p.add_argument("--sampler-procs", type=int, default=1, help="with --sampling cpu: processes in the pool")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--logits-out", help="last stage: write an .npz of logits per request id")
@@ -89,31 +81,41 @@ def main(argv=None) -> int:
         return 2 if isinstance(e, HpipeError) else 1
 
 
+def choose_sampling(asked: str, device: str, world: int) -> str:
+    """auto: the pool where sampling would take the accelerator's time (a GPU last stage); on a CPU
+    stage the pool's processes compete with the forward for the same cores (bench/decode.py)."""
+    if world == 1:
+        return "inline"
+    if asked == "auto":
+        return "cpu" if device.startswith("cuda") else "inline"
+    return asked
+
+
 def run(args) -> None:
-
-
     if args.threads:
         torch.set_num_threads(args.threads)
     t_load = time.time()
     plan = formats.load_plan(args.plan)
     if args.world_size != len(plan.stages):
         raise formats.HpipeError(f"--world-size {args.world_size} but the plan has {len(plan.stages)} stages")
-    stage = plan.stages[args.rank]
+    stage_plan = plan.stages[args.rank]
     source = models.resolve_model(args.model or plan.model.name)
     config = models.load_config(source.path)
     models.check_plan_matches(plan, config, source.name)
-    units = range(*stage.units)
-    runner = StageRunner(source.path, config, units, stage.device, plan.dtype, args.attn)
+    runner = StageRunner(source.path, config, range(*stage_plan.units), stage_plan.device, plan.dtype, args.attn)
     requests = read_requests(args.requests)
     warm_up(runner, requests, args)
     load_s = time.time() - t_load
+    options = Options(tsem=not args.no_tsem, sat=not args.no_sat,
+                      sampling=choose_sampling(args.sampling, stage_plan.device, args.world_size),
+                      cuda_graphs=not args.no_cuda_graphs and runner.device.type == "cuda")
     by_index = {r.index: r for r in requests}
     last = args.rank == args.world_size - 1
     sampler = RequestSampler(by_index, int(config.vocab_size),
                              min(len(requests), args.max_batch + args.world_size)) if last else None
     logits_rows: dict[int, list] = {}
 
-    def sampling_rows(out, segments) -> list[int]:
+    def rows_of(out, segments) -> list[int]:
         seqs = [s.seq for s in segments if s.sample]
         if args.logits_out:
             for i, s in enumerate(seqs):
@@ -121,48 +123,57 @@ def run(args) -> None:
         return seqs
 
     def sample(out, segments) -> list[int]:
-        return sampler.sample(out, sampling_rows(out, segments))
+        return sampler.sample(out, rows_of(out, segments))
 
     groups = comm.init(args.rank, args.world_size, args.master_addr, args.master_port,
                        os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in plan.stages], args.timeout_s)
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-
+    stage = Stage(args.rank, args.world_size, runner, groups, options, Timeline(), max_segments=args.max_batch + 1,
+                  max_tokens=longest_microbatch(requests, plan, args.max_batch))
+    stage.allocate_buffers()
     pool = None
-    if last and args.sampling == "cpu" and args.world_size > 1:
+    if last and options.sampling == "cpu":
         pool = SamplerPool(int(config.vocab_size), max(1, min(len(requests), 2 * args.max_batch)), by_index,
                            min(len(requests), args.max_batch + args.world_size),
-                           send=lambda mb_id, ids: comm.send_tokens(groups, 0, mb_id, ids), n_procs=args.sampler_procs)
+                           send=lambda mb_id, ids: comm.send_tokens(groups, 0, mb_id, ids, options.sat),
+                           n_procs=args.sampler_procs)
 
     dist.barrier(group=groups.ctrl)
-    timeline = Timeline()
     t_start = time.time()
-    if args.rank == 0:
-        summary = drive(args, plan, runner, groups, requests, sample, timeline, sync)
-    else:
-        try:
-            serve(args, runner, groups, sample, timeline, sync, pool, sampling_rows)
-        finally:
-            if pool is not None:
-                pool.close()
-        summary = None
+    summary = None
+    try:
+        if args.rank == 0:
+            sched = Scheduler(requests, plan.slicing.slices_for, args.world_size, args.max_batch,
+                              lookahead=options.tsem)
+            summary = run_first_stage(stage, sched, sample, lambda st: emit_result(st, sched.t0))
+            summary.update(requests=len(requests), prompt_tokens=sum(len(r.input_ids) for r in requests),
+                           options=dataclasses.asdict(options))
+        else:
+            run_later_stage(stage, sample, rows_of, pool)
+    finally:
+        if pool is not None:
+            pool.close()
     t_end = time.time()
     if args.logits_out and last:
         np.savez(args.logits_out, **{by_index[s].id: np.stack(rows) for s, rows in logits_rows.items()})
-    emit("timeline", rank=args.rank, host=stage.host, device=stage.device, units=list(stage.units),
+    emit("timeline", rank=args.rank, host=stage_plan.host, device=stage_plan.device, units=list(stage_plan.units),
          start=t_start, end=t_end, load_s=round(load_s, 3), peak_rss_bytes=models.peak_rss_bytes(),
-         kv_bytes=runner.kv.bytes(), intervals=timeline.intervals)
+         kv_bytes=runner.kv.bytes(), intervals=stage.timeline.intervals, links=groups.counters.as_dict())
     if summary is not None:
         emit("summary", **summary)
     dist.barrier(group=groups.ctrl)
     dist.destroy_process_group()
 
 
+def longest_microbatch(requests, plan, max_batch: int) -> int:
+    """Rows of the receive buffers: the longest prompt slice, or a decode group."""
+    slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in requests if r.input_ids]
+    return max(slices + [max_batch, 1])
+
+
 def warm_up(runner, requests, args) -> None:
     """Before the clock starts: reserve the KV cache for the longest request of every sequence that
     can run at once (no growth copies mid-run), and run one small slice through the stage's units
     (kernel selection, thread pools, first-touch allocations)."""
-
-
     if not requests:
         return
     slots = min(args.max_batch, len(requests))
@@ -172,121 +183,6 @@ def warm_up(runner, requests, args) -> None:
     runner.forward(runner.prepare_inputs([Segment(0, 0, 0, n, True)]), x)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-
-
-def drive(args, plan, runner, groups, requests, sample, timeline, sync) -> dict:
-    """Stage 0: the scheduler loop. Sampled ids come back from the last stage on a thread."""
-
-
-    world = args.world_size
-    sched = Scheduler(requests, plan.slicing.slices_for, world, args.max_batch)
-    t0 = sched.t0
-    wall0 = time.time()
-    back: queue.Queue = queue.Queue()
-    receiver = None
-    if world > 1:
-        def receive():
-            while True:
-                op, mb_id, ids = comm.recv_tokens(groups, world - 1)
-                back.put((op, mb_id, ids))
-                if op == comm.OP_STOP:
-                    return
-        receiver = threading.Thread(target=receive, name="hpipe-tokens", daemon=True)
-        receiver.start()
-
-    n_generated = 0
-
-    def handle(mb_id, ids):
-        nonlocal n_generated
-        n_generated += len(ids)
-        for st in sched.on_sampled(mb_id, ids):
-            n = len(st.output)
-            ttft = st.t_first - t0
-            e2e = st.t_last - t0
-            emit("result", id=st.request.id, output_ids=st.output, finish_reason=st.finish_reason,
-                 prompt_tokens=len(st.request.input_ids), ttft_s=round(ttft, 6),
-                 tpot_s=round((st.t_last - st.t_first) / (n - 1), 6) if n > 1 else 0.0,
-                 e2e_s=round(e2e, 6), tokens_per_s=round(n / e2e, 3) if e2e > 0 else None)
-
-    pending = comm.Pending()
-    while not sched.done:
-        while not back.empty():
-            op, mb_id, ids = back.get_nowait()
-            handle(mb_id, ids)
-        mb = sched.next_microbatch()
-        if mb is None:
-            if sched.done:
-                break
-            t = time.time()
-            op, mb_id, ids = back.get()
-            timeline.add("wait", t, time.time())
-            handle(mb_id, ids)
-            continue
-        t = time.time()
-        inputs = runner.prepare_inputs(mb.segments)
-        out = runner.forward(inputs, torch.tensor(mb.tokens, dtype=torch.long))
-        sync()
-        timeline.add("compute", t, time.time(), mb.id, mb.kind, len(mb.tokens))
-        if world == 1:
-            handle(mb.id, sample(out, mb.segments))
-        else:
-            t = time.time()
-            pending.wait()
-            comm.isend_work(groups, 1, mb.id, mb.segments, out, pending)
-            timeline.add("send", t, time.time())
-    pending.wait()
-    if world > 1:
-        comm.send_stop(groups, 1)
-        while True:
-            op, mb_id, ids = back.get()
-            if op == comm.OP_STOP:
-                break
-        receiver.join()
-    wall = time.time() - wall0
-    prompt_tokens = sum(len(r.input_ids) for r in requests)
-    return {"wall_s": round(wall, 6), "requests": len(requests), "prompt_tokens": prompt_tokens,
-            "generated_tokens": n_generated, "tokens_per_s": round(n_generated / wall, 3) if wall else None,
-            "t0_wall": wall0}
-
-
-def serve(args, runner, groups, sample, timeline, sync, pool=None, rows_of=None) -> None:
-    """Stages 1..N-1: receive, compute, pass on. The last stage samples and sends the ids back, or
-    hands the logits to the sampler pool (rows_of picks the rows to sample) and goes on."""
-
-    rank, world = args.rank, args.world_size
-    last = rank == world - 1
-    pending = comm.Pending()
-    header, req = comm.irecv_header(groups, rank - 1)
-    while True:
-        t = time.time()
-        req.wait()
-        if int(header[0]) == comm.OP_STOP:
-            timeline.add("wait", t, time.time())
-            pending.wait()
-            if last:
-                if pool is not None:
-                    pool.drain()
-                comm.send_stop(groups, 0, tag=comm.TAG_BACK)
-            else:
-                comm.send_stop(groups, rank + 1)
-            return
-        mb_id, segments, hidden = comm.recv_work_body(groups, rank - 1, header, runner.hidden_size, runner.dtype)
-        timeline.add("wait", t, time.time())
-        header, req = comm.irecv_header(groups, rank - 1)  # the next header may arrive while we compute
-        t = time.time()
-        inputs = runner.prepare_inputs(segments)
-        out = runner.forward(inputs, hidden)
-        sync()
-        timeline.add("compute", t, time.time(), mb_id, microbatch_kind(segments), hidden.shape[0])
-        t = time.time()
-        if last and pool is not None:
-            pool.submit(mb_id, out, rows_of(out, segments))   # the pool samples; we go on
-        elif last:
-            comm.send_tokens(groups, 0, mb_id, sample(out, segments))
-        else:
-            pending.wait()
-            comm.isend_work(groups, rank + 1, mb_id, segments, out, pending)
-        timeline.add("send", t, time.time())
 
 
 if __name__ == "__main__":

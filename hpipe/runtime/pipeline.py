@@ -1,0 +1,431 @@
+"""How a stage runs its micro-batches: the asynchronous runtime (SiPipe's TSEM, SAT and CPU sampling).
+
+Every stage runs the same executors, connected by queues, each micro-batch passing them in order:
+
+    source ──> prepare ──> compute ──> send (hop) / sample (last stage)
+    (stage 0: the scheduler; others: the schedule, or the hop without SAT)
+
+- source: on stage 0 the scheduler's driver thread (`Driver`), which commits micro-batches as soon as
+  they may start, publishes each schedule to every stage (SAT) and takes the ids that come back; on
+  the other stages a thread that receives the schedules (SAT) and posts each micro-batch's receive
+  into a preallocated, reused buffer of its version, or that receives header, segments and hidden
+  states from the previous stage (without SAT);
+- prepare (TSEM): a CPU thread that builds micro-batch i+1's inputs (positions, masks, rotary, KV
+  indices, rows to sample) while micro-batch i computes. Two versions: a micro-batch takes a version
+  when its source hands it on and gives it back when its forward is done, so at most two are
+  prepared or running at once (SiPipe's CI/GI counters) and version v's buffers are never rewritten
+  while v computes. Without TSEM the compute thread prepares inline, as the first runtime did;
+- compute (the main thread): waits for the data (hidden states, or stage 0's ids), runs the forward,
+  hands the output on and takes the next micro-batch at once; no device synchronisation;
+- sample (last stage): inline in the loop (`--no-tsem --sampling inline`, the baseline), on a
+  sampler thread, or in the sampler process pool (`--sampling cpu`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hpipe.reports import emit
+from hpipe.runtime import comm
+from hpipe.runtime.kv import Segment, microbatch_kind
+from hpipe.runtime.scheduler import MicroBatch, Scheduler
+
+__all__ = ["Options", "Timeline", "run_first_stage", "run_later_stage"]
+
+VERSIONS = 2
+
+
+@dataclass(frozen=True)
+class Options:
+    tsem: bool = True          # prepare inputs on a CPU thread, double-buffered; commit decode steps ahead
+    sat: bool = True           # schedules on the control plane, hidden states alone into pre-posted buffers
+    sampling: str = "inline"   # "inline" (in this process) or "cpu" (the sampler process pool)
+    cuda_graphs: bool = True   # (CUDA nodes) replay decode steps from captured graphs
+
+
+class Timeline:
+    """Measured intervals of one stage: compute, prepare, wait, send, sample. Threads append."""
+
+    def __init__(self):
+        self.intervals: list[dict] = []
+
+    def add(self, what: str, start: float, end: float, mb: int | None = None, kind: str | None = None,
+            tokens: int | None = None):
+        rec = {"what": what, "start": start, "end": end}
+        if mb is not None:
+            rec.update(mb=mb, kind=kind, tokens=tokens)
+        self.intervals.append(rec)
+
+
+@dataclass
+class Stage:
+    """What the executors of one stage share."""
+
+    rank: int
+    world: int
+    runner: object                   # hpipe.runtime.stage.StageRunner
+    groups: comm.Groups | None
+    options: Options
+    timeline: Timeline
+    max_segments: int                # the schedule's capacity
+    max_tokens: int                  # the longest micro-batch (the receive buffers' rows)
+    buffers: list = field(default_factory=list)   # per version: the hidden states' receive buffer
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world - 1
+
+    def allocate_buffers(self) -> None:
+        """Sized once, before the clock starts: one receive buffer per version."""
+        if not self.is_first:
+            r = self.runner
+            self.buffers = [torch.empty((self.max_tokens, r.hidden_size), dtype=r.dtype,
+                                        device=self.groups.data_device) for _ in range(VERSIONS)]
+
+
+@dataclass
+class Work:
+    """One micro-batch on its way through a stage's executors."""
+
+    mb_id: int
+    segments: list[Segment]
+    mb: MicroBatch | None = None          # stage 0: the scheduler's micro-batch (its ids)
+    version: int = 0
+    hidden: torch.Tensor | None = None    # the received hidden states (or the buffer they arrive in)
+    recv: object = None                   # the pending receive of `hidden`
+    inputs: object = None                 # the prepared StageInputs
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def kind(self) -> str:
+        return microbatch_kind(self.segments)
+
+
+def _thread(target, name: str, errors: list) -> threading.Thread:
+    """A daemon thread whose exception is kept for the compute loop to raise."""
+    def run():
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            errors.append(e)
+    t = threading.Thread(target=run, name=name, daemon=True)
+    t.start()
+    return t
+
+
+def _get(q: queue.Queue, errors: list):
+    """Blocks on a queue, but raises at once when another executor of this stage failed."""
+    while True:
+        if errors:
+            raise errors[0]
+        try:
+            return q.get(timeout=0.1)
+        except queue.Empty:
+            continue
+
+
+class Versions:
+    """Two input versions: taken by a micro-batch's source, given back after its forward."""
+
+    def __init__(self, errors: list):
+        self.free = threading.Semaphore(VERSIONS)
+        self.next = 0
+        self.errors = errors
+
+    def take(self) -> int:
+        while not self.free.acquire(timeout=0.1):
+            if self.errors:
+                raise self.errors[0]
+        v, self.next = self.next, (self.next + 1) % VERSIONS
+        return v
+
+    def give_back(self) -> None:
+        self.free.release()
+
+
+def _prepare(stage: Stage, work: Work) -> None:
+    t = time.time()
+    with torch.inference_mode():
+        work.inputs = stage.runner.prepare_inputs(work.segments)
+    stage.timeline.add("prepare", t, time.time(), work.mb_id, work.kind, work.tokens)
+
+
+def _start_prepare(stage: Stage, source: queue.Queue, errors: list) -> queue.Queue:
+    """TSEM: the CPU executor. Without TSEM the compute loop prepares inline (same queue)."""
+    if not stage.options.tsem:
+        return source
+    ready: queue.Queue = queue.Queue()
+
+    def loop():
+        while True:
+            work = _get(source, errors)
+            if work is not None:
+                _prepare(stage, work)
+            ready.put(work)
+            if work is None:
+                return
+    _thread(loop, "hpipe-prepare", errors)
+    return ready
+
+
+# ---------------------------------------------------------------------------------- stage 0
+class Driver:
+    """Stage 0's control plane: the scheduler, the ids coming back, the schedules going out."""
+
+    def __init__(self, stage: Stage, sched: Scheduler, on_result: Callable, versions: Versions, errors: list):
+        self.stage, self.sched, self.on_result = stage, sched, on_result
+        self.versions, self.errors = versions, errors
+        self.cond = threading.Condition()
+        self.committed: queue.Queue = queue.Queue()     # to prepare/compute, in order
+        self.expected: queue.Queue = queue.Queue()      # SAT: micro-batches whose ids come back, in order
+        self.pending = comm.Pending()
+        self.n_generated = 0
+
+    def take_ids(self, mb_id: int, ids: list[int]) -> None:
+        with self.cond:
+            self.n_generated += len(ids)
+            for st in self.sched.on_sampled(mb_id, ids):
+                self.on_result(st)
+            self.cond.notify_all()
+
+    def commit_loop(self) -> None:
+        """Commits every micro-batch as soon as the scheduler allows, publishes it, hands it on."""
+        st = self.stage
+        while True:
+            with self.cond:
+                while True:
+                    if self.sched.done:
+                        mb = None
+                        break
+                    mb = self.sched.next_microbatch()
+                    if mb is not None:
+                        break
+                    self.cond.wait(timeout=0.05)
+                    if self.errors:
+                        return
+            if mb is None:
+                if st.options.sat and st.world > 1:
+                    comm.publish_schedule(st.groups, st.world, -1, None, st.max_segments, self.pending)
+                    self.expected.put(None)
+                self.committed.put(None)
+                return
+            version = self.versions.take()
+            if st.options.sat and st.world > 1:
+                comm.publish_schedule(st.groups, st.world, mb.id, mb.segments, st.max_segments, self.pending)
+                self.expected.put(mb)
+            self.committed.put(Work(mb.id, mb.segments, mb=mb, version=version))
+
+    def back_loop(self) -> None:
+        """The ids the last stage sends back: with SAT alone, in the order of the schedule."""
+        st = self.stage
+        while True:
+            if st.options.sat:
+                mb = _get(self.expected, self.errors)
+                if mb is None:
+                    return
+                n = sum(1 for s in mb.segments if s.sample)
+                _, _, ids = comm.recv_tokens(st.groups, st.world - 1, n)
+                self.take_ids(mb.id, ids)
+            else:
+                op, mb_id, ids = comm.recv_tokens(st.groups, st.world - 1)
+                if op == comm.OP_STOP:
+                    return
+                self.take_ids(mb_id, ids)
+
+    def input_ids(self, mb: MicroBatch) -> list[int]:
+        """Blocks until a decode micro-batch's input ids are back (placeholders filled)."""
+        with self.cond:
+            while (ids := self.sched.input_ids(mb)) is None:
+                self.cond.wait(timeout=0.1)
+                if self.errors:
+                    raise self.errors[0]
+            return ids
+
+
+def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result: Callable) -> dict:
+    """Stage 0: the driver and back threads, the prepare thread, and the compute loop."""
+    errors: list = []
+    versions = Versions(errors)
+    driver = Driver(stage, sched, on_result, versions, errors)
+    threads = [_thread(driver.commit_loop, "hpipe-scheduler", errors)]
+    if stage.world > 1:
+        threads.append(_thread(driver.back_loop, "hpipe-ids", errors))
+    ready = _start_prepare(stage, driver.committed, errors)
+    pending = comm.Pending()
+    wall0 = time.time()
+    while True:
+        t = time.time()
+        work = _get(ready, errors)
+        if work is None:
+            break
+        if work.inputs is None:
+            _prepare(stage, work)
+            t = time.time()
+        ids = driver.input_ids(work.mb)
+        stage.timeline.add("wait", t, time.time())
+        t = time.time()
+        out = stage.runner.forward(work.inputs, torch.tensor(ids, dtype=torch.long))
+        stage.timeline.add("compute", t, time.time(), work.mb_id, work.kind, work.tokens)
+        if stage.world == 1:
+            driver.take_ids(work.mb_id, sample(out, work.segments))
+        else:
+            _send_on(stage, work, out, pending)
+        versions.give_back()
+    pending.wait()
+    if stage.world > 1 and not stage.options.sat:
+        comm.send_stop(stage.groups, 1)
+    for th in threads:
+        while th.is_alive():
+            th.join(timeout=0.1)
+            if errors:
+                raise errors[0]
+    if errors:
+        raise errors[0]
+    driver.pending.wait()
+    wall = time.time() - wall0
+    return {"wall_s": round(wall, 6), "generated_tokens": driver.n_generated,
+            "tokens_per_s": round(driver.n_generated / wall, 3) if wall else None, "t0_wall": wall0}
+
+
+def _send_on(stage: Stage, work: Work, out: torch.Tensor, pending: comm.Pending) -> None:
+    t = time.time()
+    pending.wait()      # the previous micro-batch's send: one in flight per hop
+    if stage.options.sat:
+        comm.send_hidden(stage.groups, stage.rank + 1, out, pending)
+    else:
+        comm.isend_work(stage.groups, stage.rank + 1, work.mb_id, work.segments, out, pending)
+    stage.timeline.add("send", t, time.time())
+
+
+# ---------------------------------------------------------------------------------- stages 1..N-1
+def _source_loop(stage: Stage, versions: Versions, out: queue.Queue, errors: list) -> None:
+    """Receives what comes next: with SAT the schedule, then posts the hidden states' receive into
+    the version's buffer; without SAT header, segments and hidden states from the previous stage."""
+    prev = stage.rank - 1
+    pre_post = stage.groups.backend == "gloo"     # NCCL receives are posted by the compute thread
+    while True:
+        if stage.options.sat:
+            mb_id, segments = comm.recv_schedule(stage.groups, stage.max_segments)
+            if segments is None:
+                out.put(None)
+                return
+            version = versions.take()
+            work = Work(mb_id, segments, version=version)
+            work.hidden = stage.buffers[version][: work.tokens]
+            if pre_post:
+                work.recv = comm.post_recv_hidden(stage.groups, prev, work.hidden)
+        else:
+            mb_id, segments, hidden = comm.recv_work(stage.groups, prev, stage.runner.hidden_size, stage.runner.dtype)
+            if segments is None:
+                out.put(None)
+                return
+            work = Work(mb_id, segments, version=versions.take(), hidden=hidden)
+        out.put(work)
+
+
+class Sampling:
+    """The last stage's sampling: inline, on a sampler thread, or in the process pool."""
+
+    def __init__(self, stage: Stage, sample: Callable, rows_of: Callable, pool, errors: list):
+        self.stage, self.sample, self.rows_of, self.pool, self.errors = stage, sample, rows_of, pool, errors
+        self.queue: queue.Queue | None = None
+        self.thread = None
+        if pool is None and stage.options.tsem:
+            self.queue = queue.Queue()
+            self.thread = _thread(self._loop, "hpipe-sampler", errors)
+
+    def _send(self, mb_id: int, ids: list[int]) -> None:
+        comm.send_tokens(self.stage.groups, 0, mb_id, ids, self.stage.options.sat)
+
+    def _sample_and_send(self, mb_id: int, out: torch.Tensor, segments: list[Segment]) -> None:
+        t = time.time()
+        ids = self.sample(out, segments)
+        self.stage.timeline.add("sample", t, time.time())
+        self._send(mb_id, ids)
+
+    def _loop(self) -> None:
+        while (item := _get(self.queue, self.errors)) is not None:
+            self._sample_and_send(*item)
+
+    def submit(self, mb_id: int, out: torch.Tensor, segments: list[Segment]) -> None:
+        if self.pool is not None:
+            self.pool.submit(mb_id, out, self.rows_of(out, segments))
+        elif self.queue is not None:
+            self.queue.put((mb_id, out, segments))
+        else:
+            self._sample_and_send(mb_id, out, segments)
+
+    def finish(self) -> None:
+        if self.pool is not None:
+            self.pool.drain()
+        elif self.queue is not None:
+            self.queue.put(None)
+            while self.thread.is_alive():
+                self.thread.join(timeout=0.1)
+                if self.errors:
+                    raise self.errors[0]
+        if not self.stage.options.sat:
+            comm.send_stop(self.stage.groups, 0, tag=comm.TAG_BACK)
+
+
+def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None) -> None:
+    """Stages 1..N-1: source and prepare threads, the compute loop; the last stage samples."""
+    errors: list = []
+    versions = Versions(errors)
+    source: queue.Queue = queue.Queue()
+    _thread(lambda: _source_loop(stage, versions, source, errors), "hpipe-source", errors)
+    ready = _start_prepare(stage, source, errors)
+    sampling = Sampling(stage, sample, rows_of, pool, errors) if stage.is_last else None
+    pending = comm.Pending()
+    while True:
+        t = time.time()
+        work = _get(ready, errors)
+        if work is None:
+            break
+        if work.inputs is None:
+            _prepare(stage, work)
+        if work.recv is None and stage.options.sat:
+            work.recv = comm.post_recv_hidden(stage.groups, stage.rank - 1, work.hidden)
+        if work.recv is not None:
+            work.recv.wait()
+        stage.timeline.add("wait", t, time.time())
+        t = time.time()
+        out = stage.runner.forward(work.inputs, work.hidden)
+        stage.timeline.add("compute", t, time.time(), work.mb_id, work.kind, work.tokens)
+        if sampling is not None:
+            t = time.time()
+            sampling.submit(work.mb_id, out, work.segments)
+            stage.timeline.add("send", t, time.time())
+        else:
+            _send_on(stage, work, out, pending)
+        versions.give_back()
+    pending.wait()
+    if sampling is not None:
+        sampling.finish()
+    elif not stage.options.sat:
+        comm.send_stop(stage.groups, stage.rank + 1)
+    if errors:
+        raise errors[0]
+
+
+def emit_result(st, t0: float) -> None:
+    """One finished request, on stdout for the launcher."""
+    n = len(st.output)
+    ttft, e2e = st.t_first - t0, st.t_last - t0
+    emit("result", id=st.request.id, output_ids=st.output, finish_reason=st.finish_reason,
+         prompt_tokens=len(st.request.input_ids), ttft_s=round(ttft, 6),
+         tpot_s=round((st.t_last - st.t_first) / (n - 1), 6) if n > 1 else 0.0,
+         e2e_s=round(e2e, 6), tokens_per_s=round(n / e2e, 3) if e2e > 0 else None)
