@@ -174,3 +174,36 @@ def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, 
         assert tokens == baseline, f"tsem, sat, sampling = {switches}"
     for pid, prompt in greedy.items():
         assert_greedy_equal(ref_model, prompt, baseline[pid], reference_greedy(ref_model, prompt, 12, 2))
+
+
+def test_no_metadata_crosses_a_hop_with_sat(tiny_models, tmp_path):
+    """From the comm counters: with SAT a hop carries one message per micro-batch (its hidden
+    states) and the back link one per sampling micro-batch (its ids), no header or segments;
+    without SAT every hop carries header + segments + hidden states."""
+    path = tiny_models["llama"]
+    prompts_file = tmp_path / "p.jsonl"
+    write_prompts(prompts_file, [[5 + i, 6, 7, 8, 9, 10 + i] for i in range(4)])
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "4", "-o", str(plan)]) == 0
+    for sat in (True, False):
+        out, tl = tmp_path / f"o{sat}.jsonl", tmp_path / f"t{sat}.json"
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
+                     "--max-new-tokens", "10", "--max-batch", "4", "--timeline-out", str(tl), "--quiet"]
+                    + ([] if sat else ["--no-sat"])) == 0
+        stages = json.loads(tl.read_text())["stages"]
+        sent = {link: c for st in stages for link, c in st["links"].items()}
+        for j in range(3):
+            mbs = [i for i in stages[j]["intervals"] if i["what"] == "compute"]
+            decode = [i for i in mbs if i["kind"] == "decode"]
+            assert len(decode) >= 9, "the run should be mostly decode"
+            if j < 2:
+                hop = sent[f"{j}->{j + 1}"]
+                assert hop["data_msgs"] == len(mbs)
+                assert hop.get("meta_msgs", 0) == (0 if sat else 2 * len(mbs) + 1), (sat, hop)   # + the stop
+        back = sent["2->0"]
+        sampling = sum(1 for i in stages[2]["intervals"] if i["what"] == "compute" and i["kind"] == "decode")
+        assert back["data_msgs"] >= sampling
+        if sat:
+            assert "meta_msgs" not in back and "meta_msgs" not in sent["0->1"] and "meta_msgs" not in sent["1->2"]
+            n_mbs = sum(1 for i in stages[0]["intervals"] if i["what"] == "compute")
+            assert sent["0->1"]["schedule_msgs"] == sent["0->2"]["schedule_msgs"] == n_mbs + 1   # + the stop

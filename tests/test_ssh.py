@@ -275,6 +275,33 @@ def test_remote_worker_killed_mid_run(cluster, plan_and_prompts, tmp_path):
     assert len(out.read_text().splitlines()) >= 1   # finished prompts stay
 
 
+@pytest.mark.slow
+def test_every_switch_combination_gives_the_same_tokens_on_hosts(cluster, plan_and_prompts, tmp_path):
+    """--no-tsem/--no-sat/--sampling inline|cpu on the emulated hosts: seeded sampling with
+    penalties and early stops gives the tokens of the baseline (all off)."""
+    plan, _ = plan_and_prompts
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"s{i}", "prompt": p, "stop_token_ids": list(range(30, 300))}) + "\n"
+                               for i, p in enumerate(["Name a river.", "Say something about cats.",
+                                                      "Write one line of a poem."])))
+    runs = {}
+    for tsem in (False, True):
+        for sat in (False, True):
+            for sampling in ("inline", "cpu"):
+                out = tmp_path / f"o-{tsem}-{sat}-{sampling}.jsonl"
+                hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", out,
+                      "--max-new-tokens", "10", "--max-batch", "3", "--temperature", "0.9", "--top-p", "0.9",
+                      "--repetition-penalty", "1.2", "--frequency-penalty", "0.3", "--presence-penalty", "0.2",
+                      "--seed", "5", "--sampling", sampling, *([] if tsem else ["--no-tsem"]),
+                      *([] if sat else ["--no-sat"]), "--quiet", cwd=tmp_path, check=True)
+                runs[(tsem, sat, sampling)] = {r["id"]: r["output_ids"] for r in map(json.loads,
+                                                                                   out.read_text().splitlines())}
+    baseline = runs[(False, False, "inline")]
+    assert len(baseline) == 3
+    for switches, tokens in runs.items():
+        assert tokens == baseline, f"tsem, sat, sampling = {switches}"
+
+
 def wait_for_worker(cluster, host: str, proc, within: float = 120) -> int:
     deadline = time.time() + within
     while time.time() < deadline:
