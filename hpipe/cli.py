@@ -268,6 +268,9 @@ def launch(
     no_sat: bool = typer.Option(False, "--no-sat", help="send header and segments with every hop's hidden states "
                                 "instead of the schedule ahead on the control plane"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="CUDA stages: run decode steps eagerly"),
+    static_decode: str = typer.Option("auto", "--static-decode", help="on|off|auto: decode steps with static shapes "
+                                      "(padded, whole KV slots under a mask), the path CUDA graphs replay; auto: "
+                                      "with CUDA graphs (on a CPU it is slower, see README)"),
     sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     seed: int = typer.Option(0, "--seed"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
@@ -293,7 +296,7 @@ def launch(
     settings = launcher.LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
                                        logits_out=logits_out, resume=resume, sampling=sampling,
                                        sampler_procs=sampler_procs, tsem=not no_tsem, sat=not no_sat,
-                                       cuda_graphs=not no_cuda_graphs)
+                                       cuda_graphs=not no_cuda_graphs, static_decode=static_decode)
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")

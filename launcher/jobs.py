@@ -29,6 +29,7 @@ class LaunchSettings:
     tsem: bool = True                # the asynchronous runtime's switches (hpipe.runtime.pipeline)
     sat: bool = True
     cuda_graphs: bool = True
+    static_decode: str = "auto"      # "on", "off" or "auto" (with CUDA graphs)
     seed: int = 0
     max_batch: int = 16
     logits_out: str | None = None
@@ -68,6 +69,8 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
         raise HpipeError(f"--max-batch must be at least 1, got {settings.max_batch}")
     if settings.sampling not in ("cpu", "inline", "auto"):
         raise HpipeError(f"--sampling {settings.sampling!r}: use inline, cpu or auto")
+    if settings.static_decode not in ("on", "off", "auto"):
+        raise HpipeError(f"--static-decode {settings.static_decode!r}: use on, off or auto")
     if settings.max_new_tokens < 1:
         raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
     if settings.sampler_procs < 1:
@@ -197,6 +200,7 @@ def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str
            "--requests", requests_path, "--sampling", settings.sampling,
            "--sampler-procs", str(settings.sampler_procs), "--max-batch", str(settings.max_batch),
            "--attn", settings.attn, "--threads", str(threads)]
+    cmd += ["--static-decode", settings.static_decode]
     cmd += [flag for flag, off in (("--no-tsem", not settings.tsem), ("--no-sat", not settings.sat),
                                    ("--no-cuda-graphs", not settings.cuda_graphs)) if off]
     if logits_out:

@@ -38,12 +38,13 @@ def random_plans(draw, n_units: int):
     return [0, *cuts, n_units], slicing, prompts, max_batch
 
 
-def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa"):
+def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa", static_decode=False):
     config = models.load_config(path)
     runners = [StageRunner(path, config, range(a, b), attn_implementation=attn) for a, b in zip(bounds, bounds[1:])]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=NEW_TOKENS, eos_ids=frozenset([EOS]))
                 for i, p in enumerate(prompts)]
-    results = run_inprocess(runners, requests, slicing.slices_for, max_batch=max_batch, keep_logits=True)
+    results = run_inprocess(runners, requests, slicing.slices_for, max_batch=max_batch, keep_logits=True,
+                            static_decode=static_decode)
     assert set(results) == {r.id for r in requests}
     for r in requests:
         got = results[r.id]
@@ -64,6 +65,24 @@ def test_random_plans_match_transformers(family, tiny_models, reference_models, 
     path = tiny_models[family]
     bounds, slicing, prompts, max_batch = data.draw(random_plans(models.num_units(models.load_config(path))))
     check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(data=st.data())
+def test_static_decode_matches_transformers(family, tiny_models, reference_models, data):
+    """The static-shape decode step (the CUDA-graph path, run eagerly here): padded batches, whole
+    KV slots read under a mask, inputs in two alternating versions of persistent buffers."""
+    path = tiny_models[family]
+    bounds, slicing, prompts, max_batch = data.draw(random_plans(models.num_units(models.load_config(path))))
+    check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch, static_decode=True)
+
+
+def test_static_decode_crosses_the_sliding_window(tiny_models, reference_models):
+    path = tiny_models["mistral"]
+    check_against_reference(path, reference_models["mistral"], [0, 5, 10], Slicing(lengths=(8,)),
+                            [list(range(3, 20)), list(range(40, 43)), [9] * 13], max_batch=3, static_decode=True)
 
 
 def test_mid_block_cuts_and_eager_attention(tiny_models, reference_models):

@@ -11,13 +11,24 @@ import torch
 from hpipe.request import Request
 from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.stage import StageRunner
+from hpipe.runtime.static_decode import StaticDecode
 from hpipe.sampling import RequestSampler
 
 
 def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
-                  max_batch: int = 16, n_stages: int | None = None, keep_logits: bool = False) -> dict:
-    """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}."""
+                  max_batch: int = 16, n_stages: int | None = None, keep_logits: bool = False,
+                  static_decode: bool = False, cuda_graphs: bool = False) -> dict:
+    """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}. static_decode:
+    decode micro-batches take the static-shape path (CUDA graphs on CUDA with cuda_graphs)."""
     ids = {r.index: r.id for r in requests}
+    statics: list[StaticDecode | None] = [None] * len(runners)
+    if static_decode:
+        for runner in runners:   # sized once, with the padded rows' scratch slot
+            runner.kv.reserve(min(max_batch, len(requests)) + 1, max(len(r.input_ids) + r.max_new_tokens
+                                                                       for r in requests))
+        statics = [StaticDecode(runner, max_batch, cuda_graphs) for runner in runners]
+        for static in statics:
+            static.capture()
     vocab = runners[-1].config.vocab_size
     sampler = RequestSampler({r.index: r for r in requests}, vocab, len(requests))
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch)
@@ -27,8 +38,11 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
         mb = sched.next_microbatch()
         assert mb is not None, "the scheduler stalled with nothing in flight"
         x = torch.tensor(mb.tokens, dtype=torch.long)
-        for runner in runners:
-            x = runner.forward(runner.prepare_inputs(mb.segments), x)
+        for runner, static in zip(runners, statics):
+            if static is not None and static.accepts(mb.segments):
+                x = static.run(static.prepare(mb.segments, mb.id % 2), x)
+            else:
+                x = runner.forward(runner.prepare_inputs(mb.segments), x)
         seqs = [s.seq for s in mb.segments if s.sample]
         if keep_logits:
             for i, s in enumerate(seqs):

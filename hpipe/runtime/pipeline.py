@@ -76,6 +76,7 @@ class Stage:
     max_segments: int                # the schedule's capacity
     max_tokens: int                  # the longest micro-batch (the receive buffers' rows)
     buffers: list = field(default_factory=list)   # per version: the hidden states' receive buffer
+    static: object = None            # hpipe.runtime.static_decode.StaticDecode for decode micro-batches, or None
 
     @property
     def is_first(self) -> bool:
@@ -104,6 +105,8 @@ class Work:
     hidden: torch.Tensor | None = None    # the received hidden states (or the buffer they arrive in)
     recv: object = None                   # the pending receive of `hidden`
     inputs: object = None                 # the prepared StageInputs
+    static: tuple | None = None           # or the static decode path's handle (its buffers are filled)
+    prepared: bool = False
 
     @property
     def tokens(self) -> int:
@@ -159,8 +162,19 @@ class Versions:
 def _prepare(stage: Stage, work: Work) -> None:
     t = time.time()
     with torch.inference_mode():
-        work.inputs = stage.runner.prepare_inputs(work.segments)
+        if stage.static is not None and stage.static.accepts(work.segments):
+            work.static = stage.static.prepare(work.segments, work.version)
+        else:
+            work.inputs = stage.runner.prepare_inputs(work.segments)
+    work.prepared = True
     stage.timeline.add("prepare", t, time.time(), work.mb_id, work.kind, work.tokens)
+
+
+def _forward(stage: Stage, work: Work, x: torch.Tensor) -> torch.Tensor:
+    if work.static is not None:
+        with torch.inference_mode():
+            return stage.static.run(work.static, x)
+    return stage.runner.forward(work.inputs, x)
 
 
 def _start_prepare(stage: Stage, source: queue.Queue, errors: list) -> queue.Queue:
@@ -271,13 +285,13 @@ def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result:
         work = _get(ready, errors)
         if work is None:
             break
-        if work.inputs is None:
+        if not work.prepared:
             _prepare(stage, work)
             t = time.time()
         ids = driver.input_ids(work.mb)
         stage.timeline.add("wait", t, time.time())
         t = time.time()
-        out = stage.runner.forward(work.inputs, torch.tensor(ids, dtype=torch.long))
+        out = _forward(stage, work, torch.tensor(ids, dtype=torch.long))
         stage.timeline.add("compute", t, time.time(), work.mb_id, work.kind, work.tokens)
         if stage.world == 1:
             driver.take_ids(work.mb_id, sample(out, work.segments))
@@ -395,7 +409,7 @@ def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None
         work = _get(ready, errors)
         if work is None:
             break
-        if work.inputs is None:
+        if not work.prepared:
             _prepare(stage, work)
         if work.recv is None and stage.options.sat:
             work.recv = comm.post_recv_hidden(stage.groups, stage.rank - 1, work.hidden)
@@ -403,7 +417,7 @@ def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None
             work.recv.wait()
         stage.timeline.add("wait", t, time.time())
         t = time.time()
-        out = stage.runner.forward(work.inputs, work.hidden)
+        out = _forward(stage, work, work.hidden)
         stage.timeline.add("compute", t, time.time(), work.mb_id, work.kind, work.tokens)
         if sampling is not None:
             t = time.time()

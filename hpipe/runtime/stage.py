@@ -11,7 +11,8 @@ inputs while this one computes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -64,14 +65,13 @@ class StageRunner:
         layout = layout_of(segments)
         dev = self.device
         if layout == "rows":
-            n, length = len(segments), segments[0].length
+            length = segments[0].length
             starts = torch.tensor([s.start for s in segments], device=dev)
             positions = starts[:, None] + torch.arange(length, device=dev)[None, :]
             key_pos = torch.arange(max(s.end for s in segments), device=dev)
             q = positions[:, None, :, None]                     # [n, 1, L, 1]
             k = key_pos[None, None, None, :]                    # [1, 1, 1, K]
             same_seq = None
-            ends = torch.cumsum(torch.full((n,), length, device=dev), 0)
         else:
             positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments])[None, :]
             q_seq = torch.cat([torch.full((s.length,), i, device=dev) for i, s in enumerate(segments)])
@@ -80,7 +80,6 @@ class StageRunner:
             q = positions[0][None, None, :, None]
             k = key_pos[None, None, None, :]
             same_seq = (q_seq[:, None] == k_seq[None, :])[None, None]
-            ends = torch.cumsum(torch.tensor([s.length for s in segments], device=dev), 0)
         masks = {}
         if self.blocks:
             for w in self.windows:
@@ -97,9 +96,9 @@ class StageRunner:
         if self.rotary is not None and self.blocks:
             probe = torch.empty(0, dtype=self.dtype, device=dev)
             rotary = self.rotary(probe, positions)
-        sample_rows = torch.tensor([int(e) - 1 for e, s in zip(ends.tolist(), segments) if s.sample],
-                                   dtype=torch.long, device=dev)
-        shape = (len(segments), segments[0].length) if layout == "rows" else (1, int(ends[-1]))
+        ends = list(itertools.accumulate(s.length for s in segments))    # host ints: no device read-back
+        sample_rows = torch.tensor([e - 1 for e, s in zip(ends, segments) if s.sample], dtype=torch.long, device=dev)
+        shape = (len(segments), segments[0].length) if layout == "rows" else (1, ends[-1])
         cache = BatchCache(self.kv, segments) if self.blocks else None
         return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
 
@@ -116,6 +115,9 @@ class StageRunner:
         """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. Returns hidden
         states [T, H], or on the last stage the logits [rows sampled, V] (float32)."""
         rows, per_row = inputs.shape
+        if inputs.rotary is None and self.rotary is not None and self.blocks:   # static decode: inside the graph
+            inputs = replace(inputs, rotary=self.rotary(torch.empty(0, dtype=self.dtype, device=self.device),
+                                                        inputs.positions))
         h = x.to(self.device).view(rows, per_row) if self.first else \
             x.to(self.device, self.dtype).view(rows, per_row, self.hidden_size)
         for u in self.units:

@@ -35,6 +35,7 @@ from hpipe.runtime.pipeline import Options, Stage, Timeline, emit_result, run_fi
 from hpipe.runtime.sampler_pool import SamplerPool
 from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.stage import StageRunner
+from hpipe.runtime.static_decode import StaticDecode
 from hpipe.sampling import RequestSampler
 
 
@@ -59,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--no-tsem", action="store_true", help="prepare inputs inline, one micro-batch at a time")
     p.add_argument("--no-sat", action="store_true", help="send header and segments with every hop's hidden states")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly on CUDA")
+    p.add_argument("--static-decode", choices=["auto", "on", "off"], default="auto",
+                   help="decode micro-batches with static shapes (padded, whole KV slots under a mask): the path CUDA "
+                        "graphs replay; auto: with CUDA graphs")
     p.add_argument("--sampler-procs", type=int, default=1, help="with --sampling cpu: processes in the pool")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--logits-out", help="last stage: write an .npz of logits per request id")
@@ -104,11 +108,14 @@ def run(args) -> None:
     models.check_plan_matches(plan, config, source.name)
     runner = StageRunner(source.path, config, range(*stage_plan.units), stage_plan.device, plan.dtype, args.attn)
     requests = read_requests(args.requests)
-    warm_up(runner, requests, args)
-    load_s = time.time() - t_load
     options = Options(tsem=not args.no_tsem, sat=not args.no_sat,
                       sampling=choose_sampling(args.sampling, stage_plan.device, args.world_size),
                       cuda_graphs=not args.no_cuda_graphs and runner.device.type == "cuda")
+    static = args.static_decode == "on" or (args.static_decode == "auto" and options.cuda_graphs)
+    warm_up(runner, requests, args, scratch_slot=static)
+    static_decode = StaticDecode(runner, args.max_batch, options.cuda_graphs) if static and requests else None
+    graphs = static_decode.capture() if static_decode is not None else 0
+    load_s = time.time() - t_load
     by_index = {r.index: r for r in requests}
     last = args.rank == args.world_size - 1
     sampler = RequestSampler(by_index, int(config.vocab_size),
@@ -129,6 +136,7 @@ def run(args) -> None:
                        os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in plan.stages], args.timeout_s)
     stage = Stage(args.rank, args.world_size, runner, groups, options, Timeline(), max_segments=args.max_batch + 1,
                   max_tokens=longest_microbatch(requests, plan, args.max_batch))
+    stage.static = static_decode
     stage.allocate_buffers()
     pool = None
     if last and options.sampling == "cpu":
@@ -146,7 +154,7 @@ def run(args) -> None:
                               lookahead=options.tsem)
             summary = run_first_stage(stage, sched, sample, lambda st: emit_result(st, sched.t0))
             summary.update(requests=len(requests), prompt_tokens=sum(len(r.input_ids) for r in requests),
-                           options=dataclasses.asdict(options))
+                           options={**dataclasses.asdict(options), "static_decode": static})
         else:
             run_later_stage(stage, sample, rows_of, pool)
     finally:
@@ -157,7 +165,8 @@ def run(args) -> None:
         np.savez(args.logits_out, **{by_index[s].id: np.stack(rows) for s, rows in logits_rows.items()})
     emit("timeline", rank=args.rank, host=stage_plan.host, device=stage_plan.device, units=list(stage_plan.units),
          start=t_start, end=t_end, load_s=round(load_s, 3), peak_rss_bytes=models.peak_rss_bytes(),
-         kv_bytes=runner.kv.bytes(), intervals=stage.timeline.intervals, links=groups.counters.as_dict())
+         kv_bytes=runner.kv.bytes(), intervals=stage.timeline.intervals, links=groups.counters.as_dict(),
+         cuda_graphs=graphs)
     if summary is not None:
         emit("summary", **summary)
     dist.barrier(group=groups.ctrl)
@@ -170,13 +179,14 @@ def longest_microbatch(requests, plan, max_batch: int) -> int:
     return max(slices + [max_batch, 1])
 
 
-def warm_up(runner, requests, args) -> None:
+def warm_up(runner, requests, args, scratch_slot: bool = False) -> None:
     """Before the clock starts: reserve the KV cache for the longest request of every sequence that
-    can run at once (no growth copies mid-run), and run one small slice through the stage's units
-    (kernel selection, thread pools, first-touch allocations)."""
+    can run at once (no growth copies mid-run; with the static decode path one more slot, where
+    padded rows write), and run one small slice through the stage's units (kernel selection,
+    thread pools, first-touch allocations)."""
     if not requests:
         return
-    slots = min(args.max_batch, len(requests))
+    slots = min(args.max_batch, len(requests)) + int(scratch_slot)
     runner.kv.reserve(slots, max(len(r.input_ids) + r.max_new_tokens for r in requests))
     n = min(16, max(len(r.input_ids) for r in requests))
     x = torch.zeros(n, dtype=torch.long) if runner.first else torch.zeros(n, runner.hidden_size, dtype=runner.dtype)

@@ -1,0 +1,204 @@
+"""Decode steps with static shapes: the path CUDA graphs replay (SiPipe's TSEM, §5.2).
+
+A decode micro-batch of n sequences (one new token each) is padded to the next batch size in
+`BATCH_SIZES` and run through the stage's units with every shape fixed:
+- the inputs live in persistent buffers, one set per *version* (two): token ids or hidden states,
+  positions, the KV write and read indices and the attention masks. The CPU executor fills version
+  1-v while version v computes;
+- attention reads each row's KV slot over its whole capacity with a mask (key position <= the
+  row's position, within its sliding window), through transformers' own attention modules, so the
+  result is the dynamic path's up to float summation order;
+- padded rows point at a scratch KV slot (one past the real ones) at position 0.
+
+On CUDA, `capture()` records one graph per (version, padded batch size) bound to that version's
+buffers, before the clock starts; `run()` replays it. The buffers are filled from pinned host
+memory on a copy stream that waits for the last replay of the same version (its `done` event), and
+a replay waits for its version's copy (`ready`): the write-after-read hazard of SiPipe §3.2 is
+excluded by these two events, not by synchronising the host. On a CPU the same code runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hpipe.runtime.kv import KVStore, Segment
+from hpipe.runtime.stage import StageInputs
+
+__all__ = ["BATCH_SIZES", "StaticDecode", "StaticKV"]
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+VERSIONS = 2
+
+
+class StaticKV:
+    """`past_key_values` of a static decode step: writes each row's new key at (slot, position),
+    reads each row's whole slot [capacity] (the mask hides what is not its own)."""
+
+    def __init__(self, store: KVStore, write_slots: torch.Tensor, write_pos: torch.Tensor):
+        self.store, self.write_slots, self.write_pos = store, write_slots, write_pos
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states: [rows, kv_heads, 1, head_dim]. Returns [rows, kv_heads, capacity, head_dim]."""
+        keys, values = self.store._layer(layer_idx, key_states)
+        keys.index_put_((self.write_slots, self.write_pos), key_states[:, :, 0])
+        values.index_put_((self.write_slots, self.write_pos), value_states[:, :, 0])
+        return (keys.index_select(0, self.write_slots).transpose(1, 2),
+                values.index_select(0, self.write_slots).transpose(1, 2))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.store.capacity
+
+
+@dataclass
+class Buffers:
+    """One version's inputs, sized for the largest padded batch."""
+
+    x: torch.Tensor                 # token ids [B] (first stage) or hidden states [B, H]
+    positions: torch.Tensor         # [B, 1]
+    slots: torch.Tensor             # [B] the KV slot each row writes and reads
+    masks: dict                     # sliding window (None = full) -> [B, 1, 1, capacity] attention mask
+    host: dict                      # pinned host copies of positions, slots and masks (CUDA)
+
+
+def padded_size(n: int) -> int:
+    return next(b for b in BATCH_SIZES if b >= n)
+
+
+class StaticDecode:
+    def __init__(self, runner, max_batch: int, graphs: bool):
+        """runner: the stage's StageRunner, its KV store already reserved (not grown after this)."""
+        self.runner = runner
+        kv = runner.kv
+        self.scratch = kv.slots - 1                 # the reserve's last slot: padded rows write there
+        self.capacity = kv.capacity
+        self.max_rows = padded_size(min(max_batch, self.scratch))
+        self.cuda = runner.device.type == "cuda"
+        self.graphs = graphs and self.cuda
+        self.buffers = [self._allocate() for _ in range(VERSIONS)]
+        self.graph: dict[tuple[int, int], tuple] = {}      # (version, rows) -> (graph, output)
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(runner.device)
+            self.ready = [torch.cuda.Event() for _ in range(VERSIONS)]
+            self.done = [torch.cuda.Event() for _ in range(VERSIONS)]
+
+    def _allocate(self) -> Buffers:
+        r, b, dev = self.runner, self.max_rows, self.runner.device
+        x = torch.zeros(b, dtype=torch.long, device=dev) if r.first else \
+            torch.zeros(b, r.hidden_size, dtype=r.dtype, device=dev)
+        masks = {w: torch.zeros(b, 1, 1, self.capacity, dtype=torch.bool, device=dev) for w in r.windows}
+        buf = Buffers(x, torch.zeros(b, 1, dtype=torch.long, device=dev), torch.full((b,), self.scratch, device=dev),
+                      masks, {})
+        if self.cuda:
+            buf.host = {"positions": torch.zeros(b, 1, dtype=torch.long).pin_memory(),
+                        "slots": torch.zeros(b, dtype=torch.long).pin_memory(),
+                        "masks": {w: torch.zeros(b, 1, 1, self.capacity, dtype=torch.bool).pin_memory()
+                                  for w in r.windows}}
+        return buf
+
+    def accepts(self, segments: list[Segment]) -> bool:
+        """A decode micro-batch that fits the buffers."""
+        return (self.runner.attn_implementation == "sdpa" and 0 < len(segments) <= self.max_rows
+                and all(s.length == 1 and not s.prefill and s.end <= self.capacity and s.slot < self.scratch
+                        for s in segments))
+
+    # ------------------------------------------------------------------ the CPU executor's side
+    def prepare(self, segments: list[Segment], version: int) -> tuple[int, int, int]:
+        """Writes the micro-batch's positions, slots and masks into `version`'s buffers; returns the
+        handle (version, rows, padded rows) for `run`."""
+        n, rows = len(segments), padded_size(len(segments))
+        pos = torch.zeros(rows, dtype=torch.long)
+        pos[:n] = torch.tensor([s.start for s in segments])
+        slots = torch.full((rows,), self.scratch, dtype=torch.long)
+        slots[:n] = torch.tensor([s.slot for s in segments])
+        keys = torch.arange(self.capacity)
+        masks = {}
+        for w in self.runner.windows:
+            allowed = keys[None, :] <= pos[:, None]
+            if w is not None:
+                allowed &= keys[None, :] > pos[:, None] - w
+            masks[w] = allowed
+        buf = self.buffers[version]
+        if not self.cuda:
+            buf.positions[:rows, 0] = pos
+            buf.slots[:rows] = slots
+            for w, m in masks.items():
+                buf.masks[w][:rows, 0, 0] = m
+            return version, n, rows
+        host = buf.host
+        self.ready[version].synchronize()          # the previous copy out of these pinned buffers is done
+        host["positions"][:rows, 0] = pos
+        host["slots"][:rows] = slots
+        for w, m in masks.items():
+            host["masks"][w][:rows, 0, 0] = m
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.done[version])     # the last replay that read this version is over
+            buf.positions[:rows].copy_(host["positions"][:rows], non_blocking=True)
+            buf.slots[:rows].copy_(host["slots"][:rows], non_blocking=True)
+            for w in masks:
+                buf.masks[w][:rows].copy_(host["masks"][w][:rows], non_blocking=True)
+            self.ready[version].record(self.copy_stream)
+        return version, n, rows
+
+    # ------------------------------------------------------------------ the device executor's side
+    def _inputs(self, buf: Buffers, rows: int) -> StageInputs:
+        return StageInputs(segments=[], layout="rows", shape=(rows, 1), positions=buf.positions[:rows],
+                           masks={w: m[:rows] for w, m in buf.masks.items()}, rotary=None,
+                           cache=StaticKV(self.runner.kv, buf.slots[:rows], buf.positions[:rows, 0]),
+                           sample_rows=torch.arange(rows, device=self.runner.device))
+
+    def _step(self, version: int, rows: int) -> torch.Tensor:
+        buf = self.buffers[version]
+        return self.runner.forward(self._inputs(buf, rows), buf.x[:rows])
+
+    def run(self, handle: tuple[int, int, int], x: torch.Tensor) -> torch.Tensor:
+        """x: the n real rows' token ids or hidden states. Returns the n rows' output (a copy)."""
+        version, n, rows = handle
+        buf = self.buffers[version]
+        if self.cuda:
+            torch.cuda.current_stream(self.runner.device).wait_event(self.ready[version])
+        buf.x[:n].copy_(x.to(buf.x.device, buf.x.dtype).reshape(buf.x[:n].shape), non_blocking=True)
+        if rows > n:
+            buf.x[n:rows].zero_()
+        key = (version, rows)
+        if self.graphs and key in self.graph:
+            graph, out = self.graph[key]
+            graph.replay()
+        else:
+            out = self._step(version, rows)
+        result = out[:n].clone()
+        if self.cuda:
+            self.done[version].record(torch.cuda.current_stream(self.runner.device))
+        return result
+
+    def capture(self) -> int:
+        """CUDA: one graph per (version, padded batch size) up to the largest, on a side stream after
+        warm-up replays (the padded rows' scratch slot takes every write). Returns the graphs made."""
+        if not self.graphs:
+            return 0
+        dev = self.runner.device
+        for version, buf in enumerate(self.buffers):
+            buf.slots.fill_(self.scratch)
+            buf.positions.zero_()
+            for m in buf.masks.values():
+                m.zero_()
+                m[..., 0] = True
+        torch.cuda.synchronize(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        pool = None
+        with torch.cuda.stream(side):
+            for version in range(VERSIONS):
+                for rows in (b for b in BATCH_SIZES if b <= self.max_rows):
+                    for _ in range(2):
+                        self._step(version, rows)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=side):
+                        out = self._step(version, rows)
+                    pool = graph.pool()
+                    self.graph[(version, rows)] = (graph, out)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        return len(self.graph)
+
