@@ -221,12 +221,16 @@ def main() -> None:
     args = ap.parse_args()
     report = {"machine_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     setups = {"local": local_setup, "hosts": hosts_setup, "gpu": gpu_setup, "floor": floor_setup}
+    out = ROOT / "bench" / "results" / f"decode{'-' + args.name if args.name else ''}.json"
+    if out.exists():          # re-measuring some setups keeps the others
+        report = {**json.loads(out.read_text()), **report}
     with tempfile.TemporaryDirectory(prefix="hpipe-bench-decode-") as tmp:
         for name in args.setups.split(","):
             print(f"{name}:", flush=True)
-            report[name] = setups[name](Path(tmp), args)
-    out = ROOT / "bench" / "results" / f"decode{'-' + args.name if args.name else ''}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
+            work = Path(tmp) / name
+            work.mkdir()
+            report[name] = setups[name](work, args)
+            out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
 

@@ -28,15 +28,24 @@ PARENT_ENV = "HPIPE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
-def arm_parent_death_signal() -> bool:
-    """Also usable as Popen's preexec_fn: armed before exec, it covers the child's imports too."""
+def _find_prctl():
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+# resolved here, not in the child: between fork and exec (Popen's preexec_fn, with threads running
+# in the parent) a dlopen could deadlock; the call itself is safe
+_PRCTL = _find_prctl()
+
+
+def arm_parent_death_signal() -> bool:
+    """Also usable as Popen's preexec_fn: armed before exec, it covers the child's imports too. The
+    signal follows the *thread* that forked: start children from a thread that outlives them."""
+    return _PRCTL is not None and _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
 
 
 def _parent_gone(what: str, parent: int) -> None:
@@ -48,7 +57,8 @@ def _parent_gone(what: str, parent: int) -> None:
 def tie_to_parent(what: str = "worker", parent: int | None = None, poll_s: float = 0.25) -> None:
     """Exits (or is killed) within `poll_s` of the parent's death. parent: the pid that started us
     (default: HPIPE_PARENT_PID, else our parent now)."""
-    parent = parent or int(os.environ.get(PARENT_ENV, "0") or 0) or os.getppid()
+    # read once and dropped: our own children must not compare themselves with our parent
+    parent = parent or int(os.environ.pop(PARENT_ENV, "0") or 0) or os.getppid()
     arm_parent_death_signal()
     if os.getppid() != parent:
         _parent_gone(what, parent)

@@ -330,15 +330,25 @@ class RequestSampler:
     """The pipeline's sampling (the last stage, or a sampler process of the pool): every request
     samples with its own resolved parameters (`Request.params`, its seed included); a sequence
     joins on its first sampled token and leaves when `Request.finish_reason` says it ended, so
-    `max_batch` bounds the sequences in flight, not the whole job."""
+    `max_batch` bounds the sequences in flight, not the whole job. A row of a sequence that already
+    ended (a decode step the asynchronous runtime committed before the stop was known) gets id 0
+    and touches no state."""
 
     def __init__(self, requests: dict[int, Request], vocab_size: int, max_batch: int, layout: str | None = None):
         self.requests = requests    # index -> Request
         max_len = max((r.max_new_tokens for r in requests.values()), default=1)
         self.cpu = CPUSampler(vocab_size, max_batch, max_len, layout=layout)
         self.counts: dict[int, int] = {}
+        self.finished: set[int] = set()
 
     def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
+        live = [i for i, s in enumerate(seqs) if s not in self.finished]
+        if len(live) < len(seqs):
+            out = [0] * len(seqs)
+            if live:
+                for i, t in zip(live, self.sample(logits[live], [seqs[i] for i in live])):
+                    out[i] = t
+            return out
         for s in seqs:
             if s not in self.counts:
                 self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
@@ -349,4 +359,5 @@ class RequestSampler:
             if self.requests[s].finish_reason(t, self.counts[s]):
                 self.cpu.remove(s)
                 del self.counts[s]
+                self.finished.add(s)
         return ids

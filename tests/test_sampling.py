@@ -200,3 +200,20 @@ def test_remove_clears_the_state_and_slots_are_independent():
     s.remove("a")
     s.add("c", SamplingParams(temperature=0.0), [], slot=0)    # the freed column starts clean
     assert int(s.step(logits, ["c"], slot=0)[0]) == 7
+
+
+def test_a_leftover_row_after_a_stop_touches_nothing():
+    """The asynchronous runtime may run one more decode step of a sequence that just stopped: its
+    row gets a placeholder id and takes no sampler column (max_batch 1 here)."""
+    from hpipe.request import Request
+    from hpipe.sampling import RequestSampler
+
+    reqs = {i: Request(i, f"r{i}", (5, 6), SamplingParams(temperature=0.0), max_new_tokens=5,
+                       eos_ids=frozenset([3])) for i in range(2)}
+    sampler = RequestSampler(reqs, 16, max_batch=1)
+    to_eos, to_seven = torch.zeros(1, 16), torch.zeros(1, 16)
+    to_eos[0, 3] = to_seven[0, 7] = 10.0
+    assert sampler.sample(to_eos, [0]) == [3]          # r0 stops
+    assert sampler.sample(to_seven, [0]) == [0]        # its leftover step
+    assert sampler.sample(to_seven, [1]) == [7]        # r0's column is free for r1
+    assert sampler.sample(torch.cat([to_seven, to_eos]), [0, 1]) == [0, 3]

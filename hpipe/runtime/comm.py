@@ -132,6 +132,12 @@ class Pending:
         self.works.append(work)
         self.tensors.append(tensor)
 
+    def prune(self) -> None:
+        """Forgets the sends that have completed."""
+        done = [i for i, w in enumerate(self.works) if w.is_completed()]
+        for i in reversed(done):
+            del self.works[i], self.tensors[i]
+
     def wait(self):
         for w in self.works:
             w.wait()
@@ -210,8 +216,10 @@ def send_stop(groups: Groups, dst: int, tag: int = TAG_FORWARD) -> None:
     groups.isend(header, dst, tag, "meta").wait()
 
 
-def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype):
-    """Without SAT: (id, segments, hidden states), or (-1, None, None) at the stop."""
+def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype, receive_hidden: bool = True):
+    """Without SAT: (id, segments, hidden states), or (-1, None, None) at the stop. With
+    receive_hidden False the hidden states' buffer comes back empty, for the caller to receive into
+    (NCCL: every NCCL call of a stage stays on its compute thread)."""
     header = torch.empty(HEADER_LEN, dtype=torch.long)
     dist.recv(header, src, group=groups.ctrl, tag=TAG_FORWARD)
     op, mb_id, n_segs, n_tokens = header[:4].tolist()
@@ -220,7 +228,8 @@ def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype):
     segs = torch.empty((n_segs, SEGMENT_FIELDS), dtype=torch.long)
     dist.recv(segs, src, group=groups.ctrl, tag=TAG_FORWARD)
     hidden = torch.empty((n_tokens, hidden_size), dtype=dtype, device=groups.data_device)
-    dist.recv(hidden, src, group=groups.data, tag=TAG_FORWARD)
+    if receive_hidden:
+        dist.recv(hidden, src, group=groups.data, tag=TAG_FORWARD)
     return mb_id, decode_segments(segs.tolist()), hidden
 
 

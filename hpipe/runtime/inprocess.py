@@ -27,8 +27,9 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
             runner.kv.reserve(min(max_batch, len(requests)) + 1, max(len(r.input_ids) + r.max_new_tokens
                                                                        for r in requests))
         statics = [StaticDecode(runner, max_batch, cuda_graphs) for runner in runners]
-        for static in statics:
+        for runner, static in zip(runners, statics):
             static.capture()
+            runner.kv.frozen = True
     vocab = runners[-1].config.vocab_size
     sampler = RequestSampler({r.index: r for r in requests}, vocab, len(requests))
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch)

@@ -60,6 +60,7 @@ class KVStore:
         self.capacity = capacity
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.frozen = False      # set once the run's clock starts: never grown (nor moved) after that
 
     def reserve(self, slots: int, capacity: int) -> None:
         """Makes room for slot indices < slots and positions < capacity in every layer."""
@@ -70,6 +71,9 @@ class KVStore:
             new_cap *= 2
         if (new_slots, new_cap) == (self.slots, self.capacity):
             return
+        if self.frozen:
+            raise RuntimeError(f"the KV cache was sized for {self.slots} slots x {self.capacity} positions before the "
+                               f"run; a micro-batch needs {slots} x {capacity}")
         for store in (self.keys, self.values):
             for layer, old in store.items():
                 grown = old.new_zeros((new_slots, new_cap, old.shape[2], old.shape[3]))

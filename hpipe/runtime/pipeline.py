@@ -77,6 +77,7 @@ class Stage:
     max_tokens: int                  # the longest micro-batch (the receive buffers' rows)
     buffers: list = field(default_factory=list)   # per version: the hidden states' receive buffer
     static: object = None            # hpipe.runtime.static_decode.StaticDecode for decode micro-batches, or None
+    errors: list = field(default_factory=list)    # the first failure of any executor (or the sampler pool)
 
     @property
     def is_first(self) -> bool:
@@ -104,6 +105,7 @@ class Work:
     version: int = 0
     hidden: torch.Tensor | None = None    # the received hidden states (or the buffer they arrive in)
     recv: object = None                   # the pending receive of `hidden`
+    unreceived: bool = False              # `hidden` is a buffer the compute thread must receive into
     inputs: object = None                 # the prepared StageInputs
     static: tuple | None = None           # or the static decode path's handle (its buffers are filled)
     prepared: bool = False
@@ -206,11 +208,9 @@ class Driver:
         self.committed: queue.Queue = queue.Queue()     # to prepare/compute, in order
         self.expected: queue.Queue = queue.Queue()      # SAT: micro-batches whose ids come back, in order
         self.pending = comm.Pending()
-        self.n_generated = 0
 
     def take_ids(self, mb_id: int, ids: list[int]) -> None:
         with self.cond:
-            self.n_generated += len(ids)
             for st in self.sched.on_sampled(mb_id, ids):
                 self.on_result(st)
             self.cond.notify_all()
@@ -238,6 +238,7 @@ class Driver:
                 return
             version = self.versions.take()
             if st.options.sat and st.world > 1:
+                self.pending.prune()
                 comm.publish_schedule(st.groups, st.world, mb.id, mb.segments, st.max_segments, self.pending)
                 self.expected.put(mb)
             self.committed.put(Work(mb.id, mb.segments, mb=mb, version=version))
@@ -271,7 +272,7 @@ class Driver:
 
 def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result: Callable) -> dict:
     """Stage 0: the driver and back threads, the prepare thread, and the compute loop."""
-    errors: list = []
+    errors = stage.errors
     versions = Versions(errors)
     driver = Driver(stage, sched, on_result, versions, errors)
     threads = [_thread(driver.commit_loop, "hpipe-scheduler", errors)]
@@ -310,8 +311,9 @@ def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result:
         raise errors[0]
     driver.pending.wait()
     wall = time.time() - wall0
-    return {"wall_s": round(wall, 6), "generated_tokens": driver.n_generated,
-            "tokens_per_s": round(driver.n_generated / wall, 3) if wall else None, "t0_wall": wall0}
+    n = sched.generated
+    return {"wall_s": round(wall, 6), "generated_tokens": n, "tokens_per_s": round(n / wall, 3) if wall else None,
+            "t0_wall": wall0}
 
 
 def _send_on(stage: Stage, work: Work, out: torch.Tensor, pending: comm.Pending) -> None:
@@ -341,12 +343,15 @@ def _source_loop(stage: Stage, versions: Versions, out: queue.Queue, errors: lis
             work.hidden = stage.buffers[version][: work.tokens]
             if pre_post:
                 work.recv = comm.post_recv_hidden(stage.groups, prev, work.hidden)
+            else:
+                work.unreceived = True
         else:
-            mb_id, segments, hidden = comm.recv_work(stage.groups, prev, stage.runner.hidden_size, stage.runner.dtype)
+            mb_id, segments, hidden = comm.recv_work(stage.groups, prev, stage.runner.hidden_size, stage.runner.dtype,
+                                                     receive_hidden=pre_post)
             if segments is None:
                 out.put(None)
                 return
-            work = Work(mb_id, segments, version=versions.take(), hidden=hidden)
+            work = Work(mb_id, segments, version=versions.take(), hidden=hidden, unreceived=not pre_post)
         out.put(work)
 
 
@@ -397,7 +402,7 @@ class Sampling:
 
 def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None) -> None:
     """Stages 1..N-1: source and prepare threads, the compute loop; the last stage samples."""
-    errors: list = []
+    errors = stage.errors
     versions = Versions(errors)
     source: queue.Queue = queue.Queue()
     _thread(lambda: _source_loop(stage, versions, source, errors), "hpipe-source", errors)
@@ -411,7 +416,7 @@ def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None
             break
         if not work.prepared:
             _prepare(stage, work)
-        if work.recv is None and stage.options.sat:
+        if work.unreceived:
             work.recv = comm.post_recv_hidden(stage.groups, stage.rank - 1, work.hidden)
         if work.recv is not None:
             work.recv.wait()

@@ -55,8 +55,9 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
 
 class SamplerPool:
     def __init__(self, vocab_size: int, max_rows: int, requests: dict, max_batch: int, send, n_procs: int = 1,
-                 n_slots: int = 4, threads: int = 1):
-        """send(mb_id, ids) is called by the collector thread for every micro-batch, in order."""
+                 n_slots: int = 4, threads: int = 1, errors: list | None = None):
+        """send(mb_id, ids, seqs) is called by the collector thread for every micro-batch, in order;
+        a failure is also appended to `errors` (the stage's executors stop on it)."""
         ctx = torch.multiprocessing.get_context("spawn")
         self.n_slots, self.n_procs, self.max_rows = n_slots, n_procs, max_rows
         self.shared = {
@@ -79,6 +80,7 @@ class SamplerPool:
         self.written = 0                 # micro-batches handed to the pool
         self.collected = 0               # micro-batches whose ids went back
         self.error: BaseException | None = None
+        self.errors = errors if errors is not None else []
         self.send = send
         self.cond = threading.Condition()
         self.collector = threading.Thread(target=self._collect, name="hpipe-sampler-collector", daemon=True)
@@ -139,13 +141,14 @@ class SamplerPool:
                     raise RuntimeError(f"sampler ring out of step at micro-batch {m}")
                 n, mb_id = int(sh["meta"][k, 1]), int(sh["meta"][k, 2])
                 ids = sh["out"][k, :n].tolist()
-                self.send(mb_id, ids)
+                self.send(mb_id, ids, sh["seqs"][k, :n].tolist())
                 m += 1
                 with self.cond:
                     self.collected = m
                     self.cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - reported to the stage's loop by _check
             self.error = e
+            self.errors.append(RuntimeError(f"sampler pool failed: {e}"))
 
     def drain(self) -> None:
         """Waits until every submitted micro-batch's ids have been sent."""

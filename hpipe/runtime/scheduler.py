@@ -82,6 +82,7 @@ class Scheduler:
         self.n_slots = 0
         self.inflight: dict[int, MicroBatch] = {}
         self.next_id = 0
+        self.generated = 0                     # tokens appended to outputs (leftover steps' ids not counted)
         self.t0 = clock()
 
     @property
@@ -174,6 +175,7 @@ class Scheduler:
             if st is None or st.finish_reason is not None:   # a step committed after its sequence stopped
                 continue
             st.output.append(token)
+            self.generated += 1
             st.in_flight -= 1
             st.t_first = now if st.t_first is None else st.t_first
             st.t_last = now

@@ -26,7 +26,7 @@ import torch
 from hpipe.runtime.kv import KVStore, Segment
 from hpipe.runtime.stage import StageInputs
 
-__all__ = ["BATCH_SIZES", "StaticDecode", "StaticKV"]
+__all__ = ["BATCH_SIZES", "StaticDecode", "StaticKV", "unsupported"]
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 VERSIONS = 2
@@ -66,6 +66,17 @@ def padded_size(n: int) -> int:
     return next(b for b in BATCH_SIZES if b >= n)
 
 
+def unsupported(runner) -> str | None:
+    """Why a stage cannot take the static path, or None. RoPE variants that rescale with the
+    sequence length ("dynamic", "longrope") read positions back to the host, which a graph cannot."""
+    rope = getattr(runner.rotary, "rope_type", "default") if runner.rotary is not None else "default"
+    if rope in ("dynamic", "longrope"):
+        return f"its {rope} RoPE reads positions back to the host"
+    if runner.attn_implementation != "sdpa":
+        return f"attention {runner.attn_implementation!r} (the static path uses sdpa's boolean masks)"
+    return None
+
+
 class StaticDecode:
     def __init__(self, runner, max_batch: int, graphs: bool):
         """runner: the stage's StageRunner, its KV store already reserved (not grown after this)."""
@@ -73,7 +84,7 @@ class StaticDecode:
         kv = runner.kv
         self.scratch = kv.slots - 1                 # the reserve's last slot: padded rows write there
         self.capacity = kv.capacity
-        self.max_rows = padded_size(min(max_batch, self.scratch))
+        self.max_rows = padded_size(min(max_batch, self.scratch, BATCH_SIZES[-1]))
         self.cuda = runner.device.type == "cuda"
         self.graphs = graphs and self.cuda
         self.buffers = [self._allocate() for _ in range(VERSIONS)]
@@ -99,7 +110,7 @@ class StaticDecode:
 
     def accepts(self, segments: list[Segment]) -> bool:
         """A decode micro-batch that fits the buffers."""
-        return (self.runner.attn_implementation == "sdpa" and 0 < len(segments) <= self.max_rows
+        return (0 < len(segments) <= self.max_rows
                 and all(s.length == 1 and not s.prefill and s.end <= self.capacity and s.slot < self.scratch
                         for s in segments))
 

@@ -35,7 +35,7 @@ from hpipe.runtime.pipeline import Options, Stage, Timeline, emit_result, run_fi
 from hpipe.runtime.sampler_pool import SamplerPool
 from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.stage import StageRunner
-from hpipe.runtime.static_decode import StaticDecode
+from hpipe.runtime.static_decode import StaticDecode, unsupported
 from hpipe.sampling import RequestSampler
 
 
@@ -112,15 +112,22 @@ def run(args) -> None:
                       sampling=choose_sampling(args.sampling, stage_plan.device, args.world_size),
                       cuda_graphs=not args.no_cuda_graphs and runner.device.type == "cuda")
     static = args.static_decode == "on" or (args.static_decode == "auto" and options.cuda_graphs)
+    if static and (why := unsupported(runner)):
+        log(f"stage {args.rank}: decode runs eagerly, not on the static path (CUDA graphs): {why}")
+        static = False
+        options = dataclasses.replace(options, cuda_graphs=False)
     warm_up(runner, requests, args, scratch_slot=static)
     static_decode = StaticDecode(runner, args.max_batch, options.cuda_graphs) if static and requests else None
     graphs = static_decode.capture() if static_decode is not None else 0
+    runner.kv.frozen = True             # sized once: a growth mid-run would be a bug (and move the graphs' KV)
     load_s = time.time() - t_load
     by_index = {r.index: r for r in requests}
     last = args.rank == args.world_size - 1
     sampler = RequestSampler(by_index, int(config.vocab_size),
                              min(len(requests), args.max_batch + args.world_size)) if last else None
     logits_rows: dict[int, list] = {}
+    generated: dict[int, int] = {}     # seq -> tokens it really generated (leftover rows after a stop excluded)
+    ended: set[int] = set()
 
     def rows_of(out, segments) -> list[int]:
         seqs = [s.seq for s in segments if s.sample]
@@ -129,8 +136,22 @@ def run(args) -> None:
                 logits_rows.setdefault(s, []).append(out[i].detach().float().cpu().numpy())
         return seqs
 
+    def tally(seqs, ids) -> None:
+        for s, t in zip(seqs, ids):
+            if s not in ended:
+                generated[s] = generated.get(s, 0) + 1
+                if by_index[s].finish_reason(t, generated[s]):
+                    ended.add(s)
+
     def sample(out, segments) -> list[int]:
-        return sampler.sample(out, rows_of(out, segments))
+        seqs = rows_of(out, segments)
+        ids = sampler.sample(out, seqs)
+        tally(seqs, ids)
+        return ids
+
+    def send_from_pool(mb_id, ids, seqs) -> None:
+        tally(seqs, ids)
+        comm.send_tokens(groups, 0, mb_id, ids, options.sat)
 
     groups = comm.init(args.rank, args.world_size, args.master_addr, args.master_port,
                        os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in plan.stages], args.timeout_s)
@@ -142,8 +163,7 @@ def run(args) -> None:
     if last and options.sampling == "cpu":
         pool = SamplerPool(int(config.vocab_size), max(1, min(len(requests), 2 * args.max_batch)), by_index,
                            min(len(requests), args.max_batch + args.world_size),
-                           send=lambda mb_id, ids: comm.send_tokens(groups, 0, mb_id, ids, options.sat),
-                           n_procs=args.sampler_procs)
+                           send=send_from_pool, n_procs=args.sampler_procs, errors=stage.errors)
 
     dist.barrier(group=groups.ctrl)
     t_start = time.time()
@@ -162,7 +182,8 @@ def run(args) -> None:
             pool.close()
     t_end = time.time()
     if args.logits_out and last:
-        np.savez(args.logits_out, **{by_index[s].id: np.stack(rows) for s, rows in logits_rows.items()})
+        np.savez(args.logits_out, **{by_index[s].id: np.stack(rows[:generated.get(s, len(rows))])
+                                     for s, rows in logits_rows.items()})
     emit("timeline", rank=args.rank, host=stage_plan.host, device=stage_plan.device, units=list(stage_plan.units),
          start=t_start, end=t_end, load_s=round(load_s, 3), peak_rss_bytes=models.peak_rss_bytes(),
          kv_bytes=runner.kv.bytes(), intervals=stage.timeline.intervals, links=groups.counters.as_dict(),
