@@ -271,6 +271,9 @@ def launch(
     static_decode: str = typer.Option("auto", "--static-decode", help="on|off|auto: decode steps with static shapes "
                                       "(padded, whole KV slots under a mask), the path CUDA graphs replay; auto: "
                                       "with CUDA graphs (on a CPU it is slower, see README)"),
+    prepare_thread: str = typer.Option("auto", "--prepare-thread", help="on|off|auto: with TSEM, prepare inputs on a "
+                                       "CPU thread while the previous micro-batch computes; auto: on CUDA stages (a "
+                                       "CPU stage's forward already keeps its cores busy, see README)"),
     sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     seed: int = typer.Option(0, "--seed"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
@@ -296,7 +299,8 @@ def launch(
     settings = launcher.LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
                                        logits_out=logits_out, resume=resume, sampling=sampling,
                                        sampler_procs=sampler_procs, tsem=not no_tsem, sat=not no_sat,
-                                       cuda_graphs=not no_cuda_graphs, static_decode=static_decode)
+                                       cuda_graphs=not no_cuda_graphs, static_decode=static_decode,
+                                       prepare_thread=prepare_thread)
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
@@ -325,6 +329,10 @@ def _print_launch(summary: dict, out: str) -> None:
                f"{s.get('generated_tokens', 0)} tokens in {s.get('wall_s', 0):.2f} s "
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
+    hops = {k: v for k, v in summary.get("links", {}).items() if k.split("->")[0] != "0" or k == "0->1"}
+    if hops:
+        typer.echo("messages per link (metadata / data): " + ", ".join(
+            f"{k} {v.get('meta_msgs', 0)} / {v.get('data_msgs', 0)}" for k, v in sorted(hops.items())))
 
 
 cluster_app = typer.Typer(help="Check the hosts of a cluster inventory.")

@@ -30,6 +30,7 @@ class LaunchSettings:
     sat: bool = True
     cuda_graphs: bool = True
     static_decode: str = "auto"      # "on", "off" or "auto" (with CUDA graphs)
+    prepare_thread: str = "auto"     # "on", "off" or "auto" (CUDA stages)
     seed: int = 0
     max_batch: int = 16
     logits_out: str | None = None
@@ -69,8 +70,9 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
         raise HpipeError(f"--max-batch must be at least 1, got {settings.max_batch}")
     if settings.sampling not in ("cpu", "inline", "auto"):
         raise HpipeError(f"--sampling {settings.sampling!r}: use inline, cpu or auto")
-    if settings.static_decode not in ("on", "off", "auto"):
-        raise HpipeError(f"--static-decode {settings.static_decode!r}: use on, off or auto")
+    for flag, value in (("--static-decode", settings.static_decode), ("--prepare-thread", settings.prepare_thread)):
+        if value not in ("on", "off", "auto"):
+            raise HpipeError(f"{flag} {value!r}: use on, off or auto")
     if settings.max_new_tokens < 1:
         raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
     if settings.sampler_procs < 1:
@@ -179,6 +181,7 @@ def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeli
     measured prefill) and, if asked, the timelines (.json, or charts as .html / .png, the plan's
     predicted prefill beside the measured run when the plan carries one). Returns the summary."""
     summary = {"version": 1, "run": output.summary or {}, "busy_fraction": busy_fractions(output.timelines),
+               "links": {link: c for t in output.timelines.values() for link, c in t.get("links", {}).items()},
                "plan_check": plan_check(job.plan, output, [len(r.input_ids) for r in job.requests])}
     with open(f"{out_path}.summary.json", "w") as f:   # first: a timeline that cannot be written loses nothing
         json.dump(summary, f, indent=2)
@@ -200,7 +203,7 @@ def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str
            "--requests", requests_path, "--sampling", settings.sampling,
            "--sampler-procs", str(settings.sampler_procs), "--max-batch", str(settings.max_batch),
            "--attn", settings.attn, "--threads", str(threads)]
-    cmd += ["--static-decode", settings.static_decode]
+    cmd += ["--static-decode", settings.static_decode, "--prepare-thread", settings.prepare_thread]
     cmd += [flag for flag, off in (("--no-tsem", not settings.tsem), ("--no-sat", not settings.sat),
                                    ("--no-cuda-graphs", not settings.cuda_graphs)) if off]
     if logits_out:

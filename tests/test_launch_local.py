@@ -127,9 +127,10 @@ SWITCHES = [(tsem, sat, sampling) for tsem in (False, True) for sat in (False, T
 
 
 def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
-    """All on also takes the static decode path (the CUDA-graph path, eager on a CPU)."""
-    return (["--sampling", sampling] + ([] if tsem else ["--no-tsem"]) + ([] if sat else ["--no-sat"])
-            + ["--no-cuda-graphs"] + (["--static-decode", "on"] if tsem and sat else []))
+    """With TSEM the CPU executor runs as a thread (as on CUDA stages); all on also takes the static
+    decode path (the CUDA-graph path, eager on a CPU)."""
+    return (["--sampling", sampling] + (["--prepare-thread", "on"] if tsem else ["--no-tsem"])
+            + ([] if sat else ["--no-sat"]) + ["--no-cuda-graphs"] + (["--static-decode", "on"] if tsem and sat else []))
 
 
 def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, reference_models, tmp_path):

@@ -292,7 +292,8 @@ def test_every_switch_combination_gives_the_same_tokens_on_hosts(cluster, plan_a
                 hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", out,
                       "--max-new-tokens", "10", "--max-batch", "3", "--temperature", "0.9", "--top-p", "0.9",
                       "--repetition-penalty", "1.2", "--frequency-penalty", "0.3", "--presence-penalty", "0.2",
-                      "--seed", "5", "--sampling", sampling, *([] if tsem else ["--no-tsem"]),
+                      "--seed", "5", "--sampling", sampling,
+                      *(["--prepare-thread", "on"] if tsem else ["--no-tsem"]),
                       *([] if sat else ["--no-sat"]), "--quiet", cwd=tmp_path, check=True)
                 runs[(tsem, sat, sampling)] = {r["id"]: r["output_ids"] for r in map(json.loads,
                                                                                    out.read_text().splitlines())}

@@ -43,7 +43,8 @@ VERSIONS = 2
 
 @dataclass(frozen=True)
 class Options:
-    tsem: bool = True          # prepare inputs on a CPU thread, double-buffered; commit decode steps ahead
+    tsem: bool = True          # double-buffered inputs, prepared on a CPU thread; decode steps committed ahead
+    prepare_thread: bool = True  # (with tsem) the CPU executor is a thread; else the compute thread prepares
     sat: bool = True           # schedules on the control plane, hidden states alone into pre-posted buffers
     sampling: str = "inline"   # "inline" (in this process) or "cpu" (the sampler process pool)
     cuda_graphs: bool = True   # (CUDA nodes) replay decode steps from captured graphs
@@ -181,7 +182,7 @@ def _forward(stage: Stage, work: Work, x: torch.Tensor) -> torch.Tensor:
 
 def _start_prepare(stage: Stage, source: queue.Queue, errors: list) -> queue.Queue:
     """TSEM: the CPU executor. Without TSEM the compute loop prepares inline (same queue)."""
-    if not stage.options.tsem:
+    if not (stage.options.tsem and stage.options.prepare_thread):
         return source
     ready: queue.Queue = queue.Queue()
 
