@@ -1,7 +1,7 @@
 """The asynchronous runtime's ablation (SiPipe Fig. 16): decode tokens/s, TPOT and the bottleneck
 stage's busy fraction in steady decode for all off, +SAT, +TSEM, +sampling pool and all on.
 
-    python bench/decode.py [--setups local,hosts,floor] [--repeats 2] [--device cuda:0 --vocab 151643]
+    python bench/decode.py [--setups local,hosts,floor,objective] [--repeats 2] [--device cuda:0 --vocab 151643]
 
 - local: the default model (SmolLM2-135M) on 2 local CPU stages;
 - hosts: the same on the 3 emulated hosts (tests/netns_hosts.py: network namespaces with sshd, tbf
@@ -9,7 +9,9 @@ stage's busy fraction in steady decode for all off, +SAT, +TSEM, +sampling pool 
 - gpu: (with --device cuda:N) a random-init large-vocabulary Llama on 2 stages of that GPU, with
   and without CUDA graphs;
 - floor: single-stream TPOT on one CPU stage against its memory-bandwidth floor (the stage's weight
-  bytes / the matrix-vector bandwidth measured in the same run).
+  bytes / the matrix-vector bandwidth measured in the same run);
+- objective: all on, on a 2-stage plan balanced for prefill against one balanced for decode
+  (`hpipe plan --objective`).
 
 Variants of one setup run interleaved (`--repeats` rounds of every variant), the median kept, and
 compared as ratios to "all off" within the run (this machine is shared and noisy). Writes
@@ -162,6 +164,38 @@ def gpu_setup(work: Path, args) -> dict:
             "variants": run_variants(launch, work, args.repeats, variants)}
 
 
+def objective_setup(work: Path, args) -> dict:
+    """The same decode run on a plan balanced for prefill and on one balanced for decode (`hpipe
+    plan --objective`), both from the repository's profile of this kind of machine."""
+    profile = ROOT / "profiles" / "smollm2-cpu-1thread-quick.json"
+    prompts = prompts_file(work / "p.jsonl", args.prompts)
+    plans = {}
+    for objective in ("prefill", "decode"):
+        plans[objective] = work / f"plan-{objective}.json"
+        hpipe("plan", "--model", "smollm2", "--stages", "2", "--profile", profile, "--seq-len", 64, "--batch",
+              args.prompts, "--objective", objective, "--new-tokens", args.new_tokens, "-o", plans[objective],
+              cwd=work)
+    variants = {f"{objective} objective": [] for objective in plans}
+    runs: dict[str, list] = {name: [] for name in variants}
+    for k in range(args.repeats):
+        for objective, plan in plans.items():
+            out, tl = work / f"o-{objective}-{k}.jsonl", work / f"t-{objective}-{k}.json"
+            hpipe("launch", plan, "--local", "--prompts", prompts, "--out", out, "--timeline-out", tl,
+                  "--max-new-tokens", args.new_tokens, "--max-batch", args.prompts, "--temperature", "0.8",
+                  "--top-k", "50", "--quiet", cwd=work)
+            runs[f"{objective} objective"].append(measure(out, tl))
+            print(f"  {objective}: {runs[f'{objective} objective'][-1]['decode_tokens_per_s']} tok/s", flush=True)
+    report = {}
+    for name, rs in runs.items():
+        med = sorted(rs, key=lambda r: r["decode_tokens_per_s"])[len(rs) // 2]
+        p = json.loads(plans[name.split()[0]].read_text())
+        report[name] = {**med, "cuts": [st["units"] for st in p["stages"]],
+                        "predicted_decode": p["predicted"]["decode"],
+                        "decode_tokens_per_s_runs": [r["decode_tokens_per_s"] for r in rs]}
+    return {"setup": f"SmolLM2-135M, 2 local CPU stages, all on, {args.prompts} prompts x {args.new_tokens} new "
+                     f"tokens; plans from {profile.name}", "variants": report}
+
+
 def bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 7) -> float:
     """Matrix-vector bandwidth with torch's threads: bytes of a float32 matrix read per second."""
     import torch
@@ -220,7 +254,8 @@ def main() -> None:
     ap.add_argument("--name", default="", help="suffix of the results file")
     args = ap.parse_args()
     report = {"machine_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    setups = {"local": local_setup, "hosts": hosts_setup, "gpu": gpu_setup, "floor": floor_setup}
+    setups = {"local": local_setup, "hosts": hosts_setup, "gpu": gpu_setup, "floor": floor_setup,
+              "objective": objective_setup}
     out = ROOT / "bench" / "results" / f"decode{'-' + args.name if args.name else ''}.json"
     if out.exists():          # re-measuring some setups keeps the others
         report = {**json.loads(out.read_text()), **report}

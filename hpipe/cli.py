@@ -115,6 +115,11 @@ def plan(
     overlap_sends: bool = typer.Option(False, "--overlap-sends", help="with --profile: a stage's send overlaps its "
                                        "next compute (GPUs with their own copy engines) instead of adding to it "
                                        "(HPipe eq. 1; right where sends share the cores, as gloo on CPUs)"),
+    objective: str = typer.Option("prefill", "--objective", help="with --profile: what the cuts balance: prefill "
+                                  "(the prompts' slices), decode (--new-tokens decode steps, from the profile's decode "
+                                  "tables) or mixed (their sum per stage, as when prefill and decode share micro-batches)"),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="with --objective decode or mixed: tokens generated per "
+                                   "sequence"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
@@ -130,9 +135,10 @@ def plan(
     devices = _plan_devices(stages, cluster, profile_path, device)
     config, name = _plan_model(model)
     if profile_path is None:
-        if seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline or overlap_sends:
-            raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline and --overlap-sends plan from "
-                             "measured times: add --profile FILE")
+        if (seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline or overlap_sends
+                or objective != "prefill"):
+            raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline, --overlap-sends and --objective "
+                             "plan from measured times: add --profile FILE")
         p = planner.make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
                               granularity, dtype or "float32")
         formats.write_plan(p, out)
@@ -152,10 +158,12 @@ def plan(
                                   granularity=granularity)
     if order == "search" or allow_drop:
         result = planner.search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin,
-                                     dtype, granularity, order, allow_drop, log=_note, overlap=overlap_sends)
+                                     dtype, granularity, order, allow_drop, log=_note, overlap=overlap_sends,
+                                     objective=objective, new_tokens=new_tokens)
     else:
         result = planner.plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing,
-                                           margin, dtype, granularity, overlap=overlap_sends)
+                                           margin, dtype, granularity, overlap=overlap_sends, objective=objective,
+                                           new_tokens=new_tokens)
     p = result.plan
     if compare_baselines:
         rows = planner.compare(result, granularity)
@@ -216,6 +224,11 @@ def _print_plan(p, out: str, result=None) -> None:
                f"busiest link {b.link_s:.3f} s); this plan is {pr['ratio_to_lower_bound']:.2f}x the bound "
                f"(pipeline fill/drain {g['fill_drain_s']:.3f} s, bottleneck stage above balance "
                f"{g['imbalance_s']:.3f} s)")
+    if "decode" in pr:
+        dec = pr["decode"]
+        typer.echo(f"predicted decode ({pr.get('objective', 'prefill')} objective): {dec['tokens_per_s']:.1f} tokens/s "
+                   f"for {pr['batch']} sequences in {dec['groups']} groups; a group's step per stage "
+                   + ", ".join(f"{1000 * t:.1f}" for t in dec["stage_step_s"]) + " ms")
 
 
 def _print_comparison(rows: list[dict], result) -> None:

@@ -27,6 +27,9 @@ from hpipe.planner.slicing import slice_sequence
 from hpipe.planner.uniform import uniform_cuts
 
 
+OBJECTIVES = ("prefill", "decode", "mixed")
+
+
 def check_profile_matches(profile: dict, config, model_name: str, path: str) -> None:
     m = profile["model"]
     fp = models.fingerprint(config)
@@ -117,6 +120,71 @@ def unit_work(cost: CostModel, slices: list[int], batch: int) -> np.ndarray:
     return unit_time
 
 
+def _decode_table_time(table: dict, kind: str, rows: float, context: float) -> float:
+    """A profile's decode table at (rows, context): linear between its measured points, held at
+    the edges."""
+    batch, ctx = np.asarray(table["batch"], float), np.asarray(table["context"], float)
+    t = np.asarray(table["t"][kind], float)                   # [batch, context]
+    by_ctx = np.array([np.interp(context, ctx, row) for row in t])
+    return float(np.interp(rows, batch, by_ctx))
+
+
+def decode_unit_times(cost: CostModel, j: int, rows: int, context: float) -> np.ndarray:
+    """[U]: every unit's time for one decode step of `rows` sequences after `context` tokens on
+    stage j's device, from the profile's decode table (the embedding's lookup counts as free)."""
+    table = cost.entries[j].get("decode")
+    if not table:
+        raise HpipeError(f"{cost.path}: device {cost.entries[j]['id']} has no decode measurements; re-run "
+                         f"`hpipe profile` (not --estimate) to plan for --objective decode or mixed")
+    per_kind = {"embed": 0.0}
+    for kind in ("attn", "mlp", "head"):
+        per_kind[kind] = _decode_table_time(table, kind, rows, context)
+    return np.array([per_kind.get(k, 0.0) for k in cost.kinds])
+
+
+def decode_workload(cost: CostModel, batch: int, seq_len: int, new_tokens: int):
+    """The partition's inputs for decoding `new_tokens` tokens of `batch` sequences after a prompt
+    of seq_len: the runtime's decode groups (ceil(batch / stages) sequences each, one group per
+    stage in flight), every unit's time summed over all steps of all groups [D, U], and the sends."""
+    d = len(cost.entries)
+    rows = -(-batch // d)
+    groups = -(-batch // rows)
+    context = seq_len + new_tokens / 2
+    steps = groups * new_tokens
+    unit_time = np.stack([steps * decode_unit_times(cost, j, rows, context) for j in range(d)])
+    out_comm = np.zeros_like(unit_time)
+    for j in range(d - 1):
+        out_comm[j] = steps * np.array([cost.send_time(j, u + 1, rows) for u in range(len(cost.kinds))])
+    return unit_time, out_comm
+
+
+def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int, new_tokens: int) -> dict:
+    """The runtime's steady decode on these cuts: per stage, one group's step (compute and send).
+    A round (one token per sequence) takes `groups` steps of the slowest stage, but never less than
+    one group's round trip through every stage (sampling and the hop back, not in the profile, come
+    on top: with as many groups as stages that round trip is what binds once the stages balance)."""
+    d = len(cuts) - 1
+    rows = -(-batch // d)
+    groups = -(-batch // rows)
+    context = seq_len + new_tokens / 2
+    step = []
+    for j in range(d):
+        compute = float(np.sum(decode_unit_times(cost, j, rows, context)[cuts[j]:cuts[j + 1]]))
+        step.append(compute + (cost.send_time(j, cuts[j + 1], rows) if j < d - 1 else 0.0))
+    round_s = max(groups * max(step), sum(step), 1e-12)
+    return {"new_tokens": new_tokens, "rows_per_group": rows, "groups": groups, "context": context,
+            "stage_step_s": step, "round_s": round_s, "tokens_per_s": batch / round_s}
+
+
+def objective_seconds(result: "PlanResult") -> float:
+    """The predicted time of what the plan balances: the prefill makespan, the decode of every
+    sequence's new tokens, or both."""
+    pr = result.plan.predicted
+    objective = pr.get("objective", "prefill")
+    decode = pr["batch"] * pr["decode"]["new_tokens"] / pr["decode"]["tokens_per_s"] if objective != "prefill" else 0.0
+    return decode + (pr["makespan_s"] if objective != "decode" else 0.0)
+
+
 def predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> Timeline:
     """The simulated pipeline of one batch: every sequence's slices in order through the stages."""
     d = len(cuts) - 1
@@ -180,11 +248,21 @@ class PlanResult:
 def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
                       margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
-                      max_rounds: int = 6, overlap: bool = False) -> PlanResult:
+                      max_rounds: int = 6, overlap: bool = False, objective: str = "prefill",
+                      new_tokens: int = 128) -> PlanResult:
     """Cuts (Algorithm 1) and, unless `slicing` is given, token slices (Algorithm 2) from a profile,
     iterating partition <-> slicing until the simulated makespan stops improving. A stage's time for
     a slice is its compute plus its send (HPipe eq. 1), or with `overlap` the larger of the two (a
-    send that runs beside the next compute, as on GPUs with their own copy engines)."""
+    send that runs beside the next compute, as on GPUs with their own copy engines).
+
+    objective: what the cuts balance — "prefill" (the batch's prompt slices, HPipe), "decode"
+    (`new_tokens` decode steps of the runtime's decode groups, from the profile's decode tables:
+    the LM head weighs far more there) or "mixed" (the sum of both per stage: prefill slices and decode
+    steps sharing the micro-batches, as under continuous batching)."""
+    if objective not in OBJECTIVES:
+        raise HpipeError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if new_tokens < 1:
+        raise HpipeError(f"--new-tokens must be at least 1, got {new_tokens}")
     ctx = models.context_length(config)
     if not 1 <= seq_len <= ctx:
         raise HpipeError(f"--seq-len {seq_len}: must be between 1 and the model's context ({ctx} tokens)")
@@ -195,13 +273,20 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     if d > n_units:
         raise HpipeError(f"{d} devices but the model has only {n_units} units")
     cost = CostModel(profile, config, devices, profile_path)
-    unit_mem = memory.unit_memory(cost.bytes, seq_len * batch)
+    kv_tokens = (seq_len + (new_tokens if objective != "prefill" else 0)) * batch
+    unit_mem = memory.unit_memory(cost.bytes, kv_tokens)
+    decoding = decode_workload(cost, batch, seq_len, new_tokens) if objective != "prefill" else None
     names = [f"{h}/{dv}" for h, dv in devices]
 
     def partition(slices) -> Partition:
         act = memory.activation_bytes(cost.bytes, memory.microbatch_tokens(slices))
         device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act for e in cost.entries])
-        return partition_layers(*workload(cost, slices, batch), unit_mem, device_mem, names, overlap=overlap)
+        unit_time, out_comm = workload(cost, slices, batch)
+        if objective == "decode":
+            unit_time, out_comm = decoding
+        elif objective == "mixed":
+            unit_time, out_comm = unit_time + decoding[0], out_comm + decoding[1]
+        return partition_layers(unit_time, out_comm, unit_mem, device_mem, names, overlap=overlap)
 
     fixed = slicing is not None
     slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
@@ -225,13 +310,16 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "makespan_s": timeline.makespan, "throughput_tokens_per_s": seq_len * batch / timeline.makespan,
         "stage_busy_s": busy.tolist(), "utilization": (busy / timeline.makespan).tolist(),
         "partition_bottleneck_s": part.bottleneck, "overlap_sends": overlap,
-        "memory_bytes_per_stage": [memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), seq_len * batch,
+        "objective": objective,
+        "memory_bytes_per_stage": [memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), kv_tokens,
                                                        memory.microbatch_tokens(slices)).total for j in range(d)],
         "memory_free_bytes": [int(e["memory"]["free_bytes"]) for e in cost.entries],
         "uniform_makespan_s": predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
         "lower_bound_s": bound.makespan_s, "lower_bound": bound.as_dict(),
         "ratio_to_lower_bound": timeline.makespan / bound.makespan_s,
     }
+    if all(e.get("decode") for e in cost.entries):
+        predicted["decode"] = decode_prediction(cost, cuts, batch, seq_len, new_tokens)
     if not fixed:
         slicing = formats.Slicing(count=len(slices), granularity=granularity, by_seq_len={seq_len: tuple(slices)})
     identity = formats.ModelIdentity(name=model_name, family=config.model_type, units=n_units,

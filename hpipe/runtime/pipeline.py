@@ -180,6 +180,18 @@ def _forward(stage: Stage, work: Work, x: torch.Tensor) -> torch.Tensor:
     return stage.runner.forward(work.inputs, x)
 
 
+def _next_work(stage: Stage, ready: queue.Queue, errors: list) -> tuple[Work | None, float]:
+    """The compute thread's next micro-batch, prepared (here, without a CPU executor thread), or None
+    at the stop; and the time its wait for data starts."""
+    t = time.time()
+    work = _get(ready, errors)
+    if work is not None and not work.prepared:
+        stage.timeline.add("wait", t, time.time())
+        _prepare(stage, work)
+        t = time.time()
+    return work, t
+
+
 def _start_prepare(stage: Stage, source: queue.Queue, errors: list) -> queue.Queue:
     """TSEM: the CPU executor. Without TSEM the compute loop prepares inline (same queue)."""
     if not (stage.options.tsem and stage.options.prepare_thread):
@@ -283,13 +295,9 @@ def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result:
     pending = comm.Pending()
     wall0 = time.time()
     while True:
-        t = time.time()
-        work = _get(ready, errors)
+        work, t = _next_work(stage, ready, errors)
         if work is None:
             break
-        if not work.prepared:
-            _prepare(stage, work)
-            t = time.time()
         ids = driver.input_ids(work.mb)
         stage.timeline.add("wait", t, time.time())
         t = time.time()
@@ -411,12 +419,9 @@ def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None
     sampling = Sampling(stage, sample, rows_of, pool, errors) if stage.is_last else None
     pending = comm.Pending()
     while True:
-        t = time.time()
-        work = _get(ready, errors)
+        work, t = _next_work(stage, ready, errors)
         if work is None:
             break
-        if not work.prepared:
-            _prepare(stage, work)
         if work.unreceived:
             work.recv = comm.post_recv_hidden(stage.groups, stage.rank - 1, work.hidden)
         if work.recv is not None:

@@ -1,0 +1,74 @@
+"""`hpipe plan --objective decode|mixed`: cuts that balance the decode steps the runtime will run
+(from the profile's decode tables), checked against every possible cut."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpipe import formats, models
+from hpipe.planner import decode_prediction, objective_seconds, plan_from_profile
+
+PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1thread-quick.json"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    profile = formats.load_profile(str(PROFILE))
+    config = models.load_config(models.resolve_model("smollm2").path)
+    devices = [(d["host"], d["device"]) for d in profile["devices"]] * 2
+    return profile, config, devices
+
+
+def plan(setup, objective: str, seq_len: int = 256, batch: int = 8, new_tokens: int = 64):
+    profile, config, devices = setup
+    return plan_from_profile(profile, str(PROFILE), "smollm2", config, devices, seq_len, batch,
+                             objective=objective, new_tokens=new_tokens)
+
+
+def test_decode_objective_is_the_best_cut_for_decode(setup):
+    profile, config, devices = setup
+    result = plan(setup, "decode")
+    n_units = models.num_units(config)
+    steps = {c: max(decode_prediction(result.cost, [0, c, n_units], 8, 256, 64)["stage_step_s"])
+             for c in range(1, n_units)}
+    assert max(result.plan.predicted["decode"]["stage_step_s"]) <= min(steps.values()) * (1 + 1e-9)
+    # the LM head weighs more in a decode step than in a prompt slice: the decode cut leaves the
+    # last stage fewer units than the prefill cut does
+    prefill = plan(setup, "prefill")
+    assert result.cuts[1] > prefill.cuts[1]
+    assert result.plan.predicted["decode"]["tokens_per_s"] > prefill.plan.predicted["decode"]["tokens_per_s"]
+
+
+def test_mixed_objective_balances_the_sum_of_both(setup):
+    """mixed: prefill slices and decode steps share the stages (as under continuous batching), so
+    the cuts minimise the largest per-stage sum of both, checked against every cut."""
+    from hpipe.planner import decode_workload, workload
+    from hpipe.planner.partition import stage_time
+
+    profile, config, devices = setup
+    result = plan(setup, "mixed")
+    pre_t, pre_c = workload(result.cost, result.slices, 8)
+    dec_t, dec_c = decode_workload(result.cost, 8, 256, 64)
+    unit_time, out_comm = pre_t + dec_t, pre_c + dec_c
+    n_units = models.num_units(config)
+
+    def bottleneck(c):
+        return max(stage_time(unit_time, out_comm, 0, 0, c), stage_time(unit_time, out_comm, 1, c, n_units))
+
+    best = min(bottleneck(c) for c in range(1, n_units))
+    assert bottleneck(result.cuts[1]) <= best * (1 + 1e-9)
+    assert result.plan.predicted["objective"] == "mixed"
+    cuts = {o: plan(setup, o).cuts[1] for o in ("prefill", "decode")}
+    assert cuts["prefill"] <= result.cuts[1] <= cuts["decode"]
+    assert objective_seconds(result) > 0
+
+
+def test_objective_needs_a_profile_and_a_known_name(setup, tmp_path):
+    from hpipe.cli import main
+
+    assert main(["plan", "--model", "smollm2", "--stages", "2", "--objective", "decode", "-o",
+                 str(tmp_path / "p.json")]) == 2
+    with pytest.raises(formats.HpipeError, match="--objective 'speed'"):
+        plan(setup, "speed")
