@@ -35,10 +35,10 @@ from hpipe.reports import emit
 from hpipe.runtime import comm
 from hpipe.runtime.kv import Segment, microbatch_kind
 from hpipe.runtime.scheduler import MicroBatch, Scheduler
+from hpipe.runtime.static_decode import VERSIONS   # one number of input versions for both paths
 
 __all__ = ["Options", "Timeline", "run_first_stage", "run_later_stage"]
 
-VERSIONS = 2
 
 
 @dataclass(frozen=True)
