@@ -49,12 +49,12 @@ def main() -> None:
     runner = StageRunner(source.path, config, range(models.num_units(config)), "cpu", "float32", "sdpa")
     # torch.compile cannot trace inference tensors: the whole probe runs under no_grad instead
     runner.forward = types.MethodType(StageRunner.forward.__wrapped__, runner)
-    runner.kv.reserve(2, 512)
+    runner.kv.allocate(64)
     weight_bytes = sum(models.unit_bytes(config, "float32")["weights_per_unit"][1:])
     report: dict = {"threads": args.threads, "weight_mb": round(weight_bytes / 1e6, 1)}
     with torch.no_grad():
         runner.forward(runner.prepare_inputs([Segment(0, 0, 0, 256, True, True)]), torch.arange(3, 259))
-        static = StaticDecode(runner, 1, graphs=False)
+        static = StaticDecode(runner, 1, graphs=False, max_len=512)
 
         def dynamic(k):
             return runner.forward(runner.prepare_inputs([Segment(0, 0, 256 + k, 1, True)]), torch.tensor([5 + k]))

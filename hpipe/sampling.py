@@ -334,12 +334,26 @@ class RequestSampler:
     ended (a decode step the asynchronous runtime committed before the stop was known) gets id 0
     and touches no state."""
 
-    def __init__(self, requests: dict[int, Request], vocab_size: int, max_batch: int, layout: str | None = None):
+    def __init__(self, requests: dict[int, Request], vocab_size: int, max_batch: int, layout: str | None = None,
+                 max_len: int | None = None):
+        """max_len: the most tokens a request may generate (default: the longest of `requests`);
+        serving passes the model's context, as requests join later (`admit`)."""
         self.requests = requests    # index -> Request
-        max_len = max((r.max_new_tokens for r in requests.values()), default=1)
+        max_len = max_len or max((r.max_new_tokens for r in requests.values()), default=1)
         self.cpu = CPUSampler(vocab_size, max_batch, max_len, layout=layout)
         self.counts: dict[int, int] = {}
         self.finished: set[int] = set()
+
+    def admit(self, request: Request) -> None:
+        self.requests[request.index] = request
+
+    def release(self, seq: int) -> None:
+        """An aborted request: its state goes now; rows of it still to come get id 0."""
+        if seq in self.counts:
+            self.cpu.remove(seq)
+            del self.counts[seq]
+        self.finished.add(seq)
+        self.requests.pop(seq, None)
 
     def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
         live = [i for i, s in enumerate(seqs) if s not in self.finished]

@@ -113,10 +113,10 @@ def test_war_hazard_writing_one_version_while_the_other_replays(tiny_models):
 
     def decode_all(static: bool) -> list[torch.Tensor]:
         runner = StageRunner(path, config, range(n_units), device="cuda")
-        runner.kv.reserve(len(prompts) + 1, 64)
+        runner.kv.allocate(64)      # pages for every sequence: never grown (the graphs bind the pool)
         for slot, p in enumerate(prompts):        # prefill, eager
             runner.forward(runner.prepare_inputs([Segment(slot, slot, 0, len(p), True, True)]), torch.tensor(p))
-        sd = StaticDecode(runner, len(prompts), graphs=True) if static else None
+        sd = StaticDecode(runner, len(prompts), graphs=True, max_len=64) if static else None
         if sd is not None:
             assert sd.capture() > 0
         outs = []

@@ -38,13 +38,14 @@ def random_plans(draw, n_units: int):
     return [0, *cuts, n_units], slicing, prompts, max_batch
 
 
-def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa", static_decode=False):
+def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa", static_decode=False,
+                            policy=None, pages=None, page_size=16):
     config = models.load_config(path)
     runners = [StageRunner(path, config, range(a, b), attn_implementation=attn) for a, b in zip(bounds, bounds[1:])]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=NEW_TOKENS, eos_ids=frozenset([EOS]))
                 for i, p in enumerate(prompts)]
     results = run_inprocess(runners, requests, slicing.slices_for, max_batch=max_batch, keep_logits=True,
-                            static_decode=static_decode)
+                            static_decode=static_decode, policy=policy, pages=pages, page_size=page_size)
     assert set(results) == {r.id for r in requests}
     for r in requests:
         got = results[r.id]
@@ -77,6 +78,26 @@ def test_static_decode_matches_transformers(family, tiny_models, reference_model
     path = tiny_models[family]
     bounds, slicing, prompts, max_batch = data.draw(random_plans(models.num_units(models.load_config(path))))
     check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch, static_decode=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(data=st.data())
+def test_policies_and_a_small_kv_pool_match_transformers(family, tiny_models, reference_models, data):
+    """Continuous batching under either policy, with a KV pool from one sequence's worth up:
+    sequences are preempted and recomputed, and every token and logit is still transformers'."""
+    from hpipe.runtime.scheduler import Policy
+    path = tiny_models[family]
+    bounds, slicing, prompts, max_batch = data.draw(random_plans(models.num_units(models.load_config(path))))
+    page_size = data.draw(st.sampled_from([1, 4, 16]))
+    budget = data.draw(st.integers(1, 64))
+    policy = Policy(data.draw(st.sampled_from(["throttle", "sarathi"])), min_prefill=1, max_prefill=budget,
+                    budget=budget)
+    longest = max(len(p) for p in prompts) + NEW_TOKENS
+    pages = -(-longest // page_size) + 1 + data.draw(st.integers(0, 3))
+    check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch, policy=policy,
+                            pages=pages, page_size=page_size, static_decode=data.draw(st.booleans()))
 
 
 def test_static_decode_crosses_the_sliding_window(tiny_models, reference_models):

@@ -109,3 +109,80 @@ def test_a_one_token_last_slice_is_prefill_on_every_stage():
     sched.on_sampled(second.id, [7])
     decode = sched.next_microbatch()
     assert decode.kind == "decode" and decode.tokens == [7]
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=8), n_stages=st.integers(1, 4),
+       max_batch=st.integers(1, 6), new_tokens=st.integers(1, 20), slice_len=st.integers(1, 25),
+       policy=st.sampled_from(["throttle", "sarathi"]), page_size=st.sampled_from([1, 4, 16]),
+       spare_pages=st.integers(0, 12), budget=st.integers(1, 40), lookahead=st.booleans(),
+       aborts=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 30)), max_size=3))
+def test_paged_policies_preempt_and_abort(lengths, n_stages, max_batch, new_tokens, slice_len, policy, page_size,
+                                          spare_pages, budget, lookahead, aborts):
+    """Any policy, a KV pool from barely one sequence up, requests aborted at random moments: every
+    sampling step reads a cache that holds exactly the sequence's true tokens (a preempted sequence
+    is recomputed), sequences never share a page, and every request ends with the tokens an
+    unpaged run would give."""
+    from hpipe.runtime.scheduler import Policy
+    requests = [Request(i, f"r{i}", tuple(range(1, n + 1)), max_new_tokens=new_tokens) for i, n in enumerate(lengths)]
+    longest = max(n + new_tokens for n in lengths)
+    pages = math.ceil(longest / page_size) + 1 + spare_pages
+    pol = Policy(policy, min_prefill=1, max_prefill=max(1, budget), budget=budget)
+    sched = Scheduler(requests, Slicing(lengths=(slice_len,) * 3).slices_for, n_stages, max_batch,
+                      lookahead=lookahead, policy=pol, pages=pages, page_size=page_size)
+    pipe: deque = deque()
+    committed: deque = deque()
+    cache: dict[int, dict[int, int]] = {}
+    produced: dict[int, list[int]] = {r.index: [] for r in requests}
+    finished: dict[int, object] = {}
+    aborted: set[int] = set()
+    step = 0
+    while not sched.done:
+        step += 1
+        assert step < 20000, "no progress"
+        for seq, at in aborts:
+            if at == step and seq < len(requests) and seq not in finished:
+                if sched.abort(seq) is not None:
+                    aborted.add(seq)
+                    finished[seq] = None
+        owned = [p for a in sched.active for p in a.pages]
+        assert len(owned) == len(set(owned)) and 0 not in owned and len(owned) + len(sched.pool.free) == pages - 1
+        mb = sched.next_microbatch()
+        if mb is not None:
+            assert sum(s.length for s in mb.segments) <= sched.max_tokens
+            for seg in mb.segments:
+                assert len(seg.pages) >= math.ceil(seg.end / page_size) and 0 not in seg.pages
+            committed.append(mb)
+            continue
+        if committed and (tokens := sched.input_ids(committed[0])) is not None:
+            mb = committed.popleft()
+            offset = 0
+            for seg in mb.segments:
+                if seg.seq not in finished:
+                    row = cache.setdefault(seg.seq, {})
+                    for k in range(seg.length):
+                        row[seg.start + k] = tokens[offset + k]
+                    if seg.sample:   # what attention reads is the sequence's true prefix
+                        true = list(requests[seg.seq].input_ids) + produced[seg.seq]
+                        assert [row[p] for p in range(seg.end)] == true[:seg.end]
+                offset += seg.length
+            pipe.append(mb)
+            continue
+        if sched.done:
+            break
+        assert pipe, "the scheduler stalled with nothing in flight"
+        done_mb = pipe.popleft()
+        ids = []
+        for seg in done_mb.segments:
+            if seg.sample:
+                ids.append(token_for(seg.seq, len(produced[seg.seq])) or 1)
+                if seg.seq not in finished:
+                    produced[seg.seq].append(ids[-1])
+        for state in sched.on_sampled(done_mb.id, ids):
+            finished[state.request.index] = state
+    for r in requests:
+        if r.index in aborted:
+            continue
+        assert finished[r.index].output == produced[r.index]
+        assert produced[r.index] == [token_for(r.index, k) or 1 for k in range(new_tokens)]
+    assert len(sched.pool.free) == pages - 1

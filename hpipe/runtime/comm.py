@@ -2,8 +2,10 @@
 
 Three streams, each FIFO (torch.distributed matches messages by source and tag, in order):
 - the schedule (tag 2, the control plane): stage 0's scheduler publishes every micro-batch to every
-  other stage as soon as it is decided, in one fixed-size message (op, micro-batch id, segments),
-  ahead of the data;
+  other stage as soon as it is decided, in one fixed-size message (op, micro-batch id, segments and
+  the KV pages they add), ahead of the data; when serving, the same stream carries to the last stage
+  the requests that join (their sampling parameters) and those that were aborted, each before the
+  first schedule that needs it;
 - the hop, stage j -> j+1 (tag 0): the hidden states;
 - back, last stage -> stage 0 (tag 1): the sampled ids.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import threading
 from dataclasses import dataclass, field
 
@@ -30,11 +33,12 @@ import torch.distributed as dist
 
 from hpipe.errors import HpipeError
 from hpipe.net import choose_gloo_interface
-from hpipe.runtime.kv import Segment
+from hpipe.request import Request
+from hpipe.runtime.kv import PageTable, Segment, pages_needed
 
-OP_WORK, OP_STOP, OP_TOKENS = 1, 2, 3
+OP_WORK, OP_STOP, OP_TOKENS, OP_ADMIT, OP_RELEASE = 1, 2, 3, 4, 5
 HEADER_LEN = 8
-SEGMENT_FIELDS = 6
+SEGMENT_FIELDS = 7
 TAG_FORWARD, TAG_BACK, TAG_SCHEDULE = 0, 1, 2
 
 
@@ -145,45 +149,97 @@ class Pending:
         self.tensors.clear()
 
 
-def encode_segments(segments: list[Segment]) -> torch.Tensor:
-    return torch.tensor([[s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill)] for s in segments],
-                        dtype=torch.long).reshape(-1, SEGMENT_FIELDS)
+def added_pages(seg: Segment, page_size: int) -> tuple[int, ...]:
+    """What a segment adds to its sequence's page table: the pages past those holding [0, start)."""
+    return seg.pages[pages_needed(seg.start, page_size):]
 
 
-def decode_segments(rows: list[list[int]]) -> list[Segment]:
-    return [Segment(seq, slot, start, length, bool(sample), bool(prefill))
-            for seq, slot, start, length, sample, prefill in rows]
+def encode_segments(segments: list[Segment], page_size: int) -> tuple[torch.Tensor, int]:
+    """Segments as rows of SEGMENT_FIELDS, then the pages each adds, in one flat tensor; and the
+    number of pages."""
+    added = [added_pages(s, page_size) for s in segments]
+    rows = [[s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), len(a)] for s, a in zip(segments, added)]
+    pages = [p for a in added for p in a]
+    return torch.tensor([v for row in rows for v in row] + pages, dtype=torch.long), len(pages)
+
+
+def decode_segments(flat: list[int], n: int, table: PageTable) -> list[Segment]:
+    """The inverse of `encode_segments`, each segment's whole page list rebuilt by the stage's
+    page table (in the schedule's order)."""
+    out, at = [], SEGMENT_FIELDS * n
+    for i in range(n):
+        seq, slot, start, length, sample, prefill, k = flat[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
+        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill))
+        out.append(table.resolve(seg, flat[at:at + k]) if k or start else seg)
+        at += k
+    return out
 
 
 # ------------------------------------------------------------------ the control plane (schedule)
-def schedule_len(max_segments: int) -> int:
-    return HEADER_LEN + SEGMENT_FIELDS * max_segments
+def schedule_len(max_segments: int, max_pages: int) -> int:
+    return HEADER_LEN + SEGMENT_FIELDS * max_segments + max_pages
+
+
+def schedule_pages(max_tokens: int, max_segments: int, page_size: int) -> int:
+    """The most pages one micro-batch can add: each segment adds at most ceil(length / size) + 1."""
+    return max_tokens // page_size + 2 * max_segments
 
 
 def publish_schedule(groups: Groups, world: int, mb_id: int, segments: list[Segment] | None,
-                     max_segments: int, pending: Pending) -> None:
-    """Stage 0: one fixed-size message per stage: [op, id, n segments, tokens, ...] + segments.
-    segments None publishes the stop."""
-    msg = torch.zeros(schedule_len(max_segments), dtype=torch.long)
+                     max_segments: int, max_pages: int, page_size: int, pending: Pending) -> None:
+    """Stage 0: one fixed-size message per stage: [op, id, n segments, tokens, n pages, ...] +
+    segments + the pages they add. segments None publishes the stop."""
+    msg = torch.zeros(schedule_len(max_segments, max_pages), dtype=torch.long)
     if segments is None:
         msg[0] = OP_STOP
     else:
         if len(segments) > max_segments:
             raise ValueError(f"{len(segments)} segments, the schedule holds {max_segments}")
-        msg[:4] = torch.tensor([OP_WORK, mb_id, len(segments), sum(s.length for s in segments)])
-        msg[HEADER_LEN:HEADER_LEN + SEGMENT_FIELDS * len(segments)] = encode_segments(segments).flatten()
+        body, n_pages = encode_segments(segments, page_size)
+        if n_pages > max_pages:
+            raise ValueError(f"{n_pages} new KV pages, the schedule holds {max_pages}")
+        msg[:5] = torch.tensor([OP_WORK, mb_id, len(segments), sum(s.length for s in segments), n_pages])
+        msg[HEADER_LEN:HEADER_LEN + len(body)] = body
     for dst in range(1, world):
         pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
 
 
-def recv_schedule(groups: Groups, max_segments: int) -> tuple[int, list[Segment] | None]:
-    """Stages 1..N-1: the next micro-batch's (id, segments), or (-1, None) at the stop."""
-    msg = torch.empty(schedule_len(max_segments), dtype=torch.long)
-    dist.recv(msg, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
-    op, mb_id, n = msg[:3].tolist()
-    if op == OP_STOP:
-        return -1, None
-    return mb_id, decode_segments(msg[HEADER_LEN:HEADER_LEN + SEGMENT_FIELDS * n].view(n, SEGMENT_FIELDS).tolist())
+def publish_admit(groups: Groups, dst: int, request: Request, max_segments: int, max_pages: int,
+                  pending: Pending) -> None:
+    """Serving: a request that joins, for the last stage's sampler (its parameters, seed, limits)."""
+    payload = torch.tensor(list(json.dumps(request.to_json()).encode()), dtype=torch.uint8)
+    msg = torch.zeros(schedule_len(max_segments, max_pages), dtype=torch.long)
+    msg[:2] = torch.tensor([OP_ADMIT, len(payload)])
+    pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
+    pending.add(groups.isend(payload, dst, TAG_SCHEDULE, "schedule"), payload)
+
+
+def publish_release(groups: Groups, dst: int, seq: int, max_segments: int, max_pages: int, pending: Pending) -> None:
+    """Serving: a request that was aborted (its sampler state goes)."""
+    msg = torch.zeros(schedule_len(max_segments, max_pages), dtype=torch.long)
+    msg[:2] = torch.tensor([OP_RELEASE, seq])
+    pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
+
+
+def recv_schedule(groups: Groups, max_segments: int, max_pages: int, table: PageTable,
+                  events: list | None = None) -> tuple[int, list[Segment] | None]:
+    """Stages 1..N-1: the next micro-batch's (id, segments), or (-1, None) at the stop. Requests
+    that join or leave before it are appended to `events` as ("admit", Request) / ("release", seq)."""
+    msg = torch.empty(schedule_len(max_segments, max_pages), dtype=torch.long)
+    while True:
+        dist.recv(msg, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
+        op, mb_id, n, _, n_pages = msg[:5].tolist()
+        if op == OP_ADMIT:
+            payload = torch.empty(mb_id, dtype=torch.uint8)
+            dist.recv(payload, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
+            events.append(("admit", Request.from_json(json.loads(bytes(payload.tolist()).decode()))))
+            continue
+        if op == OP_RELEASE:
+            events.append(("release", mb_id))
+            continue
+        if op == OP_STOP:
+            return -1, None
+        return mb_id, decode_segments(msg[HEADER_LEN:HEADER_LEN + SEGMENT_FIELDS * n + n_pages].tolist(), n, table)
 
 
 # ------------------------------------------------------------------ the hop (hidden states)
@@ -200,11 +256,12 @@ def post_recv_hidden(groups: Groups, src: int, buffer: torch.Tensor):
 
 
 def isend_work(groups: Groups, dst: int, mb_id: int, segments: list[Segment], hidden: torch.Tensor | None,
-               pending: Pending) -> None:
-    """Without SAT: header, segments, hidden states."""
+               page_size: int, pending: Pending) -> None:
+    """Without SAT: header, segments (and the pages they add), hidden states."""
     n_tokens = 0 if hidden is None else hidden.shape[0]
-    header = torch.tensor([OP_WORK, mb_id, len(segments), n_tokens] + [0] * (HEADER_LEN - 4), dtype=torch.long)
-    segs = encode_segments(segments)
+    segs, n_pages = encode_segments(segments, page_size)
+    header = torch.tensor([OP_WORK, mb_id, len(segments), n_tokens, n_pages] + [0] * (HEADER_LEN - 5),
+                          dtype=torch.long)
     pending.add(groups.isend(header, dst, TAG_FORWARD, "meta"), header)
     pending.add(groups.isend(segs, dst, TAG_FORWARD, "meta"), segs)
     if hidden is not None:
@@ -216,21 +273,22 @@ def send_stop(groups: Groups, dst: int, tag: int = TAG_FORWARD) -> None:
     groups.isend(header, dst, tag, "meta").wait()
 
 
-def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype, receive_hidden: bool = True):
+def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype, table: PageTable,
+              receive_hidden: bool = True):
     """Without SAT: (id, segments, hidden states), or (-1, None, None) at the stop. With
     receive_hidden False the hidden states' buffer comes back empty, for the caller to receive into
     (NCCL: every NCCL call of a stage stays on its compute thread)."""
     header = torch.empty(HEADER_LEN, dtype=torch.long)
     dist.recv(header, src, group=groups.ctrl, tag=TAG_FORWARD)
-    op, mb_id, n_segs, n_tokens = header[:4].tolist()
+    op, mb_id, n_segs, n_tokens, n_pages = header[:5].tolist()
     if op == OP_STOP:
         return -1, None, None
-    segs = torch.empty((n_segs, SEGMENT_FIELDS), dtype=torch.long)
+    segs = torch.empty(n_segs * SEGMENT_FIELDS + n_pages, dtype=torch.long)
     dist.recv(segs, src, group=groups.ctrl, tag=TAG_FORWARD)
     hidden = torch.empty((n_tokens, hidden_size), dtype=dtype, device=groups.data_device)
     if receive_hidden:
         dist.recv(hidden, src, group=groups.data, tag=TAG_FORWARD)
-    return mb_id, decode_segments(segs.tolist()), hidden
+    return mb_id, decode_segments(segs.tolist(), n_segs, table), hidden
 
 
 # ------------------------------------------------------------------ back (sampled ids)

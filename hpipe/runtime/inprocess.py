@@ -9,7 +9,8 @@ from collections.abc import Callable
 import torch
 
 from hpipe.request import Request
-from hpipe.runtime.scheduler import Scheduler
+from hpipe.runtime.kv import PAGE_SIZE
+from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.stage import StageRunner
 from hpipe.runtime.static_decode import StaticDecode
 from hpipe.sampling import RequestSampler
@@ -17,22 +18,26 @@ from hpipe.sampling import RequestSampler
 
 def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
                   max_batch: int = 16, n_stages: int | None = None, keep_logits: bool = False,
-                  static_decode: bool = False, cuda_graphs: bool = False) -> dict:
+                  static_decode: bool = False, cuda_graphs: bool = False, policy: Policy | None = None,
+                  pages: int | None = None, page_size: int = PAGE_SIZE) -> dict:
     """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}. static_decode:
-    decode micro-batches take the static-shape path (CUDA graphs on CUDA with cuda_graphs)."""
+    decode micro-batches take the static-shape path (CUDA graphs on CUDA with cuda_graphs). pages:
+    the KV pool (None: room for max_batch of the longest request)."""
     ids = {r.index: r.id for r in requests}
+    sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch, policy=policy, pages=pages,
+                      page_size=page_size)
+    for runner in runners:     # every stage holds the pool the scheduler hands out
+        runner.kv.page_size = page_size
+        runner.kv.allocate(sched.pool.pages)
     statics: list[StaticDecode | None] = [None] * len(runners)
     if static_decode:
-        for runner in runners:   # sized once, with the padded rows' scratch slot
-            runner.kv.reserve(min(max_batch, len(requests)) + 1, max(len(r.input_ids) + r.max_new_tokens
-                                                                       for r in requests))
-        statics = [StaticDecode(runner, max_batch, cuda_graphs) for runner in runners]
+        longest = max(len(r.input_ids) + r.max_new_tokens for r in requests)
+        statics = [StaticDecode(runner, max_batch, cuda_graphs, longest) for runner in runners]
         for runner, static in zip(runners, statics):
             static.capture()
             runner.kv.frozen = True
     vocab = runners[-1].config.vocab_size
     sampler = RequestSampler({r.index: r for r in requests}, vocab, len(requests))
-    sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch)
     logits: dict[int, list] = {}
     out: dict[str, dict] = {}
     while not sched.done:

@@ -1,13 +1,21 @@
-"""The KV cache of one stage.
+"""The KV cache of one stage: fixed-size pages from one pool (gLLM §3.3, vLLM's paged attention).
 
-Storage, per attention layer: one tensor [slots, capacity, kv_heads, head_dim] for keys and one
-for values, grown by doubling (position-major, so that writing a micro-batch's new keys is one
-indexed copy per layer whatever its size). A sequence owns a slot while it runs; a new sequence in a reused
-slot simply overwrites from position 0, since a micro-batch only ever reads a sequence's keys up
-to its own end.
+Storage, per attention layer: one tensor [pages, page_size, kv_heads, head_dim] for keys and one for
+values. Token position p of a sequence lives in page `pages[p // page_size]` at row p % page_size, so
+a flat index `page * page_size + row` addresses it in the layer's [pages * page_size, ...] view:
+writing a micro-batch's new keys is one `index_copy_` per layer, reading a sequence's context one
+`index_select`. Page 0 is the scratch page: never handed out, it takes the writes of padded rows (the
+static decode path) and stands in for positions a row does not have (masked).
+
+Who owns which page is decided in one place. In the pipeline, stage 0's scheduler allocates pages
+from the pool (`PagePool`), and every segment of a micro-batch carries the pages of its sequence
+(`Segment.pages`); the schedule sends only the pages a segment adds and every other stage rebuilds
+the whole list with its `PageTable` (indexed by the sequence's slot), in the schedule's order. A
+segment without pages (profiling, benchmarks, unit tests) uses the store's own table per slot, grown
+on demand, which gives the old one-slot-per-sequence behaviour.
 
 `BatchCache` is what transformers' attention modules see as `past_key_values` for one micro-batch:
-its `update(keys, values, layer_idx)` writes the new keys of every segment into their slots and
+its `update(keys, values, layer_idx)` writes the new keys of every segment into their pages and
 returns the keys and values attention must read, in the micro-batch's layout:
 - "rows": every segment has the same length L (a decode step, or one prefill slice); hidden states
   are [n, L, H] and keys come back as [n, kv_heads, K, d] (K = longest context in the batch);
@@ -18,9 +26,13 @@ The attention mask built by `hpipe.runtime.stage.prepare_inputs` matches that la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+PAGE_SIZE = 16           # tokens per page: vLLM's default block size
+SCRATCH_PAGE = 0
 
 
 @dataclass(frozen=True)
@@ -28,15 +40,20 @@ class Segment:
     """Tokens [start, start + length) of one sequence, processed in one micro-batch."""
 
     seq: int      # request index (stable over the run)
-    slot: int     # KV-cache slot the sequence owns
+    slot: int     # the sequence's row in every stage's page table (reused once it ends)
     start: int    # tokens of this sequence already in the cache = position of the first token
     length: int
     sample: bool  # the segment ends at a position whose next token is sampled
     prefill: bool = False  # its tokens are the prompt's (else: tokens the pipeline generated)
+    pages: tuple[int, ...] = ()   # the KV pages of positions [0, end) (empty: the store's own per slot)
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+
+def pages_needed(tokens: int, page_size: int) -> int:
+    return math.ceil(tokens / page_size)
 
 
 def microbatch_kind(segments: list[Segment]) -> str:
@@ -52,44 +69,107 @@ def layout_of(segments: list[Segment]) -> str:
     return "rows" if len({s.length for s in segments}) == 1 else "packed"
 
 
+class PagePool:
+    """Stage 0's allocator: which pages are free (page 0, the scratch page, never is)."""
+
+    def __init__(self, pages: int, page_size: int = PAGE_SIZE):
+        if pages < 2:
+            raise ValueError(f"a KV pool needs at least 2 pages (one is scratch), got {pages}")
+        self.pages, self.page_size = pages, page_size
+        self.free = list(range(pages - 1, 0, -1))
+
+    @property
+    def usable(self) -> int:
+        return self.pages - 1
+
+    @property
+    def free_rate(self) -> float:
+        return len(self.free) / self.usable
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.pop() for _ in range(n)]
+
+    def give_back(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+
+
+class PageTable:
+    """Every stage but the first: the pages of each slot, rebuilt from what the schedule adds."""
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.rows: dict[int, list[int]] = {}
+
+    def added(self, seg: Segment) -> tuple[int, ...]:
+        """What stage 0 sends for a segment: the pages past those that hold [0, start)."""
+        return seg.pages[pages_needed(seg.start, self.page_size):]
+
+    def resolve(self, seg: Segment, added: list[int]) -> Segment:
+        keep = pages_needed(seg.start, self.page_size)
+        row = self.rows.get(seg.slot, [])[:keep] + list(added)
+        self.rows[seg.slot] = row
+        return Segment(seg.seq, seg.slot, seg.start, seg.length, seg.sample, seg.prefill, tuple(row))
+
+
 class KVStore:
-    def __init__(self, device: str | torch.device, dtype: torch.dtype, slots: int = 4, capacity: int = 256):
+    def __init__(self, device: str | torch.device, dtype: torch.dtype, page_size: int = PAGE_SIZE, pages: int = 64):
         self.device = torch.device(device)
         self.dtype = dtype
-        self.slots = slots
-        self.capacity = capacity
+        self.page_size = page_size
+        self.pages = pages
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.own: dict[int, list[int]] = {}      # slot -> pages, for segments that carry none
+        self.own_next = 1                        # the next page the own tables take (page 0 is scratch)
         self.frozen = False      # set once the run's clock starts: never grown (nor moved) after that
 
-    def reserve(self, slots: int, capacity: int) -> None:
-        """Makes room for slot indices < slots and positions < capacity in every layer."""
-        new_slots, new_cap = self.slots, self.capacity
-        while new_slots < slots:
-            new_slots *= 2
-        while new_cap < capacity:
-            new_cap *= 2
-        if (new_slots, new_cap) == (self.slots, self.capacity):
+    def allocate(self, pages: int) -> None:
+        """Sizes the pool to `pages` pages in every layer (before the run: layers that exist are moved)."""
+        if pages == self.pages:
             return
         if self.frozen:
-            raise RuntimeError(f"the KV cache was sized for {self.slots} slots x {self.capacity} positions before the "
-                               f"run; a micro-batch needs {slots} x {capacity}")
+            raise RuntimeError(f"the KV pool was sized to {self.pages} pages before the run; asked for {pages}")
         for store in (self.keys, self.values):
             for layer, old in store.items():
-                grown = old.new_zeros((new_slots, new_cap, old.shape[2], old.shape[3]))
-                grown[: old.shape[0], : old.shape[1]] = old
-                store[layer] = grown
-        self.slots, self.capacity = new_slots, new_cap
+                new = old.new_zeros((pages, *old.shape[1:]))
+                n = min(pages, old.shape[0])
+                new[:n] = old[:n]
+                store[layer] = new
+        self.pages = pages
+
+    def pages_of(self, seg: Segment) -> list[int] | tuple[int, ...]:
+        if seg.pages:
+            return seg.pages
+        row = self.own.setdefault(seg.slot, [])
+        need = pages_needed(seg.end, self.page_size)
+        if len(row) < need:
+            extra = need - len(row)
+            if self.own_next + extra > self.pages:
+                size = self.pages
+                while self.own_next + extra > size:
+                    size *= 2
+                self.allocate(size)
+            row.extend(range(self.own_next, self.own_next + extra))
+            self.own_next += extra
+        return row
 
     def _layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
-            shape = (self.slots, self.capacity, like.shape[1], like.shape[3])
+            shape = (self.pages, self.page_size, like.shape[1], like.shape[3])
             self.keys[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.values[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self.keys[layer], self.values[layer]
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())
+
+
+def flat_positions(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[..., n_pages] page numbers -> [..., n_pages * page_size] flat row indices, in position order."""
+    rows = pages[..., None] * page_size + torch.arange(page_size, device=pages.device)
+    return rows.flatten(-2)
 
 
 class BatchCache:
@@ -99,38 +179,34 @@ class BatchCache:
         self.store = store
         self.segments = segments
         self.layout = layout_of(segments)
-        store.reserve(max(s.slot for s in segments) + 1, max(s.end for s in segments))
-        dev = store.device
+        P, dev = store.page_size, store.device
+        tables = [list(store.pages_of(s)) for s in segments]
         self._max_end = max(s.end for s in segments)
-        slots = [s.slot for s in segments]
-        # rows whose slots are consecutive are read as a view, without a gather
-        self._slot_range = (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) \
-            else None
-        self._slots = torch.tensor(slots, device=dev)
+        width = pages_needed(self._max_end, P)
+        padded = torch.tensor([t[:width] + [SCRATCH_PAGE] * (width - len(t[:width])) for t in tables],
+                              dtype=torch.long, device=dev)
+        flat = flat_positions(padded, P)                                   # [n, width * P]
         if self.layout == "rows":
             length = segments[0].length
-            self._write_slots = self._slots[:, None].expand(len(segments), length)
-            self._write_pos = torch.tensor([s.start for s in segments], device=dev)[:, None] + \
-                torch.arange(length, device=dev)[None, :]
+            pos = torch.tensor([s.start for s in segments], device=dev)[:, None] + torch.arange(length, device=dev)
+            self._write = flat.gather(1, pos).flatten()                    # row-major, as the keys come
+            self._read = flat[:, : self._max_end].flatten()
         else:
-            self._write_slots = torch.cat([torch.full((s.length,), s.slot, device=dev) for s in segments])[None]
-            self._write_pos = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments])[None]
+            self._write = torch.cat([flat[i, s.start:s.end] for i, s in enumerate(segments)])
+            self._read = torch.cat([flat[i, : s.end] for i, s in enumerate(segments)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, kv_heads, tokens, head_dim] of the new tokens."""
         keys, values = self.store._layer(layer_idx, key_states)
-        keys[self._write_slots, self._write_pos] = key_states.transpose(1, 2)
-        values[self._write_slots, self._write_pos] = value_states.transpose(1, 2)
-        segs = self.segments
+        heads, d = keys.shape[2], keys.shape[3]
+        kf, vf = keys.view(-1, heads, d), values.view(-1, heads, d)
+        kf.index_copy_(0, self._write, key_states.transpose(1, 2).reshape(-1, heads, d))
+        vf.index_copy_(0, self._write, value_states.transpose(1, 2).reshape(-1, heads, d))
+        k, v = kf.index_select(0, self._read), vf.index_select(0, self._read)
         if self.layout == "rows":
-            if self._slot_range is not None:
-                a, b = self._slot_range
-                k, v = keys[a:b, : self._max_end], values[a:b, : self._max_end]
-            else:
-                k, v = keys[self._slots, : self._max_end], values[self._slots, : self._max_end]
-            return k.transpose(1, 2), v.transpose(1, 2)
-        k = torch.cat([keys[s.slot, : s.end] for s in segs], dim=0)
-        v = torch.cat([values[s.slot, : s.end] for s in segs], dim=0)
+            n = len(self.segments)
+            return (k.view(n, self._max_end, heads, d).transpose(1, 2),
+                    v.view(n, self._max_end, heads, d).transpose(1, 2))
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
     # transformers' attention code may ask these of a cache object

@@ -23,6 +23,7 @@ Every stage runs the same executors, connected by queues, each micro-batch passi
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -33,7 +34,7 @@ import torch
 
 from hpipe.reports import emit
 from hpipe.runtime import comm
-from hpipe.runtime.kv import Segment, microbatch_kind
+from hpipe.runtime.kv import PAGE_SIZE, PageTable, Segment, microbatch_kind
 from hpipe.runtime.scheduler import MicroBatch, Scheduler
 from hpipe.runtime.static_decode import VERSIONS   # one number of input versions for both paths
 
@@ -51,10 +52,11 @@ class Options:
 
 
 class Timeline:
-    """Measured intervals of one stage: compute, prepare, wait, send, sample. Threads append."""
+    """Measured intervals of one stage: compute, prepare, wait, send, sample. Threads append.
+    `bounded` (serving, which runs for hours) keeps the latest 100,000."""
 
-    def __init__(self):
-        self.intervals: list[dict] = []
+    def __init__(self, bounded: bool = False):
+        self.intervals = collections.deque(maxlen=100_000 if bounded else None)
 
     def add(self, what: str, start: float, end: float, mb: int | None = None, kind: str | None = None,
             tokens: int | None = None):
@@ -74,11 +76,20 @@ class Stage:
     groups: comm.Groups | None
     options: Options
     timeline: Timeline
-    max_segments: int                # the schedule's capacity
+    max_segments: int                # the schedule's capacity: segments
     max_tokens: int                  # the longest micro-batch (the receive buffers' rows)
+    max_pages: int = 0               # the schedule's capacity: KV pages a micro-batch adds
+    page_size: int = PAGE_SIZE
     buffers: list = field(default_factory=list)   # per version: the hidden states' receive buffer
     static: object = None            # hpipe.runtime.static_decode.StaticDecode for decode micro-batches, or None
     errors: list = field(default_factory=list)    # the first failure of any executor (or the sampler pool)
+    pages: PageTable | None = None   # stages 1..N-1: the page table the schedule's segments extend
+
+    def __post_init__(self):
+        if self.pages is None:
+            self.pages = PageTable(self.page_size)
+        if not self.max_pages:
+            self.max_pages = comm.schedule_pages(self.max_tokens, self.max_segments, self.page_size)
 
     @property
     def is_first(self) -> bool:
@@ -110,6 +121,7 @@ class Work:
     inputs: object = None                 # the prepared StageInputs
     static: tuple | None = None           # or the static decode path's handle (its buffers are filled)
     prepared: bool = False
+    events: list = field(default_factory=list)   # serving, last stage: requests that join or leave before it
 
     @property
     def tokens(self) -> int:
@@ -212,21 +224,64 @@ def _start_prepare(stage: Stage, source: queue.Queue, errors: list) -> queue.Que
 
 # ---------------------------------------------------------------------------------- stage 0
 class Driver:
-    """Stage 0's control plane: the scheduler, the ids coming back, the schedules going out."""
+    """Stage 0's control plane: the scheduler, the requests coming in (serving), the ids coming
+    back, the schedules going out."""
 
-    def __init__(self, stage: Stage, sched: Scheduler, on_result: Callable, versions: Versions, errors: list):
+    def __init__(self, stage: Stage, sched: Scheduler, on_result: Callable, on_tokens: Callable | None = None,
+                 on_stats: Callable | None = None):
         self.stage, self.sched, self.on_result = stage, sched, on_result
-        self.versions, self.errors = versions, errors
+        self.on_tokens, self.on_stats = on_tokens, on_stats
+        self.errors = stage.errors
+        self.versions = Versions(self.errors)
         self.cond = threading.Condition()
         self.committed: queue.Queue = queue.Queue()     # to prepare/compute, in order
         self.expected: queue.Queue = queue.Queue()      # SAT: micro-batches whose ids come back, in order
         self.pending = comm.Pending()
+        self.events: list = []                          # serving: ("admit", Request) / ("release", seq) to deliver
+        self.new_tokens: list = []
+        self.microbatches: list = []                    # (t, decode tokens, prefill tokens) since the last stats
+        self.t_stats = 0.0
+        if on_tokens is not None:
+            sched.on_token = lambda st, token: self.new_tokens.append((st.request.id, token))
 
+    # ---------------------------------------------------------- requests in (any thread)
+    def add(self, request) -> None:
+        with self.cond:
+            self.sched.add(request)
+            self.events.append(("admit", request))
+            self.cond.notify_all()
+
+    def abort(self, index: int) -> bool:
+        """Ends a request now (its client went away); False if it is not here (finished already)."""
+        with self.cond:
+            gone = self.sched.abort(index)
+            if gone is not None:
+                self.events.append(("release", index))
+            self.cond.notify_all()
+            return gone is not None
+
+    def close(self) -> None:
+        with self.cond:
+            self.sched.close()
+            self.cond.notify_all()
+
+    # ---------------------------------------------------------- the loops
     def take_ids(self, mb_id: int, ids: list[int]) -> None:
         with self.cond:
-            for st in self.sched.on_sampled(mb_id, ids):
+            finished = self.sched.on_sampled(mb_id, ids)
+            if self.new_tokens:
+                self.on_tokens(self.new_tokens)
+                self.new_tokens = []
+            for st in finished:
                 self.on_result(st)
             self.cond.notify_all()
+
+    def _report(self, force: bool = False) -> None:
+        now = time.time()
+        if self.on_stats is not None and (force or now - self.t_stats >= 0.25):
+            self.t_stats = now
+            self.on_stats({**self.sched.stats(), "microbatches": self.microbatches})
+            self.microbatches = []
 
     def commit_loop(self) -> None:
         """Commits every micro-batch as soon as the scheduler allows, publishes it, hands it on."""
@@ -240,21 +295,39 @@ class Driver:
                     mb = self.sched.next_microbatch()
                     if mb is not None:
                         break
+                    self._report()
                     self.cond.wait(timeout=0.05)
                     if self.errors:
                         return
+                events, self.events = self.events, []
+                if mb is not None and self.on_stats is not None:
+                    decode = sum(s.length for s in mb.segments if not s.prefill)
+                    self.microbatches.append((round(time.time(), 4), decode,
+                                              sum(s.length for s in mb.segments) - decode))
+                    self._report()
+            if st.world > 1:
+                self.pending.prune()
+                for kind, what in events:    # before the first schedule that needs them
+                    if kind == "admit":
+                        comm.publish_admit(st.groups, st.world - 1, what, st.max_segments, st.max_pages, self.pending)
+                    else:
+                        comm.publish_release(st.groups, st.world - 1, what, st.max_segments, st.max_pages,
+                                             self.pending)
             if mb is None:
+                self._report(force=True)
                 if st.options.sat and st.world > 1:
-                    comm.publish_schedule(st.groups, st.world, -1, None, st.max_segments, self.pending)
+                    comm.publish_schedule(st.groups, st.world, -1, None, st.max_segments, st.max_pages,
+                                          st.page_size, self.pending)
                     self.expected.put(None)
                 self.committed.put(None)
                 return
             version = self.versions.take()
             if st.options.sat and st.world > 1:
-                self.pending.prune()
-                comm.publish_schedule(st.groups, st.world, mb.id, mb.segments, st.max_segments, self.pending)
+                comm.publish_schedule(st.groups, st.world, mb.id, mb.segments, st.max_segments, st.max_pages,
+                                      st.page_size, self.pending)
                 self.expected.put(mb)
-            self.committed.put(Work(mb.id, mb.segments, mb=mb, version=version))
+            self.committed.put(Work(mb.id, mb.segments, mb=mb, version=version,
+                                    events=events if st.world == 1 else []))
 
     def back_loop(self) -> None:
         """The ids the last stage sends back: with SAT alone, in the order of the schedule."""
@@ -283,11 +356,11 @@ class Driver:
             return ids
 
 
-def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result: Callable) -> dict:
-    """Stage 0: the driver and back threads, the prepare thread, and the compute loop."""
+def run_first_stage(stage: Stage, driver: Driver, sample: Callable, apply_events: Callable | None = None) -> dict:
+    """Stage 0: the driver and back threads, the prepare thread, and the compute loop. With one
+    stage, `apply_events` hands the sampler the requests that join or leave before a micro-batch."""
     errors = stage.errors
-    versions = Versions(errors)
-    driver = Driver(stage, sched, on_result, versions, errors)
+    sched, versions = driver.sched, driver.versions
     threads = [_thread(driver.commit_loop, "hpipe-scheduler", errors)]
     if stage.world > 1:
         threads.append(_thread(driver.back_loop, "hpipe-ids", errors))
@@ -304,6 +377,8 @@ def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result:
         out = _forward(stage, work, torch.tensor(ids, dtype=torch.long))
         stage.timeline.add("compute", t, time.time(), work.mb_id, work.kind, work.tokens)
         if stage.world == 1:
+            if work.events and apply_events is not None:
+                apply_events(work.events)
             driver.take_ids(work.mb_id, sample(out, work.segments))
         else:
             _send_on(stage, work, out, pending)
@@ -322,7 +397,7 @@ def run_first_stage(stage: Stage, sched: Scheduler, sample: Callable, on_result:
     wall = time.time() - wall0
     n = sched.generated
     return {"wall_s": round(wall, 6), "generated_tokens": n, "tokens_per_s": round(n / wall, 3) if wall else None,
-            "t0_wall": wall0}
+            "t0_wall": wall0, "preemptions": sched.preemptions}
 
 
 def _send_on(stage: Stage, work: Work, out: torch.Tensor, pending: comm.Pending) -> None:
@@ -331,7 +406,7 @@ def _send_on(stage: Stage, work: Work, out: torch.Tensor, pending: comm.Pending)
     if stage.options.sat:
         comm.send_hidden(stage.groups, stage.rank + 1, out, pending)
     else:
-        comm.isend_work(stage.groups, stage.rank + 1, work.mb_id, work.segments, out, pending)
+        comm.isend_work(stage.groups, stage.rank + 1, work.mb_id, work.segments, out, stage.page_size, pending)
     stage.timeline.add("send", t, time.time())
 
 
@@ -343,12 +418,14 @@ def _source_loop(stage: Stage, versions: Versions, out: queue.Queue, errors: lis
     pre_post = stage.groups.backend == "gloo"     # NCCL receives are posted by the compute thread
     while True:
         if stage.options.sat:
-            mb_id, segments = comm.recv_schedule(stage.groups, stage.max_segments)
+            events: list = []
+            mb_id, segments = comm.recv_schedule(stage.groups, stage.max_segments, stage.max_pages, stage.pages,
+                                                 events)
             if segments is None:
                 out.put(None)
                 return
             version = versions.take()
-            work = Work(mb_id, segments, version=version)
+            work = Work(mb_id, segments, version=version, events=events)
             work.hidden = stage.buffers[version][: work.tokens]
             if pre_post:
                 work.recv = comm.post_recv_hidden(stage.groups, prev, work.hidden)
@@ -356,7 +433,7 @@ def _source_loop(stage: Stage, versions: Versions, out: queue.Queue, errors: lis
                 work.unreceived = True
         else:
             mb_id, segments, hidden = comm.recv_work(stage.groups, prev, stage.runner.hidden_size, stage.runner.dtype,
-                                                     receive_hidden=pre_post)
+                                                     stage.pages, receive_hidden=pre_post)
             if segments is None:
                 out.put(None)
                 return
@@ -367,8 +444,10 @@ def _source_loop(stage: Stage, versions: Versions, out: queue.Queue, errors: lis
 class Sampling:
     """The last stage's sampling: inline, on a sampler thread, or in the process pool."""
 
-    def __init__(self, stage: Stage, sample: Callable, rows_of: Callable, pool, errors: list):
+    def __init__(self, stage: Stage, sample: Callable, rows_of: Callable, pool, errors: list,
+                 apply_events: Callable | None = None):
         self.stage, self.sample, self.rows_of, self.pool, self.errors = stage, sample, rows_of, pool, errors
+        self.apply_events = apply_events     # serving: requests that join or leave, in the schedule's order
         self.queue: queue.Queue | None = None
         self.thread = None
         if pool is None and stage.options.tsem:
@@ -378,7 +457,9 @@ class Sampling:
     def _send(self, mb_id: int, ids: list[int]) -> None:
         comm.send_tokens(self.stage.groups, 0, mb_id, ids, self.stage.options.sat)
 
-    def _sample_and_send(self, mb_id: int, out: torch.Tensor, segments: list[Segment]) -> None:
+    def _sample_and_send(self, mb_id: int, out: torch.Tensor, segments: list[Segment], events: list) -> None:
+        if events and self.apply_events is not None:
+            self.apply_events(events)
         t = time.time()
         ids = self.sample(out, segments)
         self.stage.timeline.add("sample", t, time.time())
@@ -388,13 +469,13 @@ class Sampling:
         while (item := _get(self.queue, self.errors)) is not None:
             self._sample_and_send(*item)
 
-    def submit(self, mb_id: int, out: torch.Tensor, segments: list[Segment]) -> None:
+    def submit(self, mb_id: int, out: torch.Tensor, segments: list[Segment], events: list) -> None:
         if self.pool is not None:
             self.pool.submit(mb_id, out, self.rows_of(out, segments))
         elif self.queue is not None:
-            self.queue.put((mb_id, out, segments))
+            self.queue.put((mb_id, out, segments, events))
         else:
-            self._sample_and_send(mb_id, out, segments)
+            self._sample_and_send(mb_id, out, segments, events)
 
     def finish(self) -> None:
         if self.pool is not None:
@@ -409,14 +490,15 @@ class Sampling:
             comm.send_stop(self.stage.groups, 0, tag=comm.TAG_BACK)
 
 
-def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None) -> None:
+def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None,
+                    apply_events: Callable | None = None) -> None:
     """Stages 1..N-1: source and prepare threads, the compute loop; the last stage samples."""
     errors = stage.errors
     versions = Versions(errors)
     source: queue.Queue = queue.Queue()
     _thread(lambda: _source_loop(stage, versions, source, errors), "hpipe-source", errors)
     ready = _start_prepare(stage, source, errors)
-    sampling = Sampling(stage, sample, rows_of, pool, errors) if stage.is_last else None
+    sampling = Sampling(stage, sample, rows_of, pool, errors, apply_events) if stage.is_last else None
     pending = comm.Pending()
     while True:
         work, t = _next_work(stage, ready, errors)
@@ -432,7 +514,7 @@ def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None
         stage.timeline.add("compute", t, time.time(), work.mb_id, work.kind, work.tokens)
         if sampling is not None:
             t = time.time()
-            sampling.submit(work.mb_id, out, work.segments)
+            sampling.submit(work.mb_id, out, work.segments, work.events)
             stage.timeline.add("send", t, time.time())
         else:
             _send_on(stage, work, out, pending)
@@ -449,6 +531,7 @@ def run_later_stage(stage: Stage, sample: Callable, rows_of: Callable, pool=None
 def emit_result(st, t0: float) -> None:
     """One finished request, on stdout for the launcher."""
     n = len(st.output)
+    t0 = st.t_admit if t0 is None else t0
     ttft, e2e = st.t_first - t0, st.t_last - t0
     emit("result", id=st.request.id, output_ids=st.output, finish_reason=st.finish_reason,
          prompt_tokens=len(st.request.input_ids), ttft_s=round(ttft, 6),

@@ -5,10 +5,11 @@ A decode micro-batch of n sequences (one new token each) is padded to the next b
 - the inputs live in persistent buffers, one set per *version* (two): token ids or hidden states,
   positions, the KV write and read indices and the attention masks. The CPU executor fills version
   1-v while version v computes;
-- attention reads each row's KV slot over its whole capacity with a mask (key position <= the
-  row's position, within its sliding window), through transformers' own attention modules, so the
-  result is the dynamic path's up to float summation order;
-- padded rows point at a scratch KV slot (one past the real ones) at position 0.
+- attention reads each row's KV pages over the whole capacity (a fixed number of pages per row, its
+  page table padded with the scratch page) with a mask (key position <= the row's position, within
+  its sliding window), through transformers' own attention modules, so the result is the dynamic
+  path's up to float summation order;
+- padded rows point at the scratch page (page 0) at position 0.
 
 On CUDA, `capture()` records one graph per (version, padded batch size) bound to that version's
 buffers, before the clock starts; `run()` replays it. The buffers are filled from pinned host
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpipe.runtime.kv import KVStore, Segment
+from hpipe.runtime.kv import SCRATCH_PAGE, KVStore, Segment, flat_positions, pages_needed
 from hpipe.runtime.stage import StageInputs
 
 __all__ = ["BATCH_SIZES", "StaticDecode", "StaticKV", "unsupported"]
@@ -33,22 +34,28 @@ VERSIONS = 2
 
 
 class StaticKV:
-    """`past_key_values` of a static decode step: writes each row's new key at (slot, position),
-    reads each row's whole slot [capacity] (the mask hides what is not its own)."""
+    """`past_key_values` of a static decode step: writes each row's new key at its position's page,
+    reads each row's whole page table [capacity] (the mask hides what is not its own)."""
 
-    def __init__(self, store: KVStore, write_slots: torch.Tensor, write_pos: torch.Tensor):
-        self.store, self.write_slots, self.write_pos = store, write_slots, write_pos
+    def __init__(self, store: KVStore, tables: torch.Tensor, write_pos: torch.Tensor):
+        self.store = store
+        rows = flat_positions(tables, store.page_size)                     # [B, capacity], on the device
+        self.read = rows.flatten()
+        self.write = rows.gather(1, write_pos[:, None]).flatten()
+        self.rows, self.capacity = rows.shape
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states: [rows, kv_heads, 1, head_dim]. Returns [rows, kv_heads, capacity, head_dim]."""
         keys, values = self.store._layer(layer_idx, key_states)
-        keys.index_put_((self.write_slots, self.write_pos), key_states[:, :, 0])
-        values.index_put_((self.write_slots, self.write_pos), value_states[:, :, 0])
-        return (keys.index_select(0, self.write_slots).transpose(1, 2),
-                values.index_select(0, self.write_slots).transpose(1, 2))
+        heads, d = keys.shape[2], keys.shape[3]
+        kf, vf = keys.view(-1, heads, d), values.view(-1, heads, d)
+        kf.index_copy_(0, self.write, key_states[:, :, 0])
+        vf.index_copy_(0, self.write, value_states[:, :, 0])
+        return (kf.index_select(0, self.read).view(self.rows, self.capacity, heads, d).transpose(1, 2),
+                vf.index_select(0, self.read).view(self.rows, self.capacity, heads, d).transpose(1, 2))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.store.capacity
+        return self.capacity
 
 
 @dataclass
@@ -57,9 +64,9 @@ class Buffers:
 
     x: torch.Tensor                 # token ids [B] (first stage) or hidden states [B, H]
     positions: torch.Tensor         # [B, 1]
-    slots: torch.Tensor             # [B] the KV slot each row writes and reads
+    tables: torch.Tensor            # [B, pages per row] each row's KV pages (scratch-padded)
     masks: dict                     # sliding window (None = full) -> [B, 1, 1, capacity] attention mask
-    host: dict                      # pinned host copies of positions, slots and masks (CUDA)
+    host: dict                      # pinned host copies of positions, tables and masks (CUDA)
 
 
 def padded_size(n: int) -> int:
@@ -78,13 +85,13 @@ def unsupported(runner) -> str | None:
 
 
 class StaticDecode:
-    def __init__(self, runner, max_batch: int, graphs: bool):
-        """runner: the stage's StageRunner, its KV store already reserved (not grown after this)."""
+    def __init__(self, runner, max_batch: int, graphs: bool, max_len: int):
+        """runner: the stage's StageRunner, its KV pool already sized (not grown after this);
+        max_len: the longest sequence (prompt and output) a row may hold."""
         self.runner = runner
-        kv = runner.kv
-        self.scratch = kv.slots - 1                 # the reserve's last slot: padded rows write there
-        self.capacity = kv.capacity
-        self.max_rows = padded_size(min(max_batch, self.scratch, BATCH_SIZES[-1]))
+        self.width = pages_needed(max_len, runner.kv.page_size)      # pages per row
+        self.capacity = self.width * runner.kv.page_size
+        self.max_rows = padded_size(min(max_batch, BATCH_SIZES[-1]))
         self.cuda = runner.device.type == "cuda"
         self.graphs = graphs and self.cuda
         self.buffers = [self._allocate() for _ in range(VERSIONS)]
@@ -99,11 +106,11 @@ class StaticDecode:
         x = torch.zeros(b, dtype=torch.long, device=dev) if r.first else \
             torch.zeros(b, r.hidden_size, dtype=r.dtype, device=dev)
         masks = {w: torch.zeros(b, 1, 1, self.capacity, dtype=torch.bool, device=dev) for w in r.windows}
-        buf = Buffers(x, torch.zeros(b, 1, dtype=torch.long, device=dev), torch.full((b,), self.scratch, device=dev),
-                      masks, {})
+        buf = Buffers(x, torch.zeros(b, 1, dtype=torch.long, device=dev),
+                      torch.full((b, self.width), SCRATCH_PAGE, dtype=torch.long, device=dev), masks, {})
         if self.cuda:
             buf.host = {"positions": torch.zeros(b, 1, dtype=torch.long).pin_memory(),
-                        "slots": torch.zeros(b, dtype=torch.long).pin_memory(),
+                        "tables": torch.zeros(b, self.width, dtype=torch.long).pin_memory(),
                         "masks": {w: torch.zeros(b, 1, 1, self.capacity, dtype=torch.bool).pin_memory()
                                   for w in r.windows}}
         return buf
@@ -111,18 +118,19 @@ class StaticDecode:
     def accepts(self, segments: list[Segment]) -> bool:
         """A decode micro-batch that fits the buffers."""
         return (0 < len(segments) <= self.max_rows
-                and all(s.length == 1 and not s.prefill and s.end <= self.capacity and s.slot < self.scratch
-                        for s in segments))
+                and all(s.length == 1 and not s.prefill and s.end <= self.capacity for s in segments))
 
     # ------------------------------------------------------------------ the CPU executor's side
     def prepare(self, segments: list[Segment], version: int) -> tuple[int, int, int]:
-        """Writes the micro-batch's positions, slots and masks into `version`'s buffers; returns the
-        handle (version, rows, padded rows) for `run`."""
+        """Writes the micro-batch's positions, page tables and masks into `version`'s buffers;
+        returns the handle (version, rows, padded rows) for `run`."""
         n, rows = len(segments), padded_size(len(segments))
         pos = torch.zeros(rows, dtype=torch.long)
         pos[:n] = torch.tensor([s.start for s in segments])
-        slots = torch.full((rows,), self.scratch, dtype=torch.long)
-        slots[:n] = torch.tensor([s.slot for s in segments])
+        tables = torch.full((rows, self.width), SCRATCH_PAGE, dtype=torch.long)
+        for i, s in enumerate(segments):
+            pages = list(self.runner.kv.pages_of(s))[: self.width]
+            tables[i, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         keys = torch.arange(self.capacity)
         masks = {}
         for w in self.runner.windows:
@@ -133,20 +141,20 @@ class StaticDecode:
         buf = self.buffers[version]
         if not self.cuda:
             buf.positions[:rows, 0] = pos
-            buf.slots[:rows] = slots
+            buf.tables[:rows] = tables
             for w, m in masks.items():
                 buf.masks[w][:rows, 0, 0] = m
             return version, n, rows
         host = buf.host
         self.ready[version].synchronize()          # the previous copy out of these pinned buffers is done
         host["positions"][:rows, 0] = pos
-        host["slots"][:rows] = slots
+        host["tables"][:rows] = tables
         for w, m in masks.items():
             host["masks"][w][:rows, 0, 0] = m
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.done[version])     # the last replay that read this version is over
             buf.positions[:rows].copy_(host["positions"][:rows], non_blocking=True)
-            buf.slots[:rows].copy_(host["slots"][:rows], non_blocking=True)
+            buf.tables[:rows].copy_(host["tables"][:rows], non_blocking=True)
             for w in masks:
                 buf.masks[w][:rows].copy_(host["masks"][w][:rows], non_blocking=True)
             self.ready[version].record(self.copy_stream)
@@ -156,7 +164,7 @@ class StaticDecode:
     def _inputs(self, buf: Buffers, rows: int) -> StageInputs:
         return StageInputs(segments=[], layout="rows", shape=(rows, 1), positions=buf.positions[:rows],
                            masks={w: m[:rows] for w, m in buf.masks.items()}, rotary=None,
-                           cache=StaticKV(self.runner.kv, buf.slots[:rows], buf.positions[:rows, 0]),
+                           cache=StaticKV(self.runner.kv, buf.tables[:rows], buf.positions[:rows, 0]),
                            sample_rows=torch.arange(rows, device=self.runner.device))
 
     def _step(self, version: int, rows: int) -> torch.Tensor:
@@ -185,12 +193,12 @@ class StaticDecode:
 
     def capture(self) -> int:
         """CUDA: one graph per (version, padded batch size) up to the largest, on a side stream after
-        warm-up replays (the padded rows' scratch slot takes every write). Returns the graphs made."""
+        warm-up replays (the scratch page takes every write). Returns the graphs made."""
         if not self.graphs:
             return 0
         dev = self.runner.device
         for version, buf in enumerate(self.buffers):
-            buf.slots.fill_(self.scratch)
+            buf.tables.fill_(SCRATCH_PAGE)
             buf.positions.zero_()
             for m in buf.masks.values():
                 m.zero_()
