@@ -2,6 +2,7 @@
 
     hpipe plan   --model MODEL (--stages N | --cluster FILE) [--cuts ...] [--slices ...] -o plan.json
     hpipe launch plan.json --local --prompts prompts.jsonl --out results.jsonl [...]
+    hpipe serve  plan.json --local [--port 8000] [--api-key KEY] [--policy throttle|sarathi]
     hpipe demo
 
 Errors the user can fix are printed as one line (`hpipe: error: ...`) with exit code 2.
@@ -290,6 +291,14 @@ def launch(
     sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     seed: int = typer.Option(0, "--seed"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
+    policy: str = typer.Option("throttle", "--policy", help="tokens per micro-batch: throttle (gLLM) or sarathi "
+                               "(a fixed budget); see hpipe serve --help"),
+    budget: int = typer.Option(0, "--budget", help="sarathi: tokens per micro-batch (0: 512 on GPUs, 256 with a "
+                               "CPU stage)"),
+    max_prefill: int = typer.Option(0, "--max-prefill", help="throttle #MaxP (0: 2048 on GPUs, 256 with a CPU stage)"),
+    kv_pages: int = typer.Option(0, "--kv-pages", help="KV pages per stage (0: what the prompts need, within free "
+                                 "memory); fewer pages preempt and recompute sequences"),
+    page_size: int = typer.Option(16, "--page-size", help="tokens per KV page"),
     logits_out: str | None = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
     timeline_out: str | None = typer.Option(None, "--timeline-out", help="the measured run per stage (compute, "
                                              "prepare, wait, send), next to the plan's predicted prefill: .html, "
@@ -313,7 +322,10 @@ def launch(
                                        logits_out=logits_out, resume=resume, sampling=sampling,
                                        sampler_procs=sampler_procs, tsem=not no_tsem, sat=not no_sat,
                                        cuda_graphs=not no_cuda_graphs, static_decode=static_decode,
-                                       prepare_thread=prepare_thread)
+                                       prepare_thread=prepare_thread, policy=policy, kv_pages=kv_pages,
+                                       page_size=page_size,
+                                       policy_args={k: v for k, v in (("budget", budget),
+                                                                      ("max_prefill", max_prefill)) if v})
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
@@ -324,6 +336,99 @@ def launch(
     else:
         report = launcher.launch_local(job, plan_path, out, settings, quiet=quiet)
     _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
+
+
+@app.command()
+def serve(
+    plan_path: str = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`"),
+    local: bool = typer.Option(False, "--local", help="run every stage as a process on this machine"),
+    cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML: run the stages on its "
+                                                                  "hosts over SSH"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0 opens it to the network)"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="HPIPE_API_KEY",
+                                       help="require 'Authorization: Bearer KEY' on /v1 (or set HPIPE_API_KEY)"),
+    served_model_name: str | None = typer.Option(None, "--served-model-name",
+                                                 help="the model name clients ask for (default: the plan's)"),
+    policy: str = typer.Option("throttle", "--policy", help="tokens per micro-batch: throttle (gLLM: decode spread "
+                               "over the stages, prefill from the waiting tokens and free KV) or sarathi (a fixed "
+                               "budget, decode first)"),
+    iterations: int = typer.Option(0, "--iterations", help="throttle #T (0: 8)"),
+    max_prefill: int = typer.Option(0, "--max-prefill", help="throttle #MaxP (0: 2048 on GPUs, 256 with a CPU stage)"),
+    min_prefill: int = typer.Option(0, "--min-prefill", help="throttle #MinP (0: 32 on GPUs, 16 with a CPU stage)"),
+    kv_thresh: float = typer.Option(-1.0, "--kv-thresh", help="throttle: no new prefill below this KV-free rate "
+                                    "(default 0.05)"),
+    budget: int = typer.Option(0, "--budget", help="sarathi: tokens per micro-batch (0: 512 on GPUs, 256 with a "
+                               "CPU stage)"),
+    max_batch: int = typer.Option(16, "--max-batch", help="sequences running at once"),
+    max_queue: int = typer.Option(256, "--max-queue", help="requests waiting beyond --max-batch before 429"),
+    max_model_len: int = typer.Option(0, "--max-model-len", help="longest prompt + output (0: the model's context)"),
+    kv_pages: int = typer.Option(0, "--kv-pages", help="KV pages per stage (0: what free memory allows)"),
+    page_size: int = typer.Option(16, "--page-size", help="tokens per KV page"),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
+    push_model: bool = typer.Option(False, "--push-model"),
+    host_timeout: float = typer.Option(15.0, "--host-timeout"),
+    no_tsem: bool = typer.Option(False, "--no-tsem"),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    static_decode: str = typer.Option("auto", "--static-decode"),
+    prepare_thread: str = typer.Option("auto", "--prepare-thread"),
+    model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
+    quiet: bool = typer.Option(True, "--quiet/--verbose", help="stream the workers' logs (--verbose)"),
+):
+    """Serve a plan behind an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    import threading
+
+    import uvicorn
+
+    from hpipe.launcher.api import create_app
+    from hpipe.launcher.serving import Engine
+
+    if local == (cluster is not None):
+        raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
+    if not 0 < port < 65536:
+        raise HpipeError(f"--port must be in 1..65535, got {port}")
+    if max_queue < 0 or max_model_len < 0:
+        raise HpipeError("--max-queue and --max-model-len must be >= 0")
+    inventory = formats.load_inventory(cluster) if cluster else None
+    policy_args = {k: v for k, v in (("iterations", iterations), ("max_prefill", max_prefill),
+                                     ("min_prefill", min_prefill), ("budget", budget)) if v}
+    if kv_thresh >= 0:
+        policy_args["kv_thresh"] = kv_thresh
+    settings = launcher.LaunchSettings(max_batch=max_batch, sampling="inline", tsem=not no_tsem,
+                                       cuda_graphs=not no_cuda_graphs, static_decode=static_decode,
+                                       prepare_thread=prepare_thread, policy=policy, policy_args=policy_args,
+                                       kv_pages=kv_pages, page_size=page_size, serve=True,
+                                       max_model_len=max_model_len)
+    job = launcher.prepare_model(plan_path, settings, model=model, progress=_note)
+    if job.tokenizer is None:
+        raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")
+    name = served_model_name or job.plan.model.name
+    engine = Engine(job, plan_path, settings, inventory, accept_new_keys=accept_new_host_keys, push=push_model,
+                    host_timeout_s=host_timeout, max_queue=max_queue, log=_note, quiet=quiet)
+    _note(f"starting {len(job.plan.stages)} stages of {job.plan.model.name} ...")
+    server = None
+
+    def failed(cause: str) -> None:
+        if engine.ready.is_set():
+            _note(f"a stage failed; open requests were ended with the error; stopping the server: {cause}")
+        if server is not None:   # a moment for the error events to reach their clients
+            threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
+
+    engine.on_failure = failed
+    try:
+        engine.start()
+        info = engine.info
+        app = create_app(engine, job.tokenizer, name, int(job.config.vocab_size), api_key, max_queue)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        _note(f"serving {name} on http://{host}:{port}/v1 ({len(job.plan.stages)} stages, policy {policy}, KV pool "
+              f"{info['kv_pages']} pages x {info['page_size']} tokens, max model length {info['max_model_len']}); "
+              f"Ctrl-C stops every stage")
+        if engine.failure is None:
+            server.run()
+    finally:
+        engine.close()
+    if engine.failure is not None:     # a stage failed (a shutdown asked for is not a failure)
+        raise HpipeError(engine.failure)
 
 
 def _print_launch(summary: dict, out: str) -> None:

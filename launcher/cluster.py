@@ -201,10 +201,12 @@ def remote_model_spec(source: models.ModelSource) -> str:
 
 def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
                    settings: LaunchSettings, *, accept_new_keys: bool = False, push: bool = False,
-                   host_timeout_s: float = 15.0, log=None, quiet: bool = False):
+                   host_timeout_s: float = 15.0, log=None, quiet: bool = False, output=None, on_workers=None):
+    """As `launch_local`, on the inventory's hosts over SSH (serving: stage 0's requests go through
+    its wrapper's stdin)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    output = JobOutput(out_path, job.tokenizer)
-    if not job.requests:
+    output = output or JobOutput(out_path, job.tokenizer)
+    if not job.requests and not settings.serve:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
     plan = job.plan
@@ -216,14 +218,17 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     workers: list[ssh.RemoteProcess] = []
     remote_tmp = f"/tmp/hpipe-launch-{launch_id}"
     try:
-        kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)
-        kv_tokens *= min(settings.max_batch, len(job.requests))
-        slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in job.requests]
+        if settings.serve:    # the KV pool sizes itself from free memory: room for one longest sequence
+            kv_tokens = settings.max_model_len or models.context_length(job.config)
+            microbatch = memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], settings.max_batch)
+        else:
+            kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)
+            kv_tokens *= min(settings.max_batch, len(job.requests))
+            slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in job.requests]
+            microbatch = memory.microbatch_tokens(slices, min(settings.max_batch, len(job.requests)))
         spec = remote_model_spec(job.source)
         checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
-                           microbatch_tokens=memory.microbatch_tokens(slices, min(settings.max_batch,
-                                                                                  len(job.requests))),
-                           push_model=push)
+                           microbatch_tokens=microbatch, push_model=push)
         refuse_failed(checks)
         by_name = {c.name: c for c in checks}
         model_on = push_model(conns, by_name, job, log) if push else {n: spec for n in names}
@@ -245,12 +250,14 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
             threads = host.threads or (max(1, (cores - n_gpu) // max(1, n_cpu)) if st.device == "cpu" else 1)
             logits = f"{remote_tmp}/logits.npz" if settings.logits_out and rank == world - 1 else None
             argv = worker_command(host.python, f"{remote_tmp}/plan.json", rank, world, master.address, port,
-                                  model_on[st.host], f"{remote_tmp}/requests.jsonl", settings, threads,
-                                  logits)
+                                  model_on[st.host], None if settings.serve else f"{remote_tmp}/requests.jsonl",
+                                  settings, threads, logits)
             env = {**host.env, "HPIPE_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
             workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s))
         if not quiet:
             log(f"hpipe: launched {world} stages on {', '.join(names)} (rendezvous {master.address}:{port})")
+        if on_workers is not None:
+            on_workers(workers)
         watch_workers(workers, lines, output, plan, log, quiet, host_timeout_s=host_timeout_s)
         if settings.logits_out:
             ssh.get_file(conns[plan.stages[-1].host], f"{remote_tmp}/logits.npz", settings.logits_out)

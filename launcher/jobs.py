@@ -36,6 +36,12 @@ class LaunchSettings:
     logits_out: str | None = None
     resume: bool = False
     attn: str = "sdpa"
+    policy: str = "throttle"         # tokens per micro-batch: "throttle" (gLLM) or "sarathi" (fixed budget)
+    policy_args: dict = field(default_factory=dict)   # worker flags: iterations, max_prefill, min_prefill, kv_thresh, budget
+    kv_pages: int = 0                # KV pages per stage (0: what free memory allows)
+    page_size: int = 16
+    serve: bool = False              # requests come on stage 0's stdin (hpipe serve), not in a file
+    max_model_len: int = 0           # serving: the longest prompt + output (0: the model's context)
 
 
 @dataclass
@@ -63,9 +69,7 @@ def encode_prompt(tokenizer, record: formats.PromptRecord, where: str = "") -> l
     return [int(t) for t in tokenizer(record.prompt)["input_ids"]]
 
 
-def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSettings,
-            model: str | None = None, progress=None) -> PreparedJob:
-    plan = formats.load_plan(plan_path)
+def check_settings(settings: LaunchSettings) -> None:
     if settings.max_batch < 1:
         raise HpipeError(f"--max-batch must be at least 1, got {settings.max_batch}")
     if settings.sampling not in ("cpu", "inline", "auto"):
@@ -77,9 +81,33 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
         raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
     if settings.sampler_procs < 1:
         raise HpipeError(f"--sampler-procs must be at least 1, got {settings.sampler_procs}")
+    if settings.policy not in ("throttle", "sarathi"):
+        raise HpipeError(f"--policy {settings.policy!r}: use throttle or sarathi")
+    if settings.page_size < 1 or settings.kv_pages < 0:
+        raise HpipeError(f"--page-size must be >= 1 and --kv-pages >= 0 (0: from free memory), got "
+                         f"{settings.page_size} and {settings.kv_pages}")
+    for name, value in settings.policy_args.items():
+        if name == "kv_thresh" and not 0 <= value < 1:
+            raise HpipeError(f"--kv-thresh must be in [0, 1), got {value}")
+        if name != "kv_thresh" and value < 1:
+            raise HpipeError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def prepare_model(plan_path: str, settings: LaunchSettings, model: str | None = None,
+                  progress=None) -> PreparedJob:
+    """The plan checked against its model, the tokenizer loaded, no requests yet (serving)."""
+    check_settings(settings)
+    plan = formats.load_plan(plan_path)
     source = models.resolve_model(model or plan.model.name, progress=progress)
     config = models.load_config(source.path)
     models.check_plan_matches(plan, config, source.name)
+    return PreparedJob(plan, source, config, models.load_tokenizer(source.path), [], [])
+
+
+def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSettings,
+            model: str | None = None, progress=None) -> PreparedJob:
+    base = prepare_model(plan_path, settings, model, progress)
+    plan, source, config, tokenizer = base.plan, base.source, base.config, base.tokenizer
     prompts = formats.load_prompts(prompts_path)
     done_ids: set[str] = set()
     if os.path.exists(out_path) and os.path.getsize(out_path) > 0:
@@ -87,7 +115,6 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
             raise HpipeError(f"{out_path}: results file already exists; pass --resume to skip the prompts "
                              f"it holds, or choose another --out")
         done_ids = {r["id"] for r in formats.load_results(out_path)}
-    tokenizer = models.load_tokenizer(source.path)
     eos = frozenset(models.eos_token_ids(source.path, config))
     ctx = models.context_length(config)
     vocab = int(config.vocab_size)
@@ -123,6 +150,9 @@ class JobOutput:
     timelines: dict[int, dict] = field(default_factory=dict)
     summary: dict | None = None
     errors: dict[int, str] = field(default_factory=dict)
+
+    def done_line(self) -> str:
+        return f"{len(self.results)} results were written"
 
     def take(self, rank: int, line: str) -> bool:
         """Handles one stdout line of a worker; False if it is not a report (a log line)."""
@@ -195,12 +225,19 @@ def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeli
 
 
 def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str, port: int, model: str,
-                   requests_path: str, settings: LaunchSettings, threads: int, logits_out: str | None) -> list[str]:
+                   requests_path: str | None, settings: LaunchSettings, threads: int,
+                   logits_out: str | None) -> list[str]:
     """The runtime's worker command line, the same for local processes and remote hosts. What is
-    per request (sampling parameters, seeds, limits, EOS ids) travels in the requests file."""
+    per request (sampling parameters, seeds, limits, EOS ids) travels in the requests file, or
+    (serving, requests_path None) on stage 0's stdin."""
     cmd = [python, "-m", "hpipe.runtime.worker", "--plan", plan_path, "--rank", str(rank),
-           "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model,
-           "--requests", requests_path, "--sampling", settings.sampling,
+           "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model]
+    cmd += ["--serve", "--max-model-len", str(settings.max_model_len)] if requests_path is None else \
+        ["--requests", requests_path]
+    cmd += ["--policy", settings.policy, "--page-size", str(settings.page_size), "--kv-pages", str(settings.kv_pages)]
+    for name, value in sorted(settings.policy_args.items()):
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    cmd += ["--sampling", settings.sampling,
            "--sampler-procs", str(settings.sampler_procs), "--max-batch", str(settings.max_batch),
            "--attn", settings.attn, "--threads", str(threads)]
     cmd += ["--static-decode", settings.static_decode, "--prepare-thread", settings.prepare_thread]
@@ -269,7 +306,7 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
     last = " | ".join(list(tails[rank])[-5:])
     raise HpipeError(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
                      f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
-                     + f"; every worker was stopped; {len(output.results)} results were written")
+                     + f"; every worker was stopped; {output.done_line()}")
 
 
 def stop_workers(workers: list, grace_s: float = 5.0) -> None:

@@ -51,10 +51,13 @@ def threads_per_stage(devices: list[str]) -> list[int]:
 
 
 def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: LaunchSettings,
-                 log=None, quiet: bool = False) -> LaunchReport:
+                 log=None, quiet: bool = False, output=None, on_workers=None) -> LaunchReport:
+    """Runs the job until every worker has ended. Serving (`settings.serve`): `output` takes the
+    workers' reports and `on_workers(workers)` is called once they are started (stage 0's
+    `send_line` takes the requests)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    output = JobOutput(out_path, job.tokenizer)
-    if not job.requests:
+    output = output or JobOutput(out_path, job.tokenizer)
+    if not job.requests and not settings.serve:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
     world = len(job.plan.stages)
@@ -67,8 +70,10 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="hpipe-launch-") as tmp:
-        requests_path = str(Path(tmp) / "requests.jsonl")
-        write_requests(job.requests, requests_path)
+        requests_path = None
+        if not settings.serve:
+            requests_path = str(Path(tmp) / "requests.jsonl")
+            write_requests(job.requests, requests_path)
         workers: list[LocalWorker] = []
         lines: queue.Queue = queue.Queue()
         try:
@@ -77,7 +82,9 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
                                      str(job.source.path), requests_path, settings, threads[rank],
                                      os.path.abspath(settings.logits_out) if settings.logits_out and rank == world - 1
                                      else None)
-                workers.append(LocalWorker(cmd, env, rank, lines))
+                workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0))
+            if on_workers is not None:
+                on_workers(workers)
             watch_workers(workers, lines, output, job.plan, log, quiet)
         except KeyboardInterrupt:
             stop_workers(workers)
@@ -97,12 +104,24 @@ def _pump(stream, rank: int, name: str, lines: queue.Queue) -> None:
 class LocalWorker:
     """A worker process in its own process group, with the surface `watch_workers` expects."""
 
-    def __init__(self, cmd: list[str], env: dict, rank: int, lines: queue.Queue):
+    def __init__(self, cmd: list[str], env: dict, rank: int, lines: queue.Queue, takes_input: bool = False):
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True, stdin=subprocess.DEVNULL,
+                                     start_new_session=True,
+                                     stdin=subprocess.PIPE if takes_input else subprocess.DEVNULL,
                                      preexec_fn=arm_parent_death_signal)
+        self.input_lock = threading.Lock()
         for stream, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
             threading.Thread(target=_pump, args=(stream, rank, name, lines), daemon=True).start()
+
+    def send_line(self, line: str) -> bool:
+        """One line to the worker's stdin (serving: stage 0's requests); False once it is gone."""
+        with self.input_lock:
+            try:
+                self.proc.stdin.write(line + "\n")
+                self.proc.stdin.flush()
+                return True
+            except (OSError, ValueError, AttributeError):
+                return False
 
     def poll(self):
         return self.proc.poll()

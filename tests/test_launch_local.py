@@ -209,3 +209,35 @@ def test_no_metadata_crosses_a_hop_with_sat(tiny_models, tmp_path):
             assert "meta_msgs" not in back and "meta_msgs" not in sent["0->1"] and "meta_msgs" not in sent["1->2"]
             n_mbs = sum(1 for i in stages[0]["intervals"] if i["what"] == "compute")
             assert sent["0->1"]["schedule_msgs"] == sent["0->2"]["schedule_msgs"] == n_mbs + 1   # + the stop
+
+
+@pytest.mark.parametrize("policy", ["throttle", "sarathi"])
+def test_policies_and_preemption_give_transformers_tokens(policy, tiny_models, reference_models, tmp_path):
+    """Continuous batching on 3 processes under either policy: with a KV pool of every sequence's
+    pages, and with one so small (one longest sequence and a page) that sequences are preempted and
+    recomputed; the greedy tokens are transformers' every time."""
+    path = tiny_models["llama"]
+    rng = random.Random(f"policy-{policy}")
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))] for _ in range(5)]
+    plan, prompts_file = tmp_path / "plan.json", tmp_path / "prompts.jsonl"
+    write_prompts(prompts_file, prompts)
+    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "12,8", "-o", str(plan)]) == 0
+    page_size = 4
+    small = -(-(max(map(len, prompts)) + NEW_TOKENS) // page_size) + 2
+    ref_model = reference_models["llama"]
+    for kv_pages in (0, small):
+        out = tmp_path / f"out-{kv_pages}.jsonl"
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
+                     "--max-new-tokens", str(NEW_TOKENS), "--max-batch", "4", "--policy", policy, "--budget", "24",
+                     "--max-prefill", "24", "--kv-pages", str(kv_pages), "--page-size", str(page_size),
+                     "--quiet"]) == 0
+        results = read_results(out)
+        for i, p in enumerate(prompts):
+            assert_greedy_equal(ref_model, p, results[f"p{i}"]["output_ids"],
+                                reference_greedy(ref_model, p, NEW_TOKENS, 2))
+        run = json.loads((tmp_path / f"out-{kv_pages}.jsonl.summary.json").read_text())["run"]
+        assert run["policy"]["name"] == policy
+        if kv_pages:
+            assert run["kv_pages"] == small - 1 and run["preemptions"] > 0, run
+        else:
+            assert run["preemptions"] == 0

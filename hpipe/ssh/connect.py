@@ -35,6 +35,7 @@ from hpipe.reports import MARKER, parse
 
 WRAPPER_SOURCE = (Path(__file__).parent / "remote_wrapper.py").read_text()
 PROBE_SOURCE = (Path(__file__).parent / "host_probe.py").read_text()
+INPUT_PREFIX = "input "      # a launcher line the wrapper hands to the worker's stdin (remote_wrapper.py)
 
 
 def fingerprint(key) -> str:
@@ -241,6 +242,7 @@ class RemoteProcess:
         self.exit_report: dict | None = None
         self.heard = time.monotonic()
         self._closed = False
+        self._input_lock = threading.Lock()
         self.chan = conn.client.get_transport().open_session()
         # not exec'd: the login shell stays the wrapper's parent and turns its death by a signal into
         # an exit status 128 + n (sshd's "exit-signal" never reaches paramiko, which reads it as -1)
@@ -263,6 +265,11 @@ class RemoteProcess:
         except Exception:  # noqa: BLE001 - a dead channel is reported by silence
             return False
 
+    def send_line(self, line: str) -> bool:
+        """One line to the worker's stdin, through the wrapper (serving: stage 0's requests)."""
+        with self._input_lock:
+            return self._send(INPUT_PREFIX + line + "\n")
+
     def _pump(self, stream, name: str, lines: queue.Queue) -> None:
         try:
             for raw in stream:
@@ -281,7 +288,8 @@ class RemoteProcess:
 
     def _ping(self) -> None:
         while not self._closed and not self.chan.exit_status_ready():
-            self._send("ping\n")
+            with self._input_lock:
+                self._send("ping\n")
             time.sleep(1.0)
 
     # the same surface as subprocess.Popen, for the launcher's watcher

@@ -9,6 +9,8 @@ connection drops (no pty): without it, a launcher that dies or loses a host leav
 - The worker runs in its own session and process group, with stdout and stderr relayed line by
   line; every second the wrapper prints `<marker>{"type": "alive"}` so the launcher can tell a
   silent host from a dead one.
+- A line `input TEXT` from the launcher goes to the worker's stdin as TEXT (serving: stage 0 takes
+  its requests there); the worker's stdin closes when the launcher's does.
 - The whole group is stopped (SIGTERM, then SIGKILL after 3 s) when the launcher writes `stop`,
   when stdin reaches EOF (the channel closed), when no line (the launcher pings every second)
   came for T seconds (the host lost its link), or on SIGHUP/SIGINT/SIGTERM.
@@ -47,7 +49,7 @@ def main():
         say(out, (marker + json.dumps(fields) + "\n").encode())
 
     try:
-        child = subprocess.Popen(sys.argv[1:], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        child = subprocess.Popen(sys.argv[1:], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True, cwd=config.get("cwd") or None,
                                  preexec_fn=die_with_parent)
     except OSError as e:
@@ -64,10 +66,19 @@ def main():
         for line in iter(src.readline, b""):
             say(dst, line)
 
+    def to_worker(text):
+        try:
+            child.stdin.write(text.encode())
+            child.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
     def listen():
         for line in sys.stdin:
             state["heard"] = time.monotonic()
-            if line.strip() == "stop":
+            if line.startswith("input "):
+                to_worker(line[len("input "):])
+            elif line.strip() == "stop":
                 stop("stopped by the launcher")
         stop("the launcher's connection closed")
 

@@ -1,0 +1,408 @@
+"""`hpipe serve`'s HTTP front end: the OpenAI API (FastAPI) on an `Engine`.
+
+    GET  /v1/models             the served model
+    POST /v1/completions        prompt (text or token ids) -> text; "stream": true as server-sent events
+    POST /v1/chat/completions   messages through the model's chat template -> the assistant's reply
+    GET  /health                200 while the pipeline runs, 503 once it failed
+    GET  /metrics               Prometheus text: queue, running, KV pages, preemptions, TTFT/TPOT, micro-batch sizes
+    GET  /hpipe/microbatches    the recent micro-batches' (time, decode tokens, prefill tokens), for benchmarks
+
+The OpenAI sampling fields map onto hpipe's (temperature, top_p, max_tokens / max_completion_tokens,
+seed, stop, presence_penalty, frequency_penalty; top_k, min_p, repetition_penalty, stop_token_ids and
+ignore_eos as the extra fields vLLM accepts). Bad input gets OpenAI's error object with a 4xx that
+names the field; the server stays up. A client that goes away mid-request has its request aborted
+and its KV pages freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hpipe.errors import HpipeError
+from hpipe.launcher.serving import Engine, Handle
+from hpipe.request import SamplingError, SamplingParams
+
+__all__ = ["ApiError", "create_app"]
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def error_body(message: str, kind: str, param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.status), status_code=e.status)
+
+
+# ---------------------------------------------------------------------------------------- fields
+def _field(body: dict, name: str, types, default, what: str):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)}", name)
+    if not isinstance(value, types):
+        raise ApiError(400, f"'{name}' must be {what}, got {json.dumps(value)[:60]}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = float(_field(body, name, (int, float), default, "a number"))
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise ApiError(400, f"'{name}' must be in {bound}, got {v:g}", name)
+    return v
+
+
+def _int(body: dict, name: str, default: int | None, lo: int) -> int | None:
+    v = _field(body, name, int, default, "an integer")
+    if v is not None and v < lo:
+        raise ApiError(400, f"'{name}' must be at least {lo}, got {v}", name)
+    return v
+
+
+def sampling_fields(body: dict, vocab: int) -> tuple[SamplingParams, frozenset[int], bool, list[str]]:
+    """The request's sampling parameters, stop token ids, ignore_eos and stop strings."""
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+        if body.get(name) not in (None, False, 0, {}):
+            raise ApiError(400, f"'{name}' is not supported by hpipe; leave it out", name)
+    n = _int(body, "n", 1, 1)
+    if n != 1:
+        raise ApiError(400, f"'n' must be 1 (hpipe returns one choice per request), got {n}; send {n} requests", "n")
+    if _int(body, "best_of", 1, 1) != 1:
+        raise ApiError(400, "'best_of' must be 1", "best_of")
+    top_k = _int(body, "top_k", 0, -1)
+    seed = _field(body, "seed", int, None, "an integer")
+    try:
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            top_k=0 if top_k in (-1, 0) else top_k,
+            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            seed=seed if seed is None else seed & ((1 << 63) - 1))
+    except SamplingError as e:
+        raise ApiError(400, str(e)) from None
+    stop_ids = _field(body, "stop_token_ids", list, [], "a list of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids):
+        raise ApiError(400, f"'stop_token_ids' must hold token ids in [0, {vocab})", "stop_token_ids")
+    ignore_eos = _field(body, "ignore_eos", bool, False, "true or false")
+    stop = _field(body, "stop", (str, list), [], "a string or a list of strings")
+    stops = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+        raise ApiError(400, "'stop' must be a non-empty string or a list of up to 16 non-empty strings", "stop")
+    return params, frozenset(stop_ids), ignore_eos, stops
+
+
+def prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    p = body["prompt"]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise ApiError(400, "'prompt' is empty", "prompt")
+        return [int(t) for t in tokenizer(p)["input_ids"]]
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"'prompt' token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        return list(p)
+    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of one of those "
+                        "(hpipe takes one prompt per request)", "prompt")
+
+
+def chat_ids(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise ApiError(400, f"'messages[{i}].role' must be one of system, user, assistant, developer",
+                           f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):    # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       for c in content):
+                raise ApiError(400, f"'messages[{i}].content' parts must be text parts (hpipe serves a text model)",
+                               f"messages[{i}].content")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"'messages[{i}].content' must be a string", f"messages[{i}].content")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+# ---------------------------------------------------------------------------------------- text out
+class TextStream:
+    """Token ids -> text as it becomes final: no half characters, nothing that may start a stop string."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        hits = [text.find(s, max(0, self.sent - len(s))) for s in self.stops]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            self.stopped = True
+            return self._take(text, min(hits))
+        return self._take(text, len(text) - self.hold)
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        return self._take(self.tokenizer.decode(self.ids, skip_special_tokens=True), None)
+
+    def _take(self, text: str, end: int | None) -> str:
+        end = len(text) if end is None else end
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
+
+
+# ---------------------------------------------------------------------------------------- the app
+def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: str | None = None,
+               max_queue: int = 256) -> FastAPI:
+    app = FastAPI(title="hpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        msg = f"{request.method} {request.url.path}: " + ("no such endpoint" if e.status_code == 404 else str(e.detail))
+        return JSONResponse(error_body(msg, "invalid_request_error", None, e.status_code), status_code=e.status_code)
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not token or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key given "
+                                "to hpipe serve --api-key", None, "authentication_error")
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw or b"null")
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "'model' is required (GET /v1/models lists it)", "model")
+        if model != model_name:
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_name}'", "model",
+                           "not_found_error")
+        return body
+
+    def check_engine() -> None:
+        if engine.failure is not None:
+            raise ApiError(503, f"the pipeline failed: {engine.failure}", None, "server_error")
+
+    @app.get("/health")
+    async def health():
+        if engine.failure is not None:
+            return JSONResponse({"status": "failed", "error": engine.failure}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/hpipe/microbatches")
+    async def microbatches():
+        return {"policy": engine.settings.policy, "microbatches": list(engine.metrics.microbatches),
+                "stats": engine.stats}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "hpipe", "max_model_len": engine.max_model_len}]}
+
+    async def generate(request: Request, body: dict, ids: list[int], chat: bool):
+        params, stop_ids, ignore_eos, stops = sampling_fields(body, vocab)
+        limit = engine.max_model_len
+        room = limit - len(ids)
+        if chat:
+            max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(body, "max_tokens", None, 1) or room
+        else:
+            max_tokens = _int(body, "max_tokens", 16, 1)
+        param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        if room < 1 or max_tokens > room:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has {len(ids)} "
+                                f"prompt tokens and asks for {max_tokens} more ({len(ids) + max_tokens} in all); "
+                                f"shorten the prompt or lower '{param}'", param)
+        stream = _field(body, "stream", bool, False, "true or false")
+        options = _field(body, "stream_options", dict, {}, "an object")
+        usage_in_stream = bool(options.get("include_usage"))
+        check_engine()
+        if engine.load() >= engine.info.get("max_batch", 16) + max_queue:
+            raise ApiError(429, f"the server has {engine.load()} requests open, its limit "
+                                f"(--max-batch + --max-queue); retry later", None, "rate_limit_error")
+        try:
+            handle = engine.submit(ids, params, max_tokens, stop_ids, ignore_eos, asyncio.get_running_loop())
+        except HpipeError as e:
+            raise ApiError(503, f"the pipeline failed: {e}", None, "server_error") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        text = TextStream(tokenizer, stops)
+        if stream:
+            return StreamingResponse(stream_events(request, handle, text, rid, chat, usage_in_stream),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await whole_answer(request, handle, text, rid, chat)
+
+    async def next_event(request: Request, handle: Handle):
+        """The request's next event, or None once its client has gone (the request is aborted)."""
+        while True:
+            try:
+                return await asyncio.wait_for(handle.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    engine.abort(handle)
+                    return None
+
+    def usage(handle: Handle) -> dict:
+        p, c = len(handle.request.input_ids), len(handle.output)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def chunk(rid: str, chat: bool, piece: str | None, finish: str | None, first: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+                    "choices": [choice]}
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}]}
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def stream_events(request: Request, handle: Handle, text: TextStream, rid: str, chat: bool,
+                            with_usage: bool):
+        done = False
+        try:
+            if chat:
+                yield sse(chunk(rid, chat, None, None, first=True))
+            while True:
+                event = await next_event(request, handle)
+                if event is None:
+                    return
+                kind, value = event
+                if kind == "error":
+                    done = True
+                    yield sse(error_body(value, "server_error", None, 500))
+                    yield "data: [DONE]\n\n"
+                    return
+                if kind == "token":
+                    piece = text.add(value)
+                    if text.stopped:
+                        engine.abort(handle)
+                        done = True
+                        if piece:
+                            yield sse(chunk(rid, chat, piece, None))
+                        yield sse(chunk(rid, chat, None, "stop"))
+                        break
+                    if piece:
+                        yield sse(chunk(rid, chat, piece, None))
+                    continue
+                done = True
+                piece = text.finish()
+                if piece:
+                    yield sse(chunk(rid, chat, piece, None))
+                yield sse(chunk(rid, chat, None, FINISH.get(value, "stop")))
+                break
+            if with_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                           "created": int(time.time()), "model": model_name, "choices": [], "usage": usage(handle)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:           # the client went away (or the server stops): free its pages now
+                engine.abort(handle)
+
+    async def whole_answer(request: Request, handle: Handle, text: TextStream, rid: str, chat: bool):
+        out, finish = [], "stop"
+        try:
+            while True:
+                event = await next_event(request, handle)
+                if event is None:
+                    return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
+                                        status_code=499)
+                kind, value = event
+                if kind == "error":
+                    return JSONResponse(error_body(f"the pipeline failed: {value}", "server_error", None, 500),
+                                        status_code=500)
+                if kind == "token":
+                    out.append(text.add(value))
+                    if text.stopped:
+                        engine.abort(handle)
+                        break
+                    continue
+                out.append(text.finish())
+                finish = FINISH.get(value, "stop")
+                break
+        except asyncio.CancelledError:
+            engine.abort(handle)
+            raise
+        content = "".join(out)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                      "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice],
+                "usage": usage(handle)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        body = await read_body(request)
+        return await generate(request, body, prompt_ids(body, tokenizer, vocab), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        body = await read_body(request)
+        return await generate(request, body, chat_ids(body, tokenizer), chat=True)
+
+    return app

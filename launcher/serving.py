@@ -1,0 +1,336 @@
+"""The pipeline as a service: the stage workers started as `hpipe launch` starts them (local
+processes, or hosts over SSH with the same preflight, host keys and teardown), in serving mode:
+requests go to stage 0 as lines on its stdin, tokens come back on its stdout as they are sampled.
+
+`Engine` is what the HTTP front end (`hpipe.launcher.api`) talks to; it knows nothing of HTTP:
+`submit()` turns a request into a `Handle` whose events (tokens, the end, an error) arrive on the
+caller's asyncio loop; `abort()` ends one at once (its KV pages are freed by stage 0's scheduler);
+`stats` and `metrics` are what /metrics shows. When a stage fails, every open request ends with
+the launcher's one-line cause and `failure` holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hpipe.errors import HpipeError
+from hpipe.launcher.cluster import launch_cluster
+from hpipe.launcher.jobs import LaunchSettings, PreparedJob
+from hpipe.launcher.local import launch_local
+from hpipe.reports import parse
+from hpipe.request import Request, SamplingParams
+
+__all__ = ["Engine", "Handle", "Metrics"]
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass
+class Handle:
+    """One request in flight: its events go to `queue` on `loop` as ("token", id), ("end",
+    finish_reason) or ("error", message)."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    t_submit: float = field(default_factory=time.time)
+    t_first: float | None = None
+    t_last: float | None = None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def put(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple):
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out = [f'{name}_bucket{{{labels}{sep}le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+        out += [f"{name}_sum{{{labels}}} {self.sum:.6f}" if labels else f"{name}_sum {self.sum:.6f}",
+                f"{name}_count{{{labels}}} {self.count}" if labels else f"{name}_count {self.count}"]
+        return out
+
+
+@dataclass
+class Metrics:
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+    microbatch_tokens: Histogram = field(default_factory=lambda: Histogram(TOKENS_BUCKETS))
+    finished: collections.Counter = field(default_factory=collections.Counter)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    rejected: int = 0
+    microbatches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50_000))
+
+
+class ServeOutput:
+    """Takes the workers' report lines (the surface `watch_workers` expects of `JobOutput`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.results: list = []           # ids answered (the launcher's failure line counts them)
+        self.errors: dict[int, str] = {}
+        self.timelines: dict[int, dict] = {}
+        self.summary: dict | None = None
+
+    def done_line(self) -> str:
+        return f"{len(self.results)} requests had been answered"
+
+    def take(self, rank: int, line: str) -> bool:
+        msg = parse(line)
+        if msg is None:
+            return False
+        kind = msg.pop("type", None)
+        e = self.engine
+        if kind == "tokens":
+            e.on_tokens(msg["items"])
+        elif kind == "result":
+            self.results.append(msg["id"])
+            e.on_result(msg)
+        elif kind == "stats":
+            e.on_stats(msg)
+        elif kind == "ready":
+            e.on_ready(msg)
+        elif kind == "rejected":
+            e.on_rejected(msg["id"], msg.get("message", "rejected"))
+        elif kind == "timeline":
+            self.timelines[msg["rank"]] = msg
+        elif kind == "summary":
+            self.summary = msg
+        elif kind == "error":
+            self.errors[rank] = msg.get("message", "")
+        return True
+
+
+class Engine:
+    def __init__(self, job: PreparedJob, plan_path: str, settings: LaunchSettings, inventory=None,
+                 accept_new_keys: bool = False, push: bool = False, host_timeout_s: float = 15.0,
+                 max_queue: int = 256, log=None, quiet: bool = True):
+        self.job, self.plan_path, self.settings, self.inventory = job, plan_path, settings, inventory
+        self.launch_kwargs = dict(accept_new_keys=accept_new_keys, push=push, host_timeout_s=host_timeout_s)
+        self.max_queue = max_queue
+        self.log, self.quiet = log, quiet
+        self.eos = frozenset()
+        self.lock = threading.Lock()
+        self.open: dict[str, Handle] = {}
+        self.next_index = itertools.count()
+        self.stage0 = None
+        self.ready = threading.Event()
+        self.info: dict = {}
+        self.stats: dict = {}
+        self.metrics = Metrics()
+        self.failure: str | None = None
+        self.stopped = threading.Event()       # the workers have ended (any reason)
+        self.on_failure = None                 # called once, from the launch thread, with the cause
+        self.output = ServeOutput(self)
+        self.thread: threading.Thread | None = None
+        self.closing = False                   # close() or stop() asked: the end is not a failure
+        self.workers: list = []
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Starts every stage and waits until stage 0 is ready (the KV pool agreed and allocated)."""
+        from hpipe import models
+        self.eos = frozenset(models.eos_token_ids(self.job.source.path, self.job.config))
+        self.thread = threading.Thread(target=self._run, name="hpipe-engine", daemon=True)
+        self.thread.start()
+        deadline = time.time() + timeout_s
+        while not self.ready.wait(0.1):
+            if self.stopped.is_set():
+                raise HpipeError(self.failure or "the pipeline stopped before it was ready")
+            if time.time() > deadline:
+                self.stop()
+                raise HpipeError(f"the pipeline was not ready after {timeout_s:g} s")
+
+    def _run(self) -> None:
+        try:
+            if self.inventory is not None:
+                launch_cluster(self.job, self.plan_path, self.inventory, "", self.settings, log=self.log,
+                               quiet=self.quiet, output=self.output, on_workers=self._started, **self.launch_kwargs)
+            else:
+                launch_local(self.job, self.plan_path, "", self.settings, log=self.log, quiet=self.quiet,
+                             output=self.output, on_workers=self._started)
+            if not self.closing:
+                self._fail("the pipeline stopped")
+        except HpipeError as e:
+            self._fail(" ".join(str(e).split()))
+        except Exception as e:  # noqa: BLE001 - reported like a stage failure
+            self._fail(f"{type(e).__name__}: {e}")
+        finally:
+            self.stopped.set()
+
+    def _started(self, workers: list) -> None:
+        self.stage0 = workers[0]
+        self.workers = workers
+
+    def _fail(self, cause: str) -> None:
+        with self.lock:
+            if self.failure is not None or self.closing:
+                return
+            self.failure = cause
+            handles = list(self.open.values())
+            self.open.clear()
+        for h in handles:
+            h.put(("error", cause))
+        if self.on_failure is not None:
+            self.on_failure(cause)
+
+    def close(self) -> None:
+        """Ends the service: open requests are aborted and every worker is stopped."""
+        self.closing = True
+        with self.lock:
+            handles = list(self.open.values())
+            self.open.clear()
+        for h in handles:
+            h.put(("error", "the server is shutting down"))
+        if self.stage0 is not None:
+            self.stage0.send_line(json.dumps({"op": "close"}))
+            for h in handles:
+                self.stage0.send_line(json.dumps({"op": "abort", "index": h.request.index}))
+        if self.thread is not None:
+            self.thread.join(timeout=20)
+        if self.thread is not None and self.thread.is_alive():
+            self.stop()
+
+    def stop(self) -> None:
+        from hpipe.launcher.jobs import stop_workers
+        self.closing = True
+        if self.workers:
+            stop_workers(self.workers)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def max_model_len(self) -> int:
+        return int(self.info.get("max_model_len", 0))
+
+    def load(self) -> int:
+        with self.lock:
+            return len(self.open)
+
+    def submit(self, input_ids: list[int], params: SamplingParams, max_tokens: int, stop_ids: frozenset[int],
+               ignore_eos: bool, loop: asyncio.AbstractEventLoop) -> Handle:
+        """Queues one request; raises HpipeError when the pipeline failed. The caller has checked
+        the lengths against `max_model_len` and the queue against `max_queue`."""
+        index = next(self.next_index)
+        request = Request(index, f"req-{index}", tuple(input_ids), params, max_tokens,
+                          frozenset() if ignore_eos else self.eos, stop_ids)
+        handle = Handle(request, loop, asyncio.Queue())
+        with self.lock:
+            if self.failure is not None:
+                raise HpipeError(self.failure)
+            self.open[request.id] = handle
+        self.metrics.prompt_tokens += len(input_ids)
+        if not self.stage0.send_line(json.dumps({"op": "add", "request": request.to_json()})):
+            self._fail("stage 0 no longer takes requests")
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        """Ends a request now (its client went away): stage 0 frees its KV pages."""
+        with self.lock:
+            live = self.open.pop(handle.request.id, None) is not None
+        if live:
+            self.metrics.finished["abort"] += 1
+            if self.stage0 is not None:
+                self.stage0.send_line(json.dumps({"op": "abort", "index": handle.request.index}))
+
+    # ------------------------------------------------------------------ reports (the launch thread)
+    def on_ready(self, msg: dict) -> None:
+        self.info = msg
+        self.ready.set()
+
+    def on_tokens(self, items: list) -> None:
+        now = time.time()
+        with self.lock:
+            for rid, token in items:
+                h = self.open.get(rid)
+                if h is None:
+                    continue
+                if h.t_first is None:
+                    h.t_first = now
+                    self.metrics.ttft.observe(now - h.t_submit)
+                h.t_last = now
+                h.output.append(token)
+                self.metrics.generation_tokens += 1
+                h.put(("token", token))
+
+    def on_result(self, msg: dict) -> None:
+        with self.lock:
+            h = self.open.pop(msg["id"], None)
+        if h is None:
+            return
+        reason = msg.get("finish_reason") or "stop"
+        h.finish_reason = reason
+        self.metrics.finished[reason] += 1
+        n = len(h.output)
+        if n > 1 and h.t_first is not None:
+            self.metrics.tpot.observe((h.t_last - h.t_first) / (n - 1))
+        h.put(("end", reason))
+
+    def on_rejected(self, rid: str, message: str) -> None:
+        with self.lock:
+            h = self.open.pop(rid, None)
+        self.metrics.rejected += 1
+        if h is not None:
+            h.put(("error", message))
+
+    def on_stats(self, msg: dict) -> None:
+        for t, decode, prefill in msg.pop("microbatches", []):
+            self.metrics.microbatch_tokens.observe(decode + prefill)
+            self.metrics.microbatches.append((t, decode, prefill))
+        self.stats = msg
+
+    # ------------------------------------------------------------------ /metrics
+    def prometheus(self) -> str:
+        s, m = self.stats, self.metrics
+        lines = [
+            "# HELP hpipe_requests_waiting Requests queued at stage 0, not yet running.",
+            "# TYPE hpipe_requests_waiting gauge", f"hpipe_requests_waiting {s.get('waiting', 0)}",
+            "# HELP hpipe_requests_running Requests admitted (prefilling, decoding or preempted).",
+            "# TYPE hpipe_requests_running gauge", f"hpipe_requests_running {s.get('running', 0)}",
+            "# HELP hpipe_requests_open Requests the server is answering.",
+            "# TYPE hpipe_requests_open gauge", f"hpipe_requests_open {self.load()}",
+            "# HELP hpipe_kv_pages_used KV pages held by sequences (every stage holds the same table).",
+            "# TYPE hpipe_kv_pages_used gauge", f"hpipe_kv_pages_used {s.get('pages_used', 0)}",
+            "# HELP hpipe_kv_pages_free KV pages free.",
+            "# TYPE hpipe_kv_pages_free gauge",
+            f"hpipe_kv_pages_free {s.get('pages_free', self.info.get('kv_pages', 0))}",
+            "# HELP hpipe_preemptions_total Sequences preempted for KV pages (recomputed later).",
+            "# TYPE hpipe_preemptions_total counter", f"hpipe_preemptions_total {s.get('preemptions', 0)}",
+            "# HELP hpipe_prompt_tokens_total Prompt tokens submitted.",
+            "# TYPE hpipe_prompt_tokens_total counter", f"hpipe_prompt_tokens_total {m.prompt_tokens}",
+            "# HELP hpipe_generation_tokens_total Tokens generated.",
+            "# TYPE hpipe_generation_tokens_total counter", f"hpipe_generation_tokens_total {m.generation_tokens}",
+            "# HELP hpipe_requests_finished_total Requests finished, by reason.",
+            "# TYPE hpipe_requests_finished_total counter",
+        ]
+        lines += [f'hpipe_requests_finished_total{{finish_reason="{k}"}} {v}' for k, v in sorted(m.finished.items())]
+        lines += ["# HELP hpipe_time_to_first_token_seconds Time from arrival to the first token.",
+                  "# TYPE hpipe_time_to_first_token_seconds histogram", *m.ttft.lines("hpipe_time_to_first_token_seconds"),
+                  "# HELP hpipe_time_per_output_token_seconds Mean time between a request's tokens.",
+                  "# TYPE hpipe_time_per_output_token_seconds histogram",
+                  *m.tpot.lines("hpipe_time_per_output_token_seconds"),
+                  "# HELP hpipe_microbatch_tokens Tokens per micro-batch (decode + prefill).",
+                  "# TYPE hpipe_microbatch_tokens histogram",
+                  *m.microbatch_tokens.lines("hpipe_microbatch_tokens", f'policy="{self.settings.policy}"')]
+        return "\n".join(lines) + "\n"
+

@@ -1,0 +1,278 @@
+"""`hpipe serve` on 2 local stages of the real default model (SmolLM2-135M-Instruct), talked to with
+the real `openai` client: chat and completions, streaming and not, against `hpipe launch` and
+transformers' `generate`; concurrent clients; a dropped client's pages; every bad input; a killed
+stage."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from hpipe import models
+from hpipe.cli import main
+from hpipe.net import free_port
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-123"
+NEW_TOKENS = 12
+COMPLETION = "The three primary colors are"
+CHAT = "Name a large animal."
+
+
+def request(base: str, method: str, path: str, body: bytes | None = None, key: str | None = KEY):
+    """(status, text) of one plain HTTP request."""
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=60)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=body, headers=headers)
+    resp = conn.getresponse()
+    out = resp.status, resp.read().decode()
+    conn.close()
+    return out
+
+
+def start_server(tmp: Path, plan: Path, *extra: str, key: str | None = KEY) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = tmp / f"serve-{port}.log"
+    cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port), "--max-model-len",
+           "512", "--kv-pages", "80", "--max-batch", "8", *extra]
+    if key:
+        cmd += ["--api-key", key]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"hpipe serve exited {proc.returncode}: {log.read_text()}")
+        try:
+            if request(base, "GET", "/health")[0] == 200:
+                return proc, base, log
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"hpipe serve did not come up: {log.read_text()}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def metric(base: str, name: str) -> float:
+    text = request(base, "GET", "/metrics")[1]
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    source = models.resolve_model("smollm2")
+    config = models.load_config(source.path)
+    tokenizer = models.load_tokenizer(source.path)
+    reference = AutoModelForCausalLM.from_pretrained(str(source.path)).eval()
+    tmp = tmp_path_factory.mktemp("serve")
+    plan = tmp / "plan.json"
+    assert main(["plan", "--model", "smollm2", "--stages", "2", "-o", str(plan)]) == 0
+    eos = models.eos_token_ids(source.path, config)
+    return tmp, plan, tokenizer, reference, eos
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    tmp, plan = smollm2[0], smollm2[1]
+    proc, base, log = start_server(tmp, plan, "--max-queue", "4")
+    yield base
+    stop_server(proc)
+    assert proc.returncode in (0, 130), log.read_text()
+
+
+def client(base: str, key: str | None = KEY, retries: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key or "none", max_retries=retries, timeout=120)
+
+
+def transformers_text(smollm2, ids: list[int]) -> str:
+    _, _, tokenizer, reference, eos = smollm2
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def launch_texts(smollm2, prompts: list[dict]) -> dict[str, str]:
+    tmp, plan = smollm2[0], smollm2[1]
+    out = tmp / f"launch-{time.time_ns()}.jsonl"
+    prompts_file = tmp / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
+                 "--max-new-tokens", str(NEW_TOKENS), "--quiet"]) == 0
+    return {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_greedy_text_equals_launch_and_transformers(server, smollm2):
+    tokenizer = smollm2[2]
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == ["smollm2"]
+    done = c.completions.create(model="smollm2", prompt=COMPLETION, max_tokens=NEW_TOKENS, temperature=0)
+    chat = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": CHAT}],
+                                     max_tokens=NEW_TOKENS, temperature=0)
+    launched = launch_texts(smollm2, [{"id": "c", "prompt": COMPLETION, "raw": True}, {"id": "m", "prompt": CHAT}])
+    chat_ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True,
+                                             tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    assert done.choices[0].text == launched["c"] == transformers_text(smollm2, tokenizer(COMPLETION)["input_ids"])
+    assert chat.choices[0].message.content == launched["m"] == transformers_text(smollm2, list(chat_ids))
+    assert done.usage.prompt_tokens == len(tokenizer(COMPLETION)["input_ids"])
+    assert done.usage.completion_tokens <= NEW_TOKENS and chat.choices[0].message.role == "assistant"
+    assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_gives_the_same_text(server):
+    c = client(server)
+    whole = c.completions.create(model="smollm2", prompt=COMPLETION, max_tokens=NEW_TOKENS, temperature=0)
+    pieces, usage, finish = [], None, None
+    for ev in c.completions.create(model="smollm2", prompt=COMPLETION, max_tokens=NEW_TOKENS, temperature=0,
+                                   stream=True, stream_options={"include_usage": True}):
+        if ev.usage:
+            usage = ev.usage
+        for ch in ev.choices:
+            pieces.append(ch.text)
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].text and finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    chat_whole = c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": CHAT}],
+                                           max_tokens=NEW_TOKENS, temperature=0).choices[0].message.content
+    deltas = [ch.delta.content or "" for ev in c.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": CHAT}], max_tokens=NEW_TOKENS, temperature=0,
+        stream=True) for ch in ev.choices]
+    assert "".join(deltas) == chat_whole
+
+
+def test_eight_concurrent_clients_are_all_answered(server, smollm2):
+    tokenizer = smollm2[2]
+    prompts = [f"Write one word about the number {k}:" for k in range(8)]
+    answers: dict[int, str] = {}
+
+    def ask(k):
+        answers[k] = client(server).completions.create(model="smollm2", prompt=prompts[k], max_tokens=NEW_TOKENS,
+                                                       temperature=0).choices[0].text
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(answers) == list(range(8))
+    for k, p in enumerate(prompts):   # batched with the others, each is still its own greedy answer
+        assert answers[k] == transformers_text(smollm2, tokenizer(p)["input_ids"]), k
+
+
+def test_bad_input_gets_its_status_and_message(server):
+    c = client(server)
+    cases = [
+        (dict(model="smollm2", prompt="hi", max_tokens=600), openai.BadRequestError, r"512 tokens.*600"),
+        (dict(model="smollm2", prompt="hi", n=2), openai.BadRequestError, r"'n' must be 1"),
+        (dict(model="gpt-9", prompt="hi"), openai.NotFoundError, r"gpt-9.*does not exist"),
+        (dict(model="smollm2", prompt="hi", temperature=7), openai.BadRequestError, r"'temperature' must be in"),
+        (dict(model="smollm2", prompt="hi", top_p="x"), openai.BadRequestError, r"'top_p' must be a number"),
+        (dict(model="smollm2", prompt=[999999]), openai.BadRequestError, r"outside the vocabulary"),
+        (dict(model="smollm2", prompt="hi", logprobs=2), openai.BadRequestError, r"'logprobs' is not supported"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            c.completions.create(**kwargs)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
+        c.chat.completions.create(model="smollm2", messages=[{"role": "wizard", "content": "x"}])
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        client(server, key="wrong").models.list()
+    status, text = request(server, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
+    status, text = request(server, "POST", "/v1/completions", json.dumps({"model": "smollm2", "prompt": "x"}).encode(),
+                        key=None)
+    assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
+    assert request(server, "GET", "/health")[0] == 200            # still up
+
+
+def test_dropped_clients_free_their_pages_and_a_full_queue_gets_429(server):
+    """12 long streams fill the 8 running sequences and the queue of 4: the 13th request gets 429.
+    The clients then drop their connections: every request is aborted and its pages freed."""
+    body = json.dumps({"model": "smollm2", "prompt": "Count from one to a thousand:", "max_tokens": 400,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    streams = []
+    for _ in range(12):
+        conn = http.client.HTTPConnection(server.removeprefix("http://"), timeout=60)
+        conn.request("POST", "/v1/completions", body=body, headers={"Authorization": f"Bearer {KEY}",
+                                                                     "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        streams.append((conn, resp))
+    assert streams[0][1].readline().startswith(b"data:")      # tokens are flowing
+    deadline = time.time() + 60
+    while metric(server, "hpipe_kv_pages_used") == 0 and time.time() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "hpipe_kv_pages_used") > 0
+    with pytest.raises(openai.RateLimitError, match="retry later"):
+        client(server).completions.create(model="smollm2", prompt="hi", max_tokens=4)
+    for conn, resp in streams:       # the clients go away mid-stream
+        conn.sock.close()
+        conn.close()
+    deadline = time.time() + 30
+    while (metric(server, "hpipe_kv_pages_used") or metric(server, "hpipe_requests_running")) \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    assert metric(server, "hpipe_kv_pages_used") == 0 and metric(server, "hpipe_requests_running") == 0
+    assert metric(server, "hpipe_requests_open") == 0
+    assert 'finish_reason="abort"' in request(server, "GET", "/metrics")[1]
+    assert client(server).completions.create(model="smollm2", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_a_killed_stage_fails_open_requests_and_stops_the_server(smollm2):
+    tmp, plan = smollm2[0], smollm2[1]
+    proc, base, log = start_server(tmp, plan, key=None)
+    try:
+        c = client(base)
+        stream = c.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=400, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        events = iter(stream)
+        next(events)
+        worker = next(pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+                      if _is_stage(pid, proc.pid, 1))
+        os.kill(worker, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="stage 1 .*failed: killed by SIGKILL"):
+            for _ in events:
+                pass
+        assert proc.wait(timeout=60) == 2
+        errors = [line for line in log.read_text().splitlines() if line.startswith("hpipe: error:")]
+        assert len(errors) == 1 and "stage 1" in errors[0] and "SIGKILL" in errors[0], log.read_text()
+        assert "Traceback" not in log.read_text()
+    finally:
+        stop_server(proc)
+
+
+def _is_stage(pid: int, parent: int, rank: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    ppid = int(stat.rsplit(")", 1)[1].split()[1])
+    return ppid == parent and b"hpipe.runtime.worker" in cmd and cmd[cmd.index(b"--rank") + 1] == str(rank).encode()
