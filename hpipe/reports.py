@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 MARKER = "@@hpipe "
+_LOCK = threading.Lock()     # a serving worker reports from several threads: whole lines only
 
 
 def emit(kind: str, **data) -> None:
-    sys.stdout.write(MARKER + json.dumps({"type": kind, **data}) + "\n")
-    sys.stdout.flush()
+    line = MARKER + json.dumps({"type": kind, **data}) + "\n"
+    with _LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def parse(line: str) -> dict | None:

@@ -160,37 +160,49 @@ def chat_ids(body: dict, tokenizer) -> list[int]:
 
 # ---------------------------------------------------------------------------------------- text out
 class TextStream:
-    """Token ids -> text as it becomes final: no half characters, nothing that may start a stop string."""
+    """Token ids -> text as it becomes final (incremental detokenization, as vLLM does: each token is
+    decoded with a few tokens before it, never the whole output again), holding back what may be the
+    start of a stop string and anything that ends in half a character."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.ids: list[int] = []
+        self.prefix, self.read = 0, 0          # ids[prefix:read] were decoded last time (context for the next)
+        self.text = ""
         self.sent = 0
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.stopped = False
+        self.tokens_used = 0                   # tokens up to the one that completed a stop string
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        hits = [text.find(s, max(0, self.sent - len(s))) for s in self.stops]
-        hits = [h for h in hits if h >= 0]
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        hits = [h for h in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if h >= 0]
         if hits:
             self.stopped = True
-            return self._take(text, min(hits))
-        return self._take(text, len(text) - self.hold)
+            self.tokens_used = len(self.ids)
+            return self._take(min(hits))
+        return self._take(len(self.text) - self.hold)
 
     def finish(self) -> str:
         if self.stopped:
             return ""
-        return self._take(self.tokenizer.decode(self.ids, skip_special_tokens=True), None)
+        if self.read < len(self.ids):     # a trailing half character: whatever the tokenizer makes of it
+            self.text += self._decode(self.ids[self.prefix:])[len(self._decode(self.ids[self.prefix:self.read])):]
+            self.read = len(self.ids)
+        return self._take(len(self.text))
 
-    def _take(self, text: str, end: int | None) -> str:
-        end = len(text) if end is None else end
+    def _take(self, end: int) -> str:
         if end <= self.sent:
             return ""
-        out, self.sent = text[self.sent:end], end
+        out, self.sent = self.text[self.sent:end], end
         return out
 
 
@@ -290,18 +302,23 @@ def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: 
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await whole_answer(request, handle, text, rid, chat)
 
-    async def next_event(request: Request, handle: Handle):
-        """The request's next event, or None once its client has gone (the request is aborted)."""
+    async def next_event(request: Request, handle: Handle, clock: dict):
+        """The request's next event, or None once its client has gone (the request is aborted). The
+        connection is checked every half second, whether tokens flow or not."""
         while True:
-            try:
-                return await asyncio.wait_for(handle.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
+            if time.monotonic() - clock.setdefault("checked", time.monotonic()) > 0.5:
+                clock["checked"] = time.monotonic()
                 if await request.is_disconnected():
                     engine.abort(handle)
                     return None
+            try:
+                return await asyncio.wait_for(handle.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
 
-    def usage(handle: Handle) -> dict:
-        p, c = len(handle.request.input_ids), len(handle.output)
+    def usage(handle: Handle, text: TextStream) -> dict:
+        p = len(handle.request.input_ids)
+        c = text.tokens_used if text.stopped else len(handle.output)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def chunk(rid: str, chat: bool, piece: str | None, finish: str | None, first: bool = False) -> dict:
@@ -318,12 +335,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: 
 
     async def stream_events(request: Request, handle: Handle, text: TextStream, rid: str, chat: bool,
                             with_usage: bool):
-        done = False
+        done, clock = False, {}
         try:
             if chat:
                 yield sse(chunk(rid, chat, None, None, first=True))
             while True:
-                event = await next_event(request, handle)
+                event = await next_event(request, handle, clock)
                 if event is None:
                     return
                 kind, value = event
@@ -335,7 +352,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: 
                 if kind == "token":
                     piece = text.add(value)
                     if text.stopped:
-                        engine.abort(handle)
+                        engine.abort(handle, "stop")
                         done = True
                         if piece:
                             yield sse(chunk(rid, chat, piece, None))
@@ -352,17 +369,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: 
                 break
             if with_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": int(time.time()), "model": model_name, "choices": [], "usage": usage(handle)})
+                           "created": int(time.time()), "model": model_name, "choices": [],
+                           "usage": usage(handle, text)})
             yield "data: [DONE]\n\n"
         finally:
             if not done:           # the client went away (or the server stops): free its pages now
                 engine.abort(handle)
 
     async def whole_answer(request: Request, handle: Handle, text: TextStream, rid: str, chat: bool):
-        out, finish = [], "stop"
+        out, finish, clock = [], "stop", {}
         try:
             while True:
-                event = await next_event(request, handle)
+                event = await next_event(request, handle, clock)
                 if event is None:
                     return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
                                         status_code=499)
@@ -373,7 +391,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: 
                 if kind == "token":
                     out.append(text.add(value))
                     if text.stopped:
-                        engine.abort(handle)
+                        engine.abort(handle, "stop")
                         break
                     continue
                 out.append(text.finish())
@@ -391,7 +409,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: 
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice],
-                "usage": usage(handle)}
+                "usage": usage(handle, text)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

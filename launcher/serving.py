@@ -203,10 +203,10 @@ class Engine:
             self.open.clear()
         for h in handles:
             h.put(("error", "the server is shutting down"))
-        if self.stage0 is not None:
-            self.stage0.send_line(json.dumps({"op": "close"}))
+        if self.stage0 is not None:      # the aborts first: stage 0 stops reading at "close"
             for h in handles:
                 self.stage0.send_line(json.dumps({"op": "abort", "index": h.request.index}))
+            self.stage0.send_line(json.dumps({"op": "close"}))
         if self.thread is not None:
             self.thread.join(timeout=20)
         if self.thread is not None and self.thread.is_alive():
@@ -241,15 +241,18 @@ class Engine:
             self.open[request.id] = handle
         self.metrics.prompt_tokens += len(input_ids)
         if not self.stage0.send_line(json.dumps({"op": "add", "request": request.to_json()})):
-            self._fail("stage 0 no longer takes requests")
+            with self.lock:           # the stage's own cause follows from the launcher
+                self.open.pop(request.id, None)
+            raise HpipeError("stage 0 no longer takes requests")
         return handle
 
-    def abort(self, handle: Handle) -> None:
-        """Ends a request now (its client went away): stage 0 frees its KV pages."""
+    def abort(self, handle: Handle, reason: str = "abort") -> None:
+        """Ends a request now (its client went away, or a stop string matched: `reason` "stop"):
+        stage 0 frees its KV pages."""
         with self.lock:
             live = self.open.pop(handle.request.id, None) is not None
         if live:
-            self.metrics.finished["abort"] += 1
+            self.metrics.finished[reason] += 1
             if self.stage0 is not None:
                 self.stage0.send_line(json.dumps({"op": "abort", "index": handle.request.index}))
 

@@ -82,6 +82,7 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
         for state in sched.on_sampled(done_mb.id, ids):
             finished[state.request.index] = state
     assert not committed and not pipe
+    assert sched.preemptions == 0, "a pool sized for every sequence never preempts"
     for r in requests:
         state = finished[r.index]
         out = produced[r.index]

@@ -276,3 +276,25 @@ def _is_stage(pid: int, parent: int, rank: int) -> bool:
         return False
     ppid = int(stat.rsplit(")", 1)[1].split()[1])
     return ppid == parent and b"hpipe.runtime.worker" in cmd and cmd[cmd.index(b"--rank") + 1] == str(rank).encode()
+
+
+def test_text_stream_is_the_whole_decode_and_stops_at_stop_strings(smollm2):
+    """Incremental detokenization gives exactly the whole output's decode (multi-byte characters
+    included), and a stop string cuts the text where it starts, even across tokens."""
+    from hpipe.launcher.api import TextStream
+    tokenizer = smollm2[2]
+    text = "Déjà vu — naïve café 🚀 über straße: 12,345 tokens; «quoted» end."
+    ids = tokenizer(text)["input_ids"]
+    stream = TextStream(tokenizer, [])
+    assert "".join(stream.add(t) for t in ids) + stream.finish() == tokenizer.decode(ids, skip_special_tokens=True)
+    for stop in ("café", "🚀 ü", "345 tok", "nowhere"):
+        stream = TextStream(tokenizer, [stop])
+        out = ""
+        for t in ids:
+            out += stream.add(t)
+            if stream.stopped:
+                break
+        out += stream.finish()
+        whole = tokenizer.decode(ids, skip_special_tokens=True)
+        assert out == (whole[:whole.index(stop)] if stop in whole else whole), stop
+        assert stream.stopped == (stop in whole)

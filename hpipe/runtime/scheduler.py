@@ -302,20 +302,28 @@ class Scheduler:
                 budget = self.policy.min_prefill
         budget = min(budget, self.max_tokens - decode_tokens)
         segments, ids = [], []
-        for i, st in enumerate(prefilling):
+        size = self.pool.page_size
+        # vLLM's watermark: a page kept free for each running decoder's next step, so that a prompt
+        # does not take the pages decoders need and then lose them (and its work) to a preemption
+        reserve = sum(1 for st in self.active if st.prefilled and st.finish_reason is None and not st.preempting)
+        waiting_new, leader = False, True
+        for st in prefilling:
             if budget <= 0:
                 break
-            n = min(budget, len(st.tokens) - st.pos)
-            room = (len(st.pages) + len(self.pool.free)) * self.pool.page_size - st.pos
-            n = min(n, room)
+            free = len(self.pool.free) - reserve
+            if not st.pages:     # a prompt starts only when all of it fits beside the running decoders, in order
+                if waiting_new or pages_needed(len(st.tokens), size) > free:
+                    waiting_new = True
+                    continue
+            if leader and st.pages:     # the oldest prompt under way always gets on: the reserve, then preemption
+                free = len(self.pool.free)
+                if (len(st.pages) + free) * size <= st.pos:
+                    self._preempt_for(st)
+                    free = len(self.pool.free)
+            n = min(budget, len(st.tokens) - st.pos, (len(st.pages) + max(0, free)) * size - st.pos)
             if n <= 0 or not self._grow(st, st.pos + n):
-                if i > 0:
-                    break
-                self._preempt_for(st)   # the oldest prompt always gets on: pages come from the latest sequence
-                room = (len(st.pages) + len(self.pool.free)) * self.pool.page_size - st.pos
-                n = min(n, room) if n > 0 else min(budget, len(st.tokens) - st.pos, room)
-                if n <= 0 or not self._grow(st, st.pos + n):
-                    break
+                break
+            leader = False
             sample = st.pos + n == len(st.tokens)
             segments.append(Segment(st.request.index, st.slot, st.pos, n, sample=sample, prefill=True,
                                     pages=tuple(st.pages)))

@@ -316,7 +316,7 @@ def read_requests_from_stdin(driver: Driver) -> None:
             continue
         try:
             msg = json.loads(line)
-            op = msg.get("op")
+            op = msg.get("op") if isinstance(msg, dict) else None
             if op == "add":
                 request = Request.from_json(msg["request"])
                 try:
@@ -329,7 +329,7 @@ def read_requests_from_stdin(driver: Driver) -> None:
                 break
             else:
                 log(f"stage 0: unknown request line {line[:80]!r}")
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             log(f"stage 0: bad request line ({e}): {line[:80]!r}")
     driver.close()
 
