@@ -160,18 +160,23 @@ class JobOutput:
         if msg is None:
             return False
         kind = msg.pop("type", None)
-        if kind == "result":
-            text = self.tokenizer.decode(msg["output_ids"], skip_special_tokens=True) if self.tokenizer else None
-            record = {"id": msg["id"], "output_ids": msg["output_ids"], "text": text, **msg}
-            formats.append_result(self.out_path, record)
-            self.results.append(record)
-        elif kind == "timeline":
+        if kind == "timeline":
             self.timelines[msg["rank"]] = msg
         elif kind == "summary":
             self.summary = msg
         elif kind == "error":
             self.errors[rank] = msg.get("message", "")
+        else:
+            self.take_report(kind, msg)
         return True
+
+    def take_report(self, kind: str | None, msg: dict) -> None:
+        """A batch job's own reports: each finished prompt goes to the results file."""
+        if kind == "result":
+            text = self.tokenizer.decode(msg["output_ids"], skip_special_tokens=True) if self.tokenizer else None
+            record = {"id": msg["id"], "output_ids": msg["output_ids"], "text": text, **msg}
+            formats.append_result(self.out_path, record)
+            self.results.append(record)
 
 
 def busy_fractions(timelines: dict[int, dict]) -> dict[int, float]:

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 
 from hpipe.errors import HpipeError
 from hpipe.launcher.cluster import launch_cluster
-from hpipe.launcher.jobs import LaunchSettings, PreparedJob
+from hpipe.launcher.jobs import JobOutput, LaunchSettings, PreparedJob
 from hpipe.launcher.local import launch_local
-from hpipe.reports import parse
 from hpipe.request import Request, SamplingParams
 
 __all__ = ["Engine", "Handle", "Metrics"]
@@ -83,24 +82,18 @@ class Metrics:
     microbatches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50_000))
 
 
-class ServeOutput:
-    """Takes the workers' report lines (the surface `watch_workers` expects of `JobOutput`)."""
+class ServeOutput(JobOutput):
+    """The workers' reports while serving: tokens, results, stats and readiness go to the engine;
+    timelines, the summary and errors are kept as for a batch job."""
 
     def __init__(self, engine: Engine):
+        super().__init__(out_path="", tokenizer=None)
         self.engine = engine
-        self.results: list = []           # ids answered (the launcher's failure line counts them)
-        self.errors: dict[int, str] = {}
-        self.timelines: dict[int, dict] = {}
-        self.summary: dict | None = None
 
     def done_line(self) -> str:
         return f"{len(self.results)} requests had been answered"
 
-    def take(self, rank: int, line: str) -> bool:
-        msg = parse(line)
-        if msg is None:
-            return False
-        kind = msg.pop("type", None)
+    def take_report(self, kind: str | None, msg: dict) -> None:
         e = self.engine
         if kind == "tokens":
             e.on_tokens(msg["items"])
@@ -113,13 +106,6 @@ class ServeOutput:
             e.on_ready(msg)
         elif kind == "rejected":
             e.on_rejected(msg["id"], msg.get("message", "rejected"))
-        elif kind == "timeline":
-            self.timelines[msg["rank"]] = msg
-        elif kind == "summary":
-            self.summary = msg
-        elif kind == "error":
-            self.errors[rank] = msg.get("message", "")
-        return True
 
 
 class Engine:

@@ -229,6 +229,21 @@ def slices_in_tokens(units: list[int], g: int, seq_len: int) -> list[int]:
     return out
 
 
+def slicings_by_length(cost: CostModel, cuts: list[int], seq_len: int, g: int, n_stages: int,
+                       overlap: bool = False) -> dict[int, tuple[int, ...]]:
+    """Algorithm 2 for every prompt length up to seq_len in steps of g tokens, with these cuts: what
+    the runtime needs to give a prompt of any length its latency-optimal slicing (the table's next
+    longer entry, its last slice cut at the prompt's end). One tau table serves every length: the
+    cost of a slice depends on its size and context, not on the prompt's length."""
+    tau = slice_time_table(cost, cuts, seq_len, g, overlap=overlap)
+    table = {}
+    for n in range(1, -(-seq_len // g) + 1):
+        length = min(n * g, seq_len)
+        units = slice_sequence(tau[: n + 1, : n + 1], n_stages).lengths
+        table[length] = tuple(slices_in_tokens(units, g, length))
+    return table
+
+
 @dataclass(frozen=True)
 class PlanResult:
     plan: formats.Plan           # what `hpipe plan` writes (its `predicted` holds the figures below)
@@ -320,8 +335,10 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     }
     if all(e.get("decode") for e in cost.entries):
         predicted["decode"] = decode_prediction(cost, cuts, batch, seq_len, new_tokens)
-    if not fixed:
-        slicing = formats.Slicing(count=len(slices), granularity=granularity, by_seq_len={seq_len: tuple(slices)})
+    if not fixed:     # every shorter prompt gets its own Algorithm 2 slicing too (serving: any length comes)
+        table = slicings_by_length(cost, cuts, seq_len, granularity, d, overlap)
+        slicing = formats.Slicing(count=len(slices), granularity=granularity,
+                                  by_seq_len={**table, seq_len: tuple(slices)})
     identity = formats.ModelIdentity(name=model_name, family=config.model_type, units=n_units,
                                      blocks=models.num_blocks(config), fingerprint=models.fingerprint(config))
     stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]))

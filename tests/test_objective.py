@@ -72,3 +72,20 @@ def test_objective_needs_a_profile_and_a_known_name(setup, tmp_path):
                  str(tmp_path / "p.json")]) == 2
     with pytest.raises(formats.HpipeError, match="--objective 'speed'"):
         plan(setup, "speed")
+
+
+def test_the_plan_carries_algorithm_2_for_every_prompt_length(setup):
+    """Serving: a prompt of any length gets HPipe's latency-optimal slicing. The plan's table holds,
+    for every length up to --seq-len in steps of the granularity, exactly what Algorithm 2 gives
+    when run for that length alone, and the runtime's lookup cuts a shorter prompt from the next
+    entry."""
+    from hpipe.planner.profiled import slice_time_table, slices_in_tokens
+    from hpipe.planner.slicing import slice_sequence
+    result = plan(setup, "prefill", seq_len=320, batch=1)
+    table = result.plan.slicing.by_seq_len
+    assert sorted(table) == list(range(16, 321, 16))
+    for length in (16, 48, 160, 304):
+        alone = slice_sequence(slice_time_table(result.cost, result.cuts, length, 16), 2).lengths
+        assert list(table[length]) == slices_in_tokens(alone, 16, length), length
+    got = result.plan.slicing.slices_for(150)
+    assert sum(got) == 150 and got[:-1] == list(table[160][:len(got) - 1])
