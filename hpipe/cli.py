@@ -389,6 +389,7 @@ def serve(
         raise HpipeError(f"--port must be in 1..65535, got {port}")
     if max_queue < 0 or max_model_len < 0:
         raise HpipeError("--max-queue and --max-model-len must be >= 0")
+    _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
     inventory = formats.load_inventory(cluster) if cluster else None
     policy_args = {k: v for k, v in (("iterations", iterations), ("max_prefill", max_prefill),
                                      ("min_prefill", min_prefill), ("budget", budget)) if v}
@@ -429,6 +430,21 @@ def serve(
         engine.close()
     if engine.failure is not None:     # a stage failed (a shutdown asked for is not a failure)
         raise HpipeError(engine.failure)
+
+
+def _check_listen(host: str, port: int) -> None:
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise HpipeError(f"--host {host!r}: cannot resolve it ({e})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise HpipeError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
 
 
 def _print_launch(summary: dict, out: str) -> None:

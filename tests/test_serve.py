@@ -298,3 +298,14 @@ def test_text_stream_is_the_whole_decode_and_stops_at_stop_strings(smollm2):
         whole = tokenizer.decode(ids, skip_special_tokens=True)
         assert out == (whole[:whole.index(stop)] if stop in whole else whole), stop
         assert stream.stopped == (stop in whole)
+
+
+def test_a_taken_port_is_one_line_before_any_stage_starts(smollm2, capsys):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert main(["serve", str(smollm2[1]), "--local", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "starting" not in err
