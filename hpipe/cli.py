@@ -362,6 +362,9 @@ def serve(
                                "CPU stage)"),
     max_batch: int = typer.Option(16, "--max-batch", help="sequences running at once"),
     max_queue: int = typer.Option(256, "--max-queue", help="requests waiting beyond --max-batch before 429"),
+    sampling: str = typer.Option("auto", "--sampling", help="inline (the last stage's sampler thread), cpu (a pool "
+                                 "of sampler processes, SiPipe) or auto (cpu when the last stage is a GPU)"),
+    sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     max_model_len: int = typer.Option(0, "--max-model-len", help="longest prompt + output (0: the model's context)"),
     kv_pages: int = typer.Option(0, "--kv-pages", help="KV pages per stage (0: what free memory allows)"),
     page_size: int = typer.Option(16, "--page-size", help="tokens per KV page"),
@@ -395,7 +398,8 @@ def serve(
                                      ("min_prefill", min_prefill), ("budget", budget)) if v}
     if kv_thresh >= 0:
         policy_args["kv_thresh"] = kv_thresh
-    settings = launcher.LaunchSettings(max_batch=max_batch, sampling="inline", tsem=not no_tsem,
+    settings = launcher.LaunchSettings(max_batch=max_batch, sampling=sampling, sampler_procs=sampler_procs,
+                                       tsem=not no_tsem,
                                        cuda_graphs=not no_cuda_graphs, static_decode=static_decode,
                                        prepare_thread=prepare_thread, policy=policy, policy_args=policy_args,
                                        kv_pages=kv_pages, page_size=page_size, serve=True,

@@ -101,7 +101,9 @@ def smollm2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(smollm2):
     tmp, plan = smollm2[0], smollm2[1]
-    proc, base, log = start_server(tmp, plan, "--max-queue", "4")
+    # requests join the sampler process pool (SiPipe) as they come; the killed-stage test below
+    # serves with the default, the last stage's sampler thread
+    proc, base, log = start_server(tmp, plan, "--max-queue", "4", "--sampling", "cpu", "--sampler-procs", "2")
     yield base
     stop_server(proc)
     assert proc.returncode in (0, 130), log.read_text()

@@ -465,3 +465,48 @@ def test_preflight_refuses_missing_devices_and_other_versions(cluster, tmp_path)
     line = error_line(hpipe("cluster", "check", inv, cwd=tmp_path))
     assert "host h1" in line and "hpipe 0.0.1 there" in line and "host h0" not in line, line
     assert nothing_running(cluster) == []
+
+
+@pytest.mark.slow
+def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, plan_and_prompts, tmp_path):
+    """`hpipe serve --cluster`: requests reach stage 0 through its remote wrapper's stdin; greedy
+    answers (streamed and not) equal `hpipe launch --cluster`'s, and Ctrl-C stops every host."""
+    import openai
+
+    from hpipe.net import free_port
+    plan, _ = plan_and_prompts
+    questions = ["What is the capital of France?", "Name three colours."]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(questions)))
+    out = tmp_path / "o.jsonl"
+    hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", out,
+          "--max-new-tokens", "12", "--quiet", cwd=tmp_path, check=True)
+    launched = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(plan), "--cluster",
+                             str(cluster.inventory_path), "--port", str(port), "--max-model-len", "512",
+                             "--kv-pages", "64"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        deadline = time.time() + 240
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.5)
+        whole = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": questions[0]}],
+                                               max_tokens=12, temperature=0).choices[0].message.content
+        streamed = "".join(ch.delta.content or "" for ev in client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": questions[1]}], max_tokens=12, temperature=0,
+            stream=True) for ch in ev.choices)
+        assert whole == launched["q0"] and streamed == launched["q1"]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert wait_until_clean(cluster, 2.0) == [], (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

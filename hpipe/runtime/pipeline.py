@@ -471,6 +471,8 @@ class Sampling:
 
     def submit(self, mb_id: int, out: torch.Tensor, segments: list[Segment], events: list) -> None:
         if self.pool is not None:
+            if events and self.apply_events is not None:   # queued to the pool's processes before the rows
+                self.apply_events(events)
             self.pool.submit(mb_id, out, self.rows_of(out, segments))
         elif self.queue is not None:
             self.queue.put((mb_id, out, segments, events))

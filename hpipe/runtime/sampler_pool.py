@@ -9,12 +9,16 @@ write next and takes the following slot's lock before releasing the one it has j
 A slot is rewritten only after the collector has taken its ids (at most N micro-batches wait).
 Every sampler process reads every slot and samples the rows of the sequences it owns
 (seq % processes == its index), each with its own hpipe.sampling.RequestSampler, so a
-sequence's penalty state and generator live in exactly one process.
+sequence's penalty state and generator live in exactly one process. Serving, requests join and
+leave while the pool runs: `admit` and `release` go to the owning process's queue before the
+micro-batch that needs them is submitted, and a process that meets a row of a sequence it has not
+been told of waits for its admission.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 
@@ -26,13 +30,31 @@ from hpipe.sampling import RequestSampler
 _POLL_S = 0.0002
 
 
-def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop, config: dict) -> None:
+def _take_events(sampler: RequestSampler, events, block_for: set | None, stop) -> None:
+    """Applies the admissions and releases queued for this process; with block_for, waits until
+    every sequence in it is known."""
+    while True:
+        try:
+            kind, what = events.get(timeout=0.1) if block_for else events.get_nowait()
+        except queue.Empty:
+            if not block_for or stop.is_set():
+                return
+            continue
+        if kind == "admit":
+            sampler.admit(what)
+        else:
+            sampler.release(what)
+        if block_for is not None:
+            block_for.discard(what.index if kind == "admit" else what)
+
+
+def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop, config: dict, events) -> None:
     tie_to_parent("sampler process", config["parent"])
     torch.set_num_threads(config["threads"])
     logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
     n_slots = logits.shape[0]
     mine = {s: r for s, r in config["requests"].items() if s % n_procs == index}
-    sampler = RequestSampler(mine, logits.shape[2], config["max_batch"])
+    sampler = RequestSampler(mine, logits.shape[2], config["max_batch"], max_len=config.get("max_len"))
     m = 0
     while not stop.is_set():
         k = m % n_slots
@@ -45,6 +67,10 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
             continue
         row_seqs = seqs[k, :n].tolist()
         rows = [r for r, s in enumerate(row_seqs) if s % n_procs == index]
+        _take_events(sampler, events, None, stop)
+        unknown = {row_seqs[r] for r in rows} - set(sampler.requests) - sampler.finished
+        if unknown:          # its admission was queued before this micro-batch: it is on its way
+            _take_events(sampler, events, unknown, stop)
         ids = sampler.sample(logits[k, rows], [row_seqs[r] for r in rows]) if rows else []
         if rows:
             out[k, rows] = torch.tensor(ids, dtype=torch.long)
@@ -55,7 +81,7 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
 
 class SamplerPool:
     def __init__(self, vocab_size: int, max_rows: int, requests: dict, max_batch: int, send, n_procs: int = 1,
-                 n_slots: int = 4, threads: int = 1, errors: list | None = None):
+                 n_slots: int = 4, threads: int = 1, errors: list | None = None, max_len: int | None = None):
         """send(mb_id, ids, seqs) is called by the collector thread for every micro-batch, in order;
         a failure is also appended to `errors` (the stage's executors stop on it)."""
         ctx = torch.multiprocessing.get_context("spawn")
@@ -70,9 +96,11 @@ class SamplerPool:
         self.locks = [ctx.Lock() for _ in range(n_slots)]
         self.done_sems = [ctx.Semaphore(0) for _ in range(n_slots)]   # one release per process per micro-batch
         self.stop_event = ctx.Event()
-        config = {"threads": threads, "requests": requests, "max_batch": max_batch, "parent": os.getpid()}
+        config = {"threads": threads, "requests": requests, "max_batch": max_batch, "parent": os.getpid(),
+                  "max_len": max_len}
+        self.events = [ctx.Queue() for _ in range(n_procs)]      # serving: admissions and releases, per owner
         self.procs = [ctx.Process(target=_sampler_main, args=(i, n_procs, self.shared, self.locks, self.done_sems,
-                                                               self.stop_event, config), daemon=True,
+                                                               self.stop_event, config, self.events[i]), daemon=True,
                                   name=f"hpipe-sampler-{i}") for i in range(n_procs)]
         for p in self.procs:
             p.start()
@@ -85,6 +113,13 @@ class SamplerPool:
         self.cond = threading.Condition()
         self.collector = threading.Thread(target=self._collect, name="hpipe-sampler-collector", daemon=True)
         self.collector.start()
+
+    def admit(self, request) -> None:
+        """Serving: a request that joins, before the first micro-batch that samples it is submitted."""
+        self.events[request.index % self.n_procs].put(("admit", request))
+
+    def release(self, seq: int) -> None:
+        self.events[seq % self.n_procs].put(("release", seq))
 
     def submit(self, mb_id: int, logits: torch.Tensor, seqs: list[int]) -> None:
         """Writes one micro-batch's sampling rows into the ring and returns (the last stage goes on)."""

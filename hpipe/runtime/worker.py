@@ -180,11 +180,6 @@ def run(args) -> None:
     # 0.3 ms of a 30 ms step), so there the compute thread prepares between forwards
     prepare_thread = args.prepare_thread == "on" or (args.prepare_thread == "auto" and runner.device.type == "cuda")
     sampling = choose_sampling(args.sampling, stage_plan.device, args.world_size)
-    if args.serve and sampling == "cpu":
-        # the pool's processes take the job's requests when they start; requests that join later go
-        # to the last stage's own sampler (on a sampler thread, off the compute loop)
-        log(f"stage {args.rank}: serving samples on the last stage's sampler thread, not in a process pool")
-        sampling = "inline"
     options = Options(tsem=not args.no_tsem, sat=not args.no_sat or args.serve, prepare_thread=prepare_thread,
                       sampling=sampling, cuda_graphs=not args.no_cuda_graphs and runner.device.type == "cuda")
     policy = policy_for(args, [s.device for s in plan.stages])
@@ -246,11 +241,14 @@ def run(args) -> None:
         return ids
 
     def apply_events(events) -> None:
+        """Serving: requests that join or leave, before the micro-batch that follows them is sampled
+        (here, or queued to the pool's processes that own them)."""
         for kind, what in events:
             if kind == "admit":
-                sampler.admit(what)
+                by_index[what.index] = what
+                (pool or sampler).admit(what)
             else:
-                sampler.release(what)
+                (pool or sampler).release(what)
                 ended.add(what)
                 generated.pop(what, None)
                 by_index.pop(what, None)
@@ -265,9 +263,10 @@ def run(args) -> None:
     stage.allocate_buffers()
     pool = None
     if last and options.sampling == "cpu":
-        pool = SamplerPool(int(config.vocab_size), max(1, min(len(requests), 2 * args.max_batch)), by_index,
-                           min(len(requests), args.max_batch + args.world_size),
-                           send=send_from_pool, n_procs=args.sampler_procs, errors=stage.errors)
+        rows = 2 * args.max_batch if args.serve else max(1, min(len(requests), 2 * args.max_batch))
+        pool = SamplerPool(int(config.vocab_size), rows, by_index, max(1, columns),
+                           send=send_from_pool, n_procs=args.sampler_procs, errors=stage.errors,
+                           max_len=max_len if args.serve else None)
 
     dist.barrier(group=groups.ctrl)
     t_start = time.time()
