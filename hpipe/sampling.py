@@ -332,17 +332,31 @@ class RequestSampler:
     joins on its first sampled token and leaves when `Request.finish_reason` says it ended, so
     `max_batch` bounds the sequences in flight, not the whole job. A row of a sequence that already
     ended (a decode step the asynchronous runtime committed before the stop was known) gets id 0
-    and touches no state."""
+    and touches no state. Serving (`max_len` given), a finished request is forgotten FORGET_AFTER
+    sampling calls after it ended: rows of it can only come from micro-batches committed before its
+    end was known, a few micro-batches later at most."""
+
+    FORGET_AFTER = 1024
 
     def __init__(self, requests: dict[int, Request], vocab_size: int, max_batch: int, layout: str | None = None,
                  max_len: int | None = None):
         """max_len: the most tokens a request may generate (default: the longest of `requests`);
         serving passes the model's context, as requests join later (`admit`)."""
         self.requests = requests    # index -> Request
+        self.serving = max_len is not None
         max_len = max_len or max((r.max_new_tokens for r in requests.values()), default=1)
         self.cpu = CPUSampler(vocab_size, max_batch, max_len, layout=layout)
         self.counts: dict[int, int] = {}
-        self.finished: set[int] = set()
+        self.finished: dict[int, int] = {}     # seq -> the sampling call at which it ended
+        self.calls = self.pruned = 0
+
+    def _end(self, seq: int) -> None:
+        self.finished[seq] = self.calls
+        if self.serving:
+            self.requests.pop(seq, None)
+            if self.calls - self.pruned >= self.FORGET_AFTER:
+                self.pruned = self.calls
+                self.finished = {s: c for s, c in self.finished.items() if c > self.calls - self.FORGET_AFTER}
 
     def admit(self, request: Request) -> None:
         self.requests[request.index] = request
@@ -352,10 +366,11 @@ class RequestSampler:
         if seq in self.counts:
             self.cpu.remove(seq)
             del self.counts[seq]
-        self.finished.add(seq)
+        self._end(seq)
         self.requests.pop(seq, None)
 
     def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
+        self.calls += 1
         live = [i for i, s in enumerate(seqs) if s not in self.finished]
         if len(live) < len(seqs):
             out = [0] * len(seqs)
@@ -373,5 +388,5 @@ class RequestSampler:
             if self.requests[s].finish_reason(t, self.counts[s]):
                 self.cpu.remove(s)
                 del self.counts[s]
-                self.finished.add(s)
+                self._end(s)
         return ids

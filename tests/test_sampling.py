@@ -217,3 +217,27 @@ def test_a_leftover_row_after_a_stop_touches_nothing():
     assert sampler.sample(to_seven, [0]) == [0]        # its leftover step
     assert sampler.sample(to_seven, [1]) == [7]        # r0's column is free for r1
     assert sampler.sample(torch.cat([to_seven, to_eos]), [0, 1]) == [0, 3]
+
+
+def test_a_serving_sampler_forgets_ended_requests():
+    """Serving (requests admitted as they come): a request that ended or was released still gets
+    placeholder ids for its leftover rows, and is forgotten FORGET_AFTER sampling calls later, so
+    the sampler's memory does not grow with the requests served."""
+    from hpipe.request import Request
+    from hpipe.sampling import RequestSampler
+
+    sampler = RequestSampler({}, 16, max_batch=2, max_len=64)
+    to_eos, to_seven = torch.zeros(1, 16), torch.zeros(1, 16)
+    to_eos[0, 3] = to_seven[0, 7] = 10.0
+    n = 3 * RequestSampler.FORGET_AFTER
+    for i in range(n):
+        sampler.admit(Request(i, f"r{i}", (5,), SamplingParams(temperature=0.0), max_new_tokens=5,
+                              eos_ids=frozenset([3])))
+        assert sampler.sample(to_eos, [i]) == [3]              # ends at once
+        assert sampler.sample(to_seven, [i]) == [0]            # its leftover row
+    sampler.admit(Request(n, "aborted", (5,), SamplingParams(temperature=0.0), max_new_tokens=5))
+    assert sampler.sample(to_seven, [n]) == [7]
+    sampler.release(n)
+    assert sampler.sample(to_seven, [n]) == [0]
+    assert not sampler.requests and not sampler.counts
+    assert len(sampler.finished) <= RequestSampler.FORGET_AFTER + 1

@@ -68,7 +68,7 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
         row_seqs = seqs[k, :n].tolist()
         rows = [r for r, s in enumerate(row_seqs) if s % n_procs == index]
         _take_events(sampler, events, None, stop)
-        unknown = {row_seqs[r] for r in rows} - set(sampler.requests) - sampler.finished
+        unknown = {row_seqs[r] for r in rows} - sampler.requests.keys() - sampler.finished.keys()
         if unknown:          # its admission was queued before this micro-batch: it is on its way
             _take_events(sampler, events, unknown, stop)
         ids = sampler.sample(logits[k, rows], [row_seqs[r] for r in rows]) if rows else []

@@ -226,13 +226,14 @@ def run(args) -> None:
         return seqs
 
     def tally(seqs, ids) -> None:
+        """A batch job's count of each request's real tokens (for --logits-out); serving keeps none."""
+        if args.serve:
+            return
         for s, t in zip(seqs, ids):
             if s not in ended:
                 generated[s] = generated.get(s, 0) + 1
                 if by_index[s].finish_reason(t, generated[s]):
                     ended.add(s)
-                    if args.serve:
-                        del generated[s], by_index[s]
 
     def sample(out, segments) -> list[int]:
         seqs = rows_of(out, segments)
@@ -245,13 +246,9 @@ def run(args) -> None:
         (here, or queued to the pool's processes that own them)."""
         for kind, what in events:
             if kind == "admit":
-                by_index[what.index] = what
                 (pool or sampler).admit(what)
             else:
                 (pool or sampler).release(what)
-                ended.add(what)
-                generated.pop(what, None)
-                by_index.pop(what, None)
 
     def send_from_pool(mb_id, ids, seqs) -> None:
         tally(seqs, ids)
