@@ -263,10 +263,10 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
     open_streams = 2 * len(workers)
     failed: tuple[int, str] | None = None
 
-    def take(rank, name, line):
+    def take(rank, name, line, show: bool = True):
         if not output.take(rank, line):
             tails[rank].append(line)
-            if not quiet or name == "err" and ("Error" in line or "Traceback" in line):
+            if show and (not quiet or name == "err" and ("Error" in line or "Traceback" in line)):
                 log(f"[{plan.stages[rank].host}:{rank}] {line}")
 
     while open_streams and failed is None:
@@ -296,7 +296,23 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
                 break
     if failed is None:
         return
-    rank, cause = failed
+    # A stage that dies takes its neighbours down with it (their links close under them), and their
+    # exits may be seen first: wait a moment for every exit and report, then blame the stage whose
+    # failure is not a lost peer.
+    failures = {failed[0]: failed[1]}
+    deadline = time.time() + 1.5
+    while time.time() < deadline:
+        try:
+            r, name, line = lines.get(timeout=0.1)
+            if line is not None:     # the fallen neighbours' tracebacks are noise: kept, not shown
+                take(r, name, line, show=False)
+        except queue.Empty:
+            pass
+        for r, w in enumerate(workers):
+            code = w.poll()
+            if r not in failures and code not in (None, 0):
+                failures[r] = w.describe_exit(code)
+    rank, cause = root_failure(failures, output.errors)
     stop_workers(workers)
     deadline = time.time() + 1.0   # what is left of the output, for the message
     while time.time() < deadline:
@@ -305,13 +321,25 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
         except queue.Empty:
             break
         if line is not None:
-            take(r, name, line)
+            take(r, name, line, show=r == rank)
     stage = plan.stages[rank]
     cause = output.errors.get(rank) or cause
     last = " | ".join(list(tails[rank])[-5:])
     raise HpipeError(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
                      f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
                      + f"; every worker was stopped; {output.done_line()}")
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+
+
+def root_failure(failures: dict[int, str], errors: dict[int, str]) -> tuple[int, str]:
+    """Of the stages that failed (in the order seen), the first whose own report is not a lost
+    peer: that is the cause; the others fell with it."""
+    for rank, cause in failures.items():
+        if not any(m in (errors.get(rank) or cause) for m in PEER_LOST):
+            return rank, cause
+    return next(iter(failures.items()))
 
 
 def stop_workers(workers: list, grace_s: float = 5.0) -> None:

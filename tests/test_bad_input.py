@@ -159,3 +159,14 @@ def test_crash_keeps_finished_results_and_resume_completes(tiny_models, llama_pl
     final = [json.loads(l) for l in out.read_text().splitlines()]
     assert sorted(r["id"] for r in final) == sorted(p["id"] for p in prompts)
     assert final[:len(kept)] == kept
+
+
+def test_the_stage_that_died_is_blamed_not_the_neighbours_it_took_down():
+    """A stage killed mid-run makes its neighbours fail too ("Connection closed by peer"), and
+    their exits may be seen first: the launcher's line names the stage whose failure is its own."""
+    from hpipe.launcher.jobs import root_failure
+    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:5000"
+    assert root_failure({0: "exit code 1", 2: "exit code 1", 1: "killed by SIGKILL"},
+                        {0: peer, 2: peer}) == (1, "killed by SIGKILL")
+    assert root_failure({2: "exit code 1", 0: "exit code 2"}, {2: peer, 0: "out of memory"}) == (0, "exit code 2")
+    assert root_failure({0: "exit code 1"}, {0: peer}) == (0, "exit code 1")      # only peers: the first seen
