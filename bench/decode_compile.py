@@ -35,7 +35,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from hpipe import models
-    from hpipe.runtime.kv import Segment
+    from hpipe.runtime.pages import Segment
     from hpipe.runtime.stage import StageRunner
     from hpipe.runtime.static_decode import StaticDecode
 

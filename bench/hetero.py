@@ -27,6 +27,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hpipe import formats
+    from hpipe.config import RuntimeConfig
     from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
     from hpipe.launcher.local import launch_local
 
@@ -68,7 +69,7 @@ def main() -> None:
         plan = formats.load_plan(tmp / "plan.json")
         ids = torch.randint(0, 32000, (args.tokens,)).tolist()
         (tmp / "p.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i in range(4)))
-        settings = LaunchSettings(max_new_tokens=1, max_batch=1)
+        settings = LaunchSettings(runtime=RuntimeConfig(max_batch=1), max_new_tokens=1)
         job = prepare(str(tmp / "plan.json"), str(tmp / "p.jsonl"), str(tmp / "o.jsonl"), settings)
         out = launch_local(job, str(tmp / "plan.json"), str(tmp / "o.jsonl"), settings, quiet=True)
         done = sorted(r["ttft_s"] for r in out.output.results)

@@ -41,7 +41,7 @@ def single_process(ids: list[int], repeats: int, n_slices: int = 1) -> dict:
     import torch
 
     from hpipe import formats, models
-    from hpipe.runtime.kv import Segment
+    from hpipe.runtime.pages import Segment
     from hpipe.runtime.stage import StageRunner
 
     src = models.resolve_model("smollm2")
@@ -64,6 +64,7 @@ def single_process(ids: list[int], repeats: int, n_slices: int = 1) -> dict:
 
 def pipeline(ids: list[int], slices: int, repeats: int) -> dict:
     from hpipe import formats, models
+    from hpipe.config import RuntimeConfig
     from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
     from hpipe.launcher.local import launch_local
     from hpipe.planner import make_plan
@@ -77,7 +78,7 @@ def pipeline(ids: list[int], slices: int, repeats: int) -> dict:
         # warm-up prompt first (same length), then the measured ones, all in one launch
         lines = [{"id": f"r{i}", "input_ids": ids} for i in range(repeats + 1)]
         (tmp / "p.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
-        settings = LaunchSettings(max_new_tokens=1, max_batch=1)
+        settings = LaunchSettings(runtime=RuntimeConfig(max_batch=1), max_new_tokens=1)
         job = prepare(str(tmp / "plan.json"), str(tmp / "p.jsonl"), str(tmp / "o.jsonl"), settings)
         report = launch_local(job, str(tmp / "plan.json"), str(tmp / "o.jsonl"), settings, quiet=True)
         # per request: prefill latency = its first token time minus the previous one's (requests run one by one)

@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 def main() -> None:
     from bench.prefill import prompt_ids
     from hpipe import formats
+    from hpipe.config import RuntimeConfig
     from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
     from hpipe.launcher.local import launch_local
 
@@ -64,7 +65,7 @@ def main() -> None:
         ids = prompt_ids(args.tokens)
         lines = [{"id": f"r{i}", "input_ids": ids} for i in range(4)]
         (tmp / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-        settings = LaunchSettings(max_new_tokens=1, max_batch=1)
+        settings = LaunchSettings(runtime=RuntimeConfig(max_batch=1), max_new_tokens=1)
         job = prepare(str(plan), str(tmp / "p.jsonl"), str(tmp / "o.jsonl"), settings)
         launched = launch_local(job, str(plan), str(tmp / "o.jsonl"), settings, quiet=True)
         done = sorted(r["ttft_s"] for r in launched.output.results)

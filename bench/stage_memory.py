@@ -22,7 +22,7 @@ CHILD = r"""
 import json, sys, time, torch
 from hpipe import models
 from hpipe.runtime.stage import StageRunner
-from hpipe.runtime.kv import Segment
+from hpipe.runtime.pages import Segment
 start, end = int(sys.argv[1]), int(sys.argv[2])
 src = models.resolve_model("smollm2"); cfg = models.load_config(src.path)
 base = models.peak_rss_bytes()

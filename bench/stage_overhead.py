@@ -32,7 +32,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
     from hpipe import models
-    from hpipe.runtime.kv import Segment
+    from hpipe.runtime.pages import Segment
     from hpipe.runtime.stage import StageRunner
 
     ap = argparse.ArgumentParser()

@@ -11,6 +11,8 @@ Errors the user can fix are printed as one line (`hpipe: error: ...`) with exit 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import sys
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from hpipe import __version__, formats, launcher, memory, models, planner, profi
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
 from hpipe.planner import gap
+from hpipe.config import SETTINGS, RuntimeConfig, cli_option, from_cli
 from hpipe.request import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -37,6 +40,34 @@ def _ints(text: str | None, option: str) -> list[int] | None:
     if not values:
         raise HpipeError(f"{option}: give at least one integer")
     return values
+
+# the launch transport's flags, shared by launch and serve
+ACCEPT_NEW_HOST_KEYS = typer.Option(False, "--accept-new-host-keys", help="record unknown host keys in known_hosts "
+                                    "(changed keys are always refused)")
+PUSH_MODEL = typer.Option(False, "--push-model", help="copy the model files each host's stages need over SFTP "
+                          "(checksummed)")
+HOST_TIMEOUT = typer.Option(15.0, "--host-timeout", help="seconds of silence after which a host counts as lost and "
+                            "the launch stops")
+
+
+def runtime_options(command):
+    """Adds every RuntimeConfig setting to a command as its flag (default, help and rule from the
+    config) and hands the command one `runtime: RuntimeConfig`: launch and serve take the same
+    flags with the same defaults, declared once."""
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "runtime"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=cli_option(name),
+                               annotation=type(s.default)) for name, s in SETTINGS.items()]
+
+    @functools.wraps(command)
+    def with_runtime(*args, **kwargs):
+        values = {name: kwargs.pop(name) for name in SETTINGS}
+        return command(*args, runtime=from_cli(values), **kwargs)
+
+    del with_runtime.__wrapped__            # typer reads the signature below, not the command's
+    with_runtime.__signature__ = sig.replace(parameters=own + added)
+    with_runtime.__annotations__ = {p.name: p.annotation for p in own + added}
+    return with_runtime
 
 
 def _note(msg: str) -> None:
@@ -252,18 +283,15 @@ def _print_comparison(rows: list[dict], result) -> None:
 
 
 @app.command()
+@runtime_options
 def launch(
     plan_path: str = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`"),
     local: bool = typer.Option(False, "--local", help="run every stage as a process on this machine"),
     cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML: run the stages on its "
                                                                   "hosts over SSH"),
-    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys",
-                                              help="record unknown host keys in known_hosts (changed keys are "
-                                                   "always refused)"),
-    push_model: bool = typer.Option(False, "--push-model", help="copy the model files each host's stages need "
-                                                                  "over SFTP (checksummed)"),
-    host_timeout: float = typer.Option(15.0, "--host-timeout", help="seconds of silence after which a host "
-                                                                     "counts as lost and the launch stops"),
+    accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
+    push_model: bool = PUSH_MODEL,
+    host_timeout: float = HOST_TIMEOUT,
     prompts: str = typer.Option(..., "--prompts", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"input_ids\"}"),
     out: str = typer.Option(..., "--out", help="results JSONL, one line per prompt as it finishes"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
@@ -274,31 +302,7 @@ def launch(
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="over prompt and output tokens"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="x count of each output token"),
     presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="once per output token"),
-    sampling: str = typer.Option("auto", "--sampling", help="inline: the last stage samples (on a sampler thread "
-                                 "under TSEM); cpu: a pool of sampler processes takes the logits off the last stage "
-                                 "(SiPipe); auto: cpu when the last stage is a GPU, else inline"),
-    no_tsem: bool = typer.Option(False, "--no-tsem", help="prepare each micro-batch's inputs inline, not on a CPU "
-                                 "thread while the previous one computes"),
-    no_sat: bool = typer.Option(False, "--no-sat", help="send header and segments with every hop's hidden states "
-                                "instead of the schedule ahead on the control plane"),
-    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="CUDA stages: run decode steps eagerly"),
-    static_decode: str = typer.Option("auto", "--static-decode", help="on|off|auto: decode steps with static shapes "
-                                      "(padded, whole KV slots under a mask), the path CUDA graphs replay; auto: "
-                                      "with CUDA graphs (on a CPU it is slower, see README)"),
-    prepare_thread: str = typer.Option("auto", "--prepare-thread", help="on|off|auto: with TSEM, prepare inputs on a "
-                                       "CPU thread while the previous micro-batch computes; auto: on CUDA stages (a "
-                                       "CPU stage's forward already keeps its cores busy, see README)"),
-    sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
     seed: int = typer.Option(0, "--seed"),
-    max_batch: int = typer.Option(16, "--max-batch", help="sequences decoding at once"),
-    policy: str = typer.Option("throttle", "--policy", help="tokens per micro-batch: throttle (gLLM) or sarathi "
-                               "(a fixed budget); see hpipe serve --help"),
-    budget: int = typer.Option(0, "--budget", help="sarathi: tokens per micro-batch (0: 512 on GPUs, 256 with a "
-                               "CPU stage)"),
-    max_prefill: int = typer.Option(0, "--max-prefill", help="throttle #MaxP (0: 2048 on GPUs, 256 with a CPU stage)"),
-    kv_pages: int = typer.Option(0, "--kv-pages", help="KV pages per stage (0: what the prompts need, within free "
-                                 "memory); fewer pages preempt and recompute sequences"),
-    page_size: int = typer.Option(16, "--page-size", help="tokens per KV page"),
     logits_out: str | None = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
     timeline_out: str | None = typer.Option(None, "--timeline-out", help="the measured run per stage (compute, "
                                              "prepare, wait, send), next to the plan's predicted prefill: .html, "
@@ -306,6 +310,7 @@ def launch(
     resume: bool = typer.Option(False, "--resume", help="skip prompts whose ids are already in --out"),
     model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(False, "--quiet", help="do not stream the workers' logs"),
+    runtime: RuntimeConfig = None,
 ):
     """Run a plan: start the stage workers and pipeline the prompts through them."""
     if local == (cluster is not None):
@@ -318,14 +323,8 @@ def launch(
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty)
-    settings = launcher.LaunchSettings(max_new_tokens=max_new_tokens, params=params, seed=seed, max_batch=max_batch,
-                                       logits_out=logits_out, resume=resume, sampling=sampling,
-                                       sampler_procs=sampler_procs, tsem=not no_tsem, sat=not no_sat,
-                                       cuda_graphs=not no_cuda_graphs, static_decode=static_decode,
-                                       prepare_thread=prepare_thread, policy=policy, kv_pages=kv_pages,
-                                       page_size=page_size,
-                                       policy_args={k: v for k, v in (("budget", budget),
-                                                                      ("max_prefill", max_prefill)) if v})
+    settings = launcher.LaunchSettings(runtime=runtime, max_new_tokens=max_new_tokens, params=params, seed=seed,
+                                       logits_out=logits_out, resume=resume)
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
@@ -339,6 +338,7 @@ def launch(
 
 
 @app.command()
+@runtime_options
 def serve(
     plan_path: str = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`"),
     local: bool = typer.Option(False, "--local", help="run every stage as a process on this machine"),
@@ -350,33 +350,13 @@ def serve(
                                        help="require 'Authorization: Bearer KEY' on /v1 (or set HPIPE_API_KEY)"),
     served_model_name: str | None = typer.Option(None, "--served-model-name",
                                                  help="the model name clients ask for (default: the plan's)"),
-    policy: str = typer.Option("throttle", "--policy", help="tokens per micro-batch: throttle (gLLM: decode spread "
-                               "over the stages, prefill from the waiting tokens and free KV) or sarathi (a fixed "
-                               "budget, decode first)"),
-    iterations: int = typer.Option(0, "--iterations", help="throttle #T (0: 8)"),
-    max_prefill: int = typer.Option(0, "--max-prefill", help="throttle #MaxP (0: 2048 on GPUs, 256 with a CPU stage)"),
-    min_prefill: int = typer.Option(0, "--min-prefill", help="throttle #MinP (0: 32 on GPUs, 16 with a CPU stage)"),
-    kv_thresh: float = typer.Option(-1.0, "--kv-thresh", help="throttle: no new prefill below this KV-free rate "
-                                    "(default 0.05)"),
-    budget: int = typer.Option(0, "--budget", help="sarathi: tokens per micro-batch (0: 512 on GPUs, 256 with a "
-                               "CPU stage)"),
-    max_batch: int = typer.Option(16, "--max-batch", help="sequences running at once"),
     max_queue: int = typer.Option(256, "--max-queue", help="requests waiting beyond --max-batch before 429"),
-    sampling: str = typer.Option("auto", "--sampling", help="inline (the last stage's sampler thread), cpu (a pool "
-                                 "of sampler processes, SiPipe) or auto (cpu when the last stage is a GPU)"),
-    sampler_procs: int = typer.Option(1, "--sampler-procs", help="with --sampling cpu: sampler processes"),
-    max_model_len: int = typer.Option(0, "--max-model-len", help="longest prompt + output (0: the model's context)"),
-    kv_pages: int = typer.Option(0, "--kv-pages", help="KV pages per stage (0: what free memory allows)"),
-    page_size: int = typer.Option(16, "--page-size", help="tokens per KV page"),
-    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys"),
-    push_model: bool = typer.Option(False, "--push-model"),
-    host_timeout: float = typer.Option(15.0, "--host-timeout"),
-    no_tsem: bool = typer.Option(False, "--no-tsem"),
-    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
-    static_decode: str = typer.Option("auto", "--static-decode"),
-    prepare_thread: str = typer.Option("auto", "--prepare-thread"),
+    accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
+    push_model: bool = PUSH_MODEL,
+    host_timeout: float = HOST_TIMEOUT,
     model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(True, "--quiet/--verbose", help="stream the workers' logs (--verbose)"),
+    runtime: RuntimeConfig = None,
 ):
     """Serve a plan behind an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import threading
@@ -384,56 +364,47 @@ def serve(
     import uvicorn
 
     from hpipe.launcher.api import create_app
-    from hpipe.launcher.serving import Engine
+    from hpipe.launcher.serving import PipelineClient
 
     if local == (cluster is not None):
         raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
     if not 0 < port < 65536:
         raise HpipeError(f"--port must be in 1..65535, got {port}")
-    if max_queue < 0 or max_model_len < 0:
-        raise HpipeError("--max-queue and --max-model-len must be >= 0")
+    if max_queue < 0:
+        raise HpipeError(f"--max-queue must be >= 0, got {max_queue}")
     _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
     inventory = formats.load_inventory(cluster) if cluster else None
-    policy_args = {k: v for k, v in (("iterations", iterations), ("max_prefill", max_prefill),
-                                     ("min_prefill", min_prefill), ("budget", budget)) if v}
-    if kv_thresh >= 0:
-        policy_args["kv_thresh"] = kv_thresh
-    settings = launcher.LaunchSettings(max_batch=max_batch, sampling=sampling, sampler_procs=sampler_procs,
-                                       tsem=not no_tsem,
-                                       cuda_graphs=not no_cuda_graphs, static_decode=static_decode,
-                                       prepare_thread=prepare_thread, policy=policy, policy_args=policy_args,
-                                       kv_pages=kv_pages, page_size=page_size, serve=True,
-                                       max_model_len=max_model_len)
+    settings = launcher.LaunchSettings(runtime=runtime, serve=True)
     job = launcher.prepare_model(plan_path, settings, model=model, progress=_note)
     if job.tokenizer is None:
         raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")
     name = served_model_name or job.plan.model.name
-    engine = Engine(job, plan_path, settings, inventory, accept_new_keys=accept_new_host_keys, push=push_model,
-                    host_timeout_s=host_timeout, max_queue=max_queue, log=_note, quiet=quiet)
+    client = PipelineClient(job, plan_path, settings, inventory, accept_new_keys=accept_new_host_keys,
+                            push=push_model, host_timeout_s=host_timeout, max_queue=max_queue, log=_note, quiet=quiet)
     _note(f"starting {len(job.plan.stages)} stages of {job.plan.model.name} ...")
     server = None
 
     def failed(cause: str) -> None:
-        if engine.ready.is_set():
+        if client.ready.is_set():
             _note(f"a stage failed; open requests were ended with the error; stopping the server: {cause}")
         if server is not None:   # a moment for the error events to reach their clients
             threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
 
-    engine.on_failure = failed
+    client.on_failure = failed
     try:
-        engine.start()
-        info = engine.info
-        app = create_app(engine, job.tokenizer, name, int(job.config.vocab_size), api_key, max_queue)
+        client.start()
+        ready = client.info
+        app = create_app(client, job.tokenizer, name, int(job.config.vocab_size), api_key, max_queue)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-        _note(f"serving {name} on http://{host}:{port}/v1 ({len(job.plan.stages)} stages, policy {policy}, KV pool "
-              f"{info['kv_pages']} pages x {info['page_size']} tokens, max model length {info['max_model_len']}); "
+        _note(f"serving {name} on http://{host}:{port}/v1 ({len(job.plan.stages)} stages, policy {runtime.policy}, "
+              f"KV pool {ready.kv_pages} pages x {ready.page_size} tokens, max model length {ready.max_model_len}); "
               f"Ctrl-C stops every stage")
-        if engine.failure is None:
+        if client.failure is None:
             server.run()
     finally:
-        engine.close()
-    if engine.failure is not None:     # a stage failed (a shutdown asked for is not a failure)
-        raise HpipeError(engine.failure)
+        client.close()
+    if client.failure is not None:     # a stage failed (a shutdown asked for is not a failure)
+        raise HpipeError(client.failure)
 
 
 def _check_listen(host: str, port: int) -> None:

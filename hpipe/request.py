@@ -25,8 +25,29 @@ from hpipe.errors import HpipeError
 GREEDY_BELOW = 1e-5      # vLLM: a temperature below this is greedy
 
 
+# The one rule per sampling field, for the CLI, the prompts file and the API alike: (low, high,
+# low excluded, what the value means at the edges). OpenAI's ranges where it has them, vLLM's otherwise.
+RULES = {
+    "temperature": (0.0, 2.0, False, "(below 1e-5 is greedy)"),
+    "top_p": (0.0, 1.0, True, ""),
+    "min_p": (0.0, 1.0, False, ""),
+    "repetition_penalty": (0.0, 10.0, True, "(1 turns it off)"),
+    "frequency_penalty": (-2.0, 2.0, False, ""),
+    "presence_penalty": (-2.0, 2.0, False, ""),
+}
+
+
 class SamplingError(HpipeError, ValueError):
-    pass
+    """A sampling field that breaks its rule; `field`, `value` and `rule` for callers that word it
+    their own way (the API's 400 names the field)."""
+
+    def __init__(self, message: str, field: str | None = None, value=None, rule: str = ""):
+        super().__init__(message)
+        self.field, self.value, self.rule = field, value, rule
+
+
+def _refuse(name: str, value, rule: str):
+    raise SamplingError(f"sampling parameter {name}={value!r}: must be {rule}", name, value, rule)
 
 
 @dataclass(frozen=True)
@@ -41,29 +62,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        def bad(name, value, rule):
-            raise SamplingError(f"sampling parameter {name}={value!r}: {rule}")
-
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                     "presence_penalty"):
+        for name, (lo, hi, lo_open, note) in RULES.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(name, v, "must be a finite number")
-        if self.temperature < 0:
-            bad("temperature", self.temperature, "must be >= 0 (below 1e-5 is greedy)")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                _refuse(name, v, "a number")
+            if not math.isfinite(v):
+                _refuse(name, v, "a finite number")
+            if v < lo or v > hi or (lo_open and v == lo):
+                edge = f"> {lo:g}" if lo_open else f">= {lo:g}"
+                _refuse(name, v, f"in {'(' if lo_open else '['}{lo:g}, {hi:g}] ({edge} and <= {hi:g}{', ' + note[1:-1] if note else ''})")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", self.top_k, "must be an integer >= 0 (0 turns it off)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "must be > 0 (1 turns it off)")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                bad(name, getattr(self, name), "must be in [-2, 2]")
+            _refuse("top_k", self.top_k, "an integer >= 0 (0 turns it off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad("seed", self.seed, "must be an integer or None")
+            _refuse("seed", self.seed, "an integer or None")
 
     @property
     def greedy(self) -> bool:

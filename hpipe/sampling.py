@@ -328,65 +328,35 @@ class CPUSampler:
 
 class RequestSampler:
     """The pipeline's sampling (the last stage, or a sampler process of the pool): every request
-    samples with its own resolved parameters (`Request.params`, its seed included); a sequence
-    joins on its first sampled token and leaves when `Request.finish_reason` says it ended, so
-    `max_batch` bounds the sequences in flight, not the whole job. A row of a sequence that already
-    ended (a decode step the asynchronous runtime committed before the stop was known) gets id 0
-    and touches no state. Serving (`max_len` given), a finished request is forgotten FORGET_AFTER
-    sampling calls after it ended: rows of it can only come from micro-batches committed before its
-    end was known, a few micro-batches later at most."""
+    samples with its own resolved parameters (`Request.params`, its seed included). Requests come
+    and go with the schedules (`admit` before the first row of it, `release` once stage 0 has
+    decided it ended and no row of it can come any more: hpipe.runtime.schedule), so the sampler
+    never decides an end and holds only the requests running. A row of a sequence that already
+    ended but is not yet released (a decode step committed before its stop was known) is sampled
+    like any other; stage 0 drops its id."""
 
-    FORGET_AFTER = 1024
-
-    def __init__(self, requests: dict[int, Request], vocab_size: int, max_batch: int, layout: str | None = None,
-                 max_len: int | None = None):
-        """max_len: the most tokens a request may generate (default: the longest of `requests`);
-        serving passes the model's context, as requests join later (`admit`)."""
-        self.requests = requests    # index -> Request
-        self.serving = max_len is not None
-        max_len = max_len or max((r.max_new_tokens for r in requests.values()), default=1)
+    def __init__(self, vocab_size: int, max_batch: int, max_len: int, layout: str | None = None):
+        """max_batch: sequences holding sampler state at once; max_len: the most tokens one may generate."""
+        self.requests: dict[int, Request] = {}    # index -> Request, admitted and not yet released
         self.cpu = CPUSampler(vocab_size, max_batch, max_len, layout=layout)
-        self.counts: dict[int, int] = {}
-        self.finished: dict[int, int] = {}     # seq -> the sampling call at which it ended
-        self.calls = self.pruned = 0
-
-    def _end(self, seq: int) -> None:
-        self.finished[seq] = self.calls
-        if self.serving:
-            self.requests.pop(seq, None)
-            if self.calls - self.pruned >= self.FORGET_AFTER:
-                self.pruned = self.calls
-                self.finished = {s: c for s, c in self.finished.items() if c > self.calls - self.FORGET_AFTER}
+        self.started: set[int] = set()            # those with state in `cpu` (from their first row)
 
     def admit(self, request: Request) -> None:
         self.requests[request.index] = request
 
-    def release(self, seq: int) -> None:
-        """An aborted request: its state goes now; rows of it still to come get id 0."""
-        if seq in self.counts:
-            self.cpu.remove(seq)
-            del self.counts[seq]
-        self._end(seq)
-        self.requests.pop(seq, None)
+    def release(self, index: int) -> None:
+        """Its state goes now."""
+        if index in self.started:
+            self.cpu.remove(index)
+            self.started.discard(index)
+        self.requests.pop(index, None)
+
+    def knows(self, index: int) -> bool:
+        return index in self.requests
 
     def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
-        self.calls += 1
-        live = [i for i, s in enumerate(seqs) if s not in self.finished]
-        if len(live) < len(seqs):
-            out = [0] * len(seqs)
-            if live:
-                for i, t in zip(live, self.sample(logits[live], [seqs[i] for i in live])):
-                    out[i] = t
-            return out
         for s in seqs:
-            if s not in self.counts:
+            if s not in self.started:
                 self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
-                self.counts[s] = 0
-        ids = self.cpu.step(logits, seqs).tolist()
-        for s, t in zip(seqs, ids):
-            self.counts[s] += 1
-            if self.requests[s].finish_reason(t, self.counts[s]):
-                self.cpu.remove(s)
-                del self.counts[s]
-                self._end(s)
-        return ids
+                self.started.add(s)
+        return self.cpu.step(logits, seqs).tolist()

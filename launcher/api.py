@@ -1,4 +1,4 @@
-"""`hpipe serve`'s HTTP front end: the OpenAI API (FastAPI) on an `Engine`.
+"""`hpipe serve`'s HTTP front end: the OpenAI API (FastAPI) on a `PipelineClient`.
 
     GET  /v1/models             the served model
     POST /v1/completions        prompt (text or token ids) -> text; "stream": true as server-sent events
@@ -19,21 +19,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
 import secrets
 import time
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpipe.errors import HpipeError
-from hpipe.launcher.serving import Engine, Handle
+from hpipe.launcher.serving import Handle, PipelineClient
 from hpipe.request import SamplingError, SamplingParams
 
 __all__ = ["ApiError", "create_app"]
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+SAMPLING_FIELDS = tuple(SamplingParams.__dataclass_fields__)   # the OpenAI / vLLM names are hpipe's
 
 
 class ApiError(Exception):
@@ -62,14 +63,6 @@ def _field(body: dict, name: str, types, default, what: str):
     return value
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = float(_field(body, name, (int, float), default, "a number"))
-    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise ApiError(400, f"'{name}' must be in {bound}, got {v:g}", name)
-    return v
-
-
 def _int(body: dict, name: str, default: int | None, lo: int) -> int | None:
     v = _field(body, name, int, default, "an integer")
     if v is not None and v < lo:
@@ -78,7 +71,8 @@ def _int(body: dict, name: str, default: int | None, lo: int) -> int | None:
 
 
 def sampling_fields(body: dict, vocab: int) -> tuple[SamplingParams, frozenset[int], bool, list[str]]:
-    """The request's sampling parameters, stop token ids, ignore_eos and stop strings."""
+    """The request's sampling parameters (checked by SamplingParams' own rules, the same as the CLI's
+    and the prompts file's), stop token ids, ignore_eos and stop strings."""
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
         if body.get(name) not in (None, False, 0, {}):
             raise ApiError(400, f"'{name}' is not supported by hpipe; leave it out", name)
@@ -87,20 +81,16 @@ def sampling_fields(body: dict, vocab: int) -> tuple[SamplingParams, frozenset[i
         raise ApiError(400, f"'n' must be 1 (hpipe returns one choice per request), got {n}; send {n} requests", "n")
     if _int(body, "best_of", 1, 1) != 1:
         raise ApiError(400, "'best_of' must be 1", "best_of")
-    top_k = _int(body, "top_k", 0, -1)
-    seed = _field(body, "seed", int, None, "an integer")
+    fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if fields.get("top_k") == -1:            # vLLM's and OpenAI-style "off"
+        fields["top_k"] = 0
+    if isinstance(fields.get("seed"), int) and not isinstance(fields["seed"], bool):
+        fields["seed"] &= (1 << 63) - 1
     try:
-        params = SamplingParams(
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-            top_k=0 if top_k in (-1, 0) else top_k,
-            min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-            repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
-            frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-            seed=seed if seed is None else seed & ((1 << 63) - 1))
+        params = SamplingParams(**fields)
     except SamplingError as e:
-        raise ApiError(400, str(e)) from None
+        shown = json.dumps(e.value)[:60] if not isinstance(e.value, float) else f"{e.value:g}"
+        raise ApiError(400, f"'{e.field}' must be {e.rule}, got {shown}", e.field) from None
     stop_ids = _field(body, "stop_token_ids", list, [], "a list of token ids")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids):
         raise ApiError(400, f"'stop_token_ids' must hold token ids in [0, {vocab})", "stop_token_ids")
@@ -207,220 +197,271 @@ class TextStream:
 
 
 # ---------------------------------------------------------------------------------------- the app
-def create_app(engine: Engine, tokenizer, model_name: str, vocab: int, api_key: str | None = None,
+@dataclass(frozen=True)
+class ServerState:
+    """What every handler reads: one object, on `app.state.hpipe`."""
+
+    client: PipelineClient
+    tokenizer: object
+    model_name: str
+    vocab: int
+    api_key: str | None
+    max_queue: int
+    created: int
+
+
+def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, api_key: str | None = None,
                max_queue: int = 256) -> FastAPI:
     app = FastAPI(title="hpipe", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
+    app.state.hpipe = ServerState(client, tokenizer, model_name, vocab, api_key, max_queue, int(time.time()))
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.get("/health")(health)
+    app.get("/metrics")(metrics)
+    app.get("/hpipe/microbatches")(microbatches)
+    app.get("/v1/models")(list_models)
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat_completions)
+    return app
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        return error_response(e)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        msg = f"{request.method} {request.url.path}: " + ("no such endpoint" if e.status_code == 404 else str(e.detail))
-        return JSONResponse(error_body(msg, "invalid_request_error", None, e.status_code), status_code=e.status_code)
+def _state(request: Request) -> ServerState:
+    return request.app.state.hpipe
 
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not token or not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key given "
-                                "to hpipe serve --api-key", None, "authentication_error")
 
-    async def read_body(request: Request) -> dict:
-        raw = await request.body()
-        try:
-            body = json.loads(raw or b"null")
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise ApiError(400, "'model' is required (GET /v1/models lists it)", "model")
-        if model != model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{model_name}'", "model",
-                           "not_found_error")
-        return body
+async def api_error(request: Request, e: ApiError):
+    return error_response(e)
 
-    def check_engine() -> None:
-        if engine.failure is not None:
-            raise ApiError(503, f"the pipeline failed: {engine.failure}", None, "server_error")
 
-    @app.get("/health")
-    async def health():
-        if engine.failure is not None:
-            return JSONResponse({"status": "failed", "error": engine.failure}, status_code=503)
-        return {"status": "ok"}
+async def http_error(request: Request, e: StarletteHTTPException):
+    msg = f"{request.method} {request.url.path}: " + ("no such endpoint" if e.status_code == 404 else str(e.detail))
+    return JSONResponse(error_body(msg, "invalid_request_error", None, e.status_code), status_code=e.status_code)
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(engine.prometheus(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/hpipe/microbatches")
-    async def microbatches():
-        return {"policy": engine.settings.policy, "microbatches": list(engine.metrics.microbatches),
-                "stats": engine.stats}
+def authorize(request: Request) -> None:
+    api_key = _state(request).api_key
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    if not token or not hmac.compare_digest(token.encode(), api_key.encode()):
+        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the key given "
+                            "to hpipe serve --api-key", None, "authentication_error")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "hpipe", "max_model_len": engine.max_model_len}]}
 
-    async def generate(request: Request, body: dict, ids: list[int], chat: bool):
-        params, stop_ids, ignore_eos, stops = sampling_fields(body, vocab)
-        limit = engine.max_model_len
-        room = limit - len(ids)
-        if chat:
-            max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(body, "max_tokens", None, 1) or room
-        else:
-            max_tokens = _int(body, "max_tokens", 16, 1)
-        param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        if room < 1 or max_tokens > room:
-            raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has {len(ids)} "
-                                f"prompt tokens and asks for {max_tokens} more ({len(ids) + max_tokens} in all); "
-                                f"shorten the prompt or lower '{param}'", param)
-        stream = _field(body, "stream", bool, False, "true or false")
-        options = _field(body, "stream_options", dict, {}, "an object")
-        usage_in_stream = bool(options.get("include_usage"))
-        check_engine()
-        if engine.load() >= engine.info.get("max_batch", 16) + max_queue:
-            raise ApiError(429, f"the server has {engine.load()} requests open, its limit "
-                                f"(--max-batch + --max-queue); retry later", None, "rate_limit_error")
-        try:
-            handle = engine.submit(ids, params, max_tokens, stop_ids, ignore_eos, asyncio.get_running_loop())
-        except HpipeError as e:
-            raise ApiError(503, f"the pipeline failed: {e}", None, "server_error") from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        text = TextStream(tokenizer, stops)
-        if stream:
-            return StreamingResponse(stream_events(request, handle, text, rid, chat, usage_in_stream),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await whole_answer(request, handle, text, rid, chat)
+async def read_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model, served = body.get("model"), _state(request).model_name
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required (GET /v1/models lists it)", "model")
+    if model != served:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served}'", "model",
+                       "not_found_error")
+    return body
 
-    async def next_event(request: Request, handle: Handle, clock: dict):
-        """The request's next event, or None once its client has gone (the request is aborted). The
-        connection is checked every half second, whether tokens flow or not."""
-        while True:
-            if time.monotonic() - clock.setdefault("checked", time.monotonic()) > 0.5:
-                clock["checked"] = time.monotonic()
-                if await request.is_disconnected():
-                    engine.abort(handle)
-                    return None
-            try:
-                return await asyncio.wait_for(handle.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                continue
 
-    def usage(handle: Handle, text: TextStream) -> dict:
-        p = len(handle.request.input_ids)
-        c = text.tokens_used if text.stopped else len(handle.output)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+async def health(request: Request):
+    client = _state(request).client
+    if client.failure is not None:
+        return JSONResponse({"status": "failed", "error": client.failure}, status_code=503)
+    return {"status": "ok"}
 
-    def chunk(rid: str, chat: bool, piece: str | None, finish: str | None, first: bool = False) -> dict:
-        if chat:
+
+async def metrics(request: Request):
+    return PlainTextResponse(_state(request).client.prometheus(), media_type="text/plain; version=0.0.4")
+
+
+async def microbatches(request: Request):
+    client = _state(request).client
+    return {"policy": client.settings.runtime.policy, "microbatches": list(client.metrics.microbatches),
+            "stats": client.stats}
+
+
+async def list_models(request: Request):
+    authorize(request)
+    st = _state(request)
+    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": st.created,
+                                        "owned_by": "hpipe", "max_model_len": st.client.max_model_len}]}
+
+
+async def completions(request: Request):
+    authorize(request)
+    body = await read_body(request)
+    st = _state(request)
+    return await generate(request, body, prompt_ids(body, st.tokenizer, st.vocab), chat=False)
+
+
+async def chat_completions(request: Request):
+    authorize(request)
+    body = await read_body(request)
+    return await generate(request, body, chat_ids(body, _state(request).tokenizer), chat=True)
+
+
+async def generate(request: Request, body: dict, ids: list[int], chat: bool):
+    st = _state(request)
+    client = st.client
+    params, stop_ids, ignore_eos, stops = sampling_fields(body, st.vocab)
+    limit = client.max_model_len
+    room = limit - len(ids)
+    if chat:
+        max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(body, "max_tokens", None, 1) or room
+    else:
+        max_tokens = _int(body, "max_tokens", 16, 1)
+    param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    if room < 1 or max_tokens > room:
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has {len(ids)} "
+                            f"prompt tokens and asks for {max_tokens} more ({len(ids) + max_tokens} in all); "
+                            f"shorten the prompt or lower '{param}'", param)
+    stream = _field(body, "stream", bool, False, "true or false")
+    options = _field(body, "stream_options", dict, {}, "an object")
+    if client.failure is not None:
+        raise ApiError(503, f"the pipeline failed: {client.failure}", None, "server_error")
+    if client.load() >= client.max_batch + st.max_queue:
+        raise ApiError(429, f"the server has {client.load()} requests open, its limit "
+                            f"(--max-batch + --max-queue); retry later", None, "rate_limit_error")
+    try:
+        handle = client.submit(ids, params, max_tokens, stop_ids, ignore_eos, asyncio.get_running_loop())
+    except HpipeError as e:
+        raise ApiError(503, f"the pipeline failed: {e}", None, "server_error") from None
+    answer = Answer(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), chat, st.model_name, handle,
+                    TextStream(st.tokenizer, stops))
+    events = answer_events(request, client, answer)
+    if stream:
+        return StreamingResponse(stream_answer(answer, events, bool(options.get("include_usage"))),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await whole_answer(answer, events)
+
+
+@dataclass
+class Answer:
+    """One request's answer on its way out: its id, its kind, its text."""
+
+    id: str
+    chat: bool
+    model: str
+    handle: Handle
+    text: TextStream
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, piece: str | None, finish: str | None, first: bool = False) -> dict:
+        if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
-                    "choices": [choice]}
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}]}
-
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def stream_events(request: Request, handle: Handle, text: TextStream, rid: str, chat: bool,
-                            with_usage: bool):
-        done, clock = False, {}
-        try:
-            if chat:
-                yield sse(chunk(rid, chat, None, None, first=True))
-            while True:
-                event = await next_event(request, handle, clock)
-                if event is None:
-                    return
-                kind, value = event
-                if kind == "error":
-                    done = True
-                    yield sse(error_body(value, "server_error", None, 500))
-                    yield "data: [DONE]\n\n"
-                    return
-                if kind == "token":
-                    piece = text.add(value)
-                    if text.stopped:
-                        engine.abort(handle, "stop")
-                        done = True
-                        if piece:
-                            yield sse(chunk(rid, chat, piece, None))
-                        yield sse(chunk(rid, chat, None, "stop"))
-                        break
-                    if piece:
-                        yield sse(chunk(rid, chat, piece, None))
-                    continue
-                done = True
-                piece = text.finish()
-                if piece:
-                    yield sse(chunk(rid, chat, piece, None))
-                yield sse(chunk(rid, chat, None, FINISH.get(value, "stop")))
-                break
-            if with_usage:
-                yield sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": int(time.time()), "model": model_name, "choices": [],
-                           "usage": usage(handle, text)})
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:           # the client went away (or the server stops): free its pages now
-                engine.abort(handle)
-
-    async def whole_answer(request: Request, handle: Handle, text: TextStream, rid: str, chat: bool):
-        out, finish, clock = [], "stop", {}
-        try:
-            while True:
-                event = await next_event(request, handle, clock)
-                if event is None:
-                    return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
-                                        status_code=499)
-                kind, value = event
-                if kind == "error":
-                    return JSONResponse(error_body(f"the pipeline failed: {value}", "server_error", None, 500),
-                                        status_code=500)
-                if kind == "token":
-                    out.append(text.add(value))
-                    if text.stopped:
-                        engine.abort(handle, "stop")
-                        break
-                    continue
-                out.append(text.finish())
-                finish = FINISH.get(value, "stop")
-                break
-        except asyncio.CancelledError:
-            engine.abort(handle)
-            raise
-        content = "".join(out)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                      "finish_reason": finish}
-            obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice],
-                "usage": usage(handle, text)}
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        return {"id": self.id, "object": self.object, "created": int(time.time()), "model": self.model,
+                "choices": [choice]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        authorize(request)
-        body = await read_body(request)
-        return await generate(request, body, prompt_ids(body, tokenizer, vocab), chat=False)
+    def usage(self) -> dict:
+        p = len(self.handle.request.input_ids)
+        c = self.text.tokens_used if self.text.stopped else len(self.handle.output)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        authorize(request)
-        body = await read_body(request)
-        return await generate(request, body, chat_ids(body, tokenizer), chat=True)
 
-    return app
+async def answer_events(request: Request, client: PipelineClient, answer: Answer):
+    """The one state machine of a request's answer, for streaming and whole answers alike: yields
+    ("text", piece) as text becomes final, then one of ("finish", reason), ("error", message) or
+    ("gone", None) (the client went away; its connection is checked every half second, whether
+    tokens flow or not). A request that does not reach its end (its client went away, or the
+    consumer stopped) is aborted, so that stage 0 frees its KV pages now; one that matched a stop
+    string is aborted as "stop"."""
+    handle, text = answer.handle, answer.text
+    ended, checked = False, time.monotonic()
+    try:
+        while True:
+            if time.monotonic() - checked > 0.5:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    yield "gone", None
+                    return
+            try:
+                kind, value = await asyncio.wait_for(handle.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                continue
+            if kind == "error":
+                ended = True
+                yield "error", value
+                return
+            if kind == "token":
+                piece = text.add(value)
+                if text.stopped:
+                    ended = True
+                    client.abort(handle, "stop")
+                    if piece:
+                        yield "text", piece
+                    yield "finish", "stop"
+                    return
+                if piece:
+                    yield "text", piece
+                continue
+            ended = True
+            piece = text.finish()
+            if piece:
+                yield "text", piece
+            yield "finish", FINISH.get(value, "stop")
+            return
+    finally:
+        if not ended:
+            client.abort(handle)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def stream_answer(answer: Answer, events, with_usage: bool):
+    try:
+        if answer.chat:
+            yield sse(answer.chunk(None, None, first=True))
+        async for kind, value in events:
+            if kind == "gone":
+                return
+            if kind == "error":
+                yield sse(error_body(value, "server_error", None, 500))
+                yield "data: [DONE]\n\n"
+                return
+            if kind == "text":
+                yield sse(answer.chunk(value, None))
+            else:
+                yield sse(answer.chunk(None, value))
+        if with_usage:
+            yield sse({"id": answer.id, "object": answer.object, "created": int(time.time()), "model": answer.model,
+                       "choices": [], "usage": answer.usage()})
+        yield "data: [DONE]\n\n"
+    finally:
+        await events.aclose()      # the client went away mid-stream: the request is aborted now
+
+
+async def whole_answer(answer: Answer, events):
+    pieces, finish = [], "stop"
+    try:
+        async for kind, value in events:
+            if kind == "gone":
+                return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
+                                    status_code=499)
+            if kind == "error":
+                return JSONResponse(error_body(f"the pipeline failed: {value}", "server_error", None, 500),
+                                    status_code=500)
+            if kind == "text":
+                pieces.append(value)
+            else:
+                finish = value
+    finally:
+        await events.aclose()
+    content = "".join(pieces)
+    if answer.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+    return {"id": answer.id, "object": "chat.completion" if answer.chat else "text_completion",
+            "created": int(time.time()), "model": answer.model, "choices": [choice], "usage": answer.usage()}

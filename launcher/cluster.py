@@ -27,6 +27,7 @@ from hpipe.launcher.jobs import (
     LaunchSettings,
     PreparedJob,
     stop_workers,
+    trim_logits,
     watch_workers,
     worker_command,
 )
@@ -205,7 +206,7 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     """As `launch_local`, on the inventory's hosts over SSH (serving: stage 0's requests go through
     its wrapper's stdin)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    output = output or JobOutput(out_path, job.tokenizer)
+    output = output or JobOutput(out_path, job.tokenizer, job.requests)
     if not job.requests and not settings.serve:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
@@ -219,13 +220,13 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     remote_tmp = f"/tmp/hpipe-launch-{launch_id}"
     try:
         if settings.serve:    # the KV pool sizes itself from free memory: room for one longest sequence
-            kv_tokens = settings.max_model_len or models.context_length(job.config)
-            microbatch = memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], settings.max_batch)
+            kv_tokens = settings.runtime.max_model_len or models.context_length(job.config)
+            microbatch = memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], settings.runtime.max_batch)
         else:
             kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)
-            kv_tokens *= min(settings.max_batch, len(job.requests))
+            kv_tokens *= min(settings.runtime.max_batch, len(job.requests))
             slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in job.requests]
-            microbatch = memory.microbatch_tokens(slices, min(settings.max_batch, len(job.requests)))
+            microbatch = memory.microbatch_tokens(slices, min(settings.runtime.max_batch, len(job.requests)))
         spec = remote_model_spec(job.source)
         checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
                            microbatch_tokens=microbatch, push_model=push)
@@ -261,6 +262,7 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
         watch_workers(workers, lines, output, plan, log, quiet, host_timeout_s=host_timeout_s)
         if settings.logits_out:
             ssh.get_file(conns[plan.stages[-1].host], f"{remote_tmp}/logits.npz", settings.logits_out)
+            trim_logits(settings.logits_out, output.results)
     except KeyboardInterrupt:
         stop_workers(workers)
         raise HpipeError(f"interrupted; every remote worker was stopped; {len(output.results)} results are in "

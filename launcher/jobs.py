@@ -13,35 +13,24 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from hpipe import formats, models
+from hpipe import formats, models, protocol
+from hpipe.config import RuntimeConfig
 from hpipe.errors import HpipeError
 from hpipe.launcher.run_chart import predicted_timeline, stage_table, write_run_timeline
-from hpipe.reports import parse
 from hpipe.request import Request, SamplingParams, sequence_seed
 
 
 @dataclass
 class LaunchSettings:
+    """What a launch adds to the runtime's config: the job's own settings."""
+
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)   # how the stage workers run
     max_new_tokens: int = 64
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))  # seed: see `seed`
-    sampling: str = "auto"           # "inline" (the last stage samples), "cpu" (a sampler pool) or "auto"
-    sampler_procs: int = 1
-    tsem: bool = True                # the asynchronous runtime's switches (hpipe.runtime.pipeline)
-    sat: bool = True
-    cuda_graphs: bool = True
-    static_decode: str = "auto"      # "on", "off" or "auto" (with CUDA graphs)
-    prepare_thread: str = "auto"     # "on", "off" or "auto" (CUDA stages)
     seed: int = 0
-    max_batch: int = 16
     logits_out: str | None = None
     resume: bool = False
-    attn: str = "sdpa"
-    policy: str = "throttle"         # tokens per micro-batch: "throttle" (gLLM) or "sarathi" (fixed budget)
-    policy_args: dict = field(default_factory=dict)   # worker flags: iterations, max_prefill, min_prefill, kv_thresh, budget
-    kv_pages: int = 0                # KV pages per stage (0: what free memory allows)
-    page_size: int = 16
     serve: bool = False              # requests come on stage 0's stdin (hpipe serve), not in a file
-    max_model_len: int = 0           # serving: the longest prompt + output (0: the model's context)
 
 
 @dataclass
@@ -70,27 +59,9 @@ def encode_prompt(tokenizer, record: formats.PromptRecord, where: str = "") -> l
 
 
 def check_settings(settings: LaunchSettings) -> None:
-    if settings.max_batch < 1:
-        raise HpipeError(f"--max-batch must be at least 1, got {settings.max_batch}")
-    if settings.sampling not in ("cpu", "inline", "auto"):
-        raise HpipeError(f"--sampling {settings.sampling!r}: use inline, cpu or auto")
-    for flag, value in (("--static-decode", settings.static_decode), ("--prepare-thread", settings.prepare_thread)):
-        if value not in ("on", "off", "auto"):
-            raise HpipeError(f"{flag} {value!r}: use on, off or auto")
+    """The job's own settings (the runtime's are checked by RuntimeConfig itself)."""
     if settings.max_new_tokens < 1:
         raise HpipeError(f"--max-new-tokens must be at least 1, got {settings.max_new_tokens}")
-    if settings.sampler_procs < 1:
-        raise HpipeError(f"--sampler-procs must be at least 1, got {settings.sampler_procs}")
-    if settings.policy not in ("throttle", "sarathi"):
-        raise HpipeError(f"--policy {settings.policy!r}: use throttle or sarathi")
-    if settings.page_size < 1 or settings.kv_pages < 0:
-        raise HpipeError(f"--page-size must be >= 1 and --kv-pages >= 0 (0: from free memory), got "
-                         f"{settings.page_size} and {settings.kv_pages}")
-    for name, value in settings.policy_args.items():
-        if name == "kv_thresh" and not 0 <= value < 1:
-            raise HpipeError(f"--kv-thresh must be in [0, 1), got {value}")
-        if name != "kv_thresh" and value < 1:
-            raise HpipeError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def prepare_model(plan_path: str, settings: LaunchSettings, model: str | None = None,
@@ -116,7 +87,8 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
                              f"it holds, or choose another --out")
         done_ids = {r["id"] for r in formats.load_results(out_path)}
     eos = frozenset(models.eos_token_ids(source.path, config))
-    ctx = models.context_length(config)
+    ctx = min(settings.runtime.max_model_len or models.context_length(config), models.context_length(config))
+    limit = "--max-model-len" if ctx < models.context_length(config) else "the model's context"
     vocab = int(config.vocab_size)
     requests = []
     for rec in prompts:
@@ -130,7 +102,7 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
                                  f"(size {vocab})")
         if len(ids) + settings.max_new_tokens > ctx:
             raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has {len(ids)} tokens; with --max-new-tokens "
-                             f"{settings.max_new_tokens} that exceeds the model's context of {ctx} tokens; "
+                             f"{settings.max_new_tokens} that exceeds {limit} of {ctx} tokens; "
                              f"shorten the prompt or lower --max-new-tokens")
         # the launch's parameters, a seed of the request's own, then the prompt's overrides (its seed included)
         params = SamplingParams(**{**settings.params.__dict__, "seed": sequence_seed(settings.seed, rec.id),
@@ -140,43 +112,69 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
     return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids))
 
 
-@dataclass
-class JobOutput:
-    """Collects the workers' reports and appends each finished prompt to the results file."""
+@dataclass(kw_only=True)
+class StageReports:
+    """What every launch collects from its workers' reports (`hpipe.protocol`): the timelines, stage
+    0's summary and each stage's one-line error. The batch job (`JobOutput`) and the server
+    (`hpipe.launcher.serving`) each take the rest in `take_report`."""
 
-    out_path: str
-    tokenizer: object
-    results: list[dict] = field(default_factory=list)
     timelines: dict[int, dict] = field(default_factory=dict)
     summary: dict | None = None
     errors: dict[int, str] = field(default_factory=dict)
 
+    def take(self, rank: int, line: str) -> bool:
+        """Handles one stdout line of a worker; False if it is not a report (a log line)."""
+        report = protocol.read_report(line)
+        if report is None:
+            return False
+        if isinstance(report, protocol.Timeline):
+            self.timelines[report.rank] = protocol.as_dict(report)
+        elif isinstance(report, protocol.Summary):
+            self.summary = protocol.as_dict(report)
+        elif isinstance(report, protocol.Error):
+            self.errors[rank] = report.message
+        else:
+            self.take_report(report)
+        return True
+
+    def take_report(self, report) -> None:
+        pass
+
+    def done_line(self) -> str:
+        return "no request had finished"
+
+
+@dataclass
+class JobOutput(StageReports):
+    """A batch job's reports: each finished prompt is appended to the results file."""
+
+    out_path: str = ""
+    tokenizer: object = None
+    requests: list[Request] = field(default_factory=list)   # the job's, by index (a result names its index)
+    results: list[dict] = field(default_factory=list)
+
     def done_line(self) -> str:
         return f"{len(self.results)} results were written"
 
-    def take(self, rank: int, line: str) -> bool:
-        """Handles one stdout line of a worker; False if it is not a report (a log line)."""
-        msg = parse(line)
-        if msg is None:
-            return False
-        kind = msg.pop("type", None)
-        if kind == "timeline":
-            self.timelines[msg["rank"]] = msg
-        elif kind == "summary":
-            self.summary = msg
-        elif kind == "error":
-            self.errors[rank] = msg.get("message", "")
-        else:
-            self.take_report(kind, msg)
-        return True
-
-    def take_report(self, kind: str | None, msg: dict) -> None:
-        """A batch job's own reports: each finished prompt goes to the results file."""
-        if kind == "result":
-            text = self.tokenizer.decode(msg["output_ids"], skip_special_tokens=True) if self.tokenizer else None
-            record = {"id": msg["id"], "output_ids": msg["output_ids"], "text": text, **msg}
+    def take_report(self, report) -> None:
+        if isinstance(report, protocol.Result):
+            ids = report.output_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
+            fields = protocol.as_dict(report)
+            del fields["index"]
+            record = {"id": self.requests[report.index].id, "output_ids": ids, "text": text, **fields}
             formats.append_result(self.out_path, record)
             self.results.append(record)
+
+
+def trim_logits(path: str, results: list[dict]) -> None:
+    """--logits-out: the last stage wrote every row it sampled; a request's rows past its output
+    are leftover steps after its stop (stage 0 decided it: the result's length)."""
+    import numpy as np
+    with np.load(path) as f:
+        rows = {k: f[k] for k in f.files}
+    kept = {r["id"]: len(r["output_ids"]) for r in results}
+    np.savez(path, **{k: v[:kept.get(k, len(v))] for k, v in rows.items()})
 
 
 def busy_fractions(timelines: dict[int, dict]) -> dict[int, float]:
@@ -232,22 +230,14 @@ def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeli
 def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str, port: int, model: str,
                    requests_path: str | None, settings: LaunchSettings, threads: int,
                    logits_out: str | None) -> list[str]:
-    """The runtime's worker command line, the same for local processes and remote hosts. What is
-    per request (sampling parameters, seeds, limits, EOS ids) travels in the requests file, or
-    (serving, requests_path None) on stage 0's stdin."""
+    """The runtime's worker command line, the same for local processes and remote hosts: the
+    runtime config travels whole, as one JSON argument. What is per request (sampling parameters,
+    seeds, limits, EOS ids) travels in the requests file, or (serving, requests_path None) on
+    stage 0's stdin."""
     cmd = [python, "-m", "hpipe.runtime.worker", "--plan", plan_path, "--rank", str(rank),
-           "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model]
-    cmd += ["--serve", "--max-model-len", str(settings.max_model_len)] if requests_path is None else \
-        ["--requests", requests_path]
-    cmd += ["--policy", settings.policy, "--page-size", str(settings.page_size), "--kv-pages", str(settings.kv_pages)]
-    for name, value in sorted(settings.policy_args.items()):
-        cmd += [f"--{name.replace('_', '-')}", str(value)]
-    cmd += ["--sampling", settings.sampling,
-           "--sampler-procs", str(settings.sampler_procs), "--max-batch", str(settings.max_batch),
-           "--attn", settings.attn, "--threads", str(threads)]
-    cmd += ["--static-decode", settings.static_decode, "--prepare-thread", settings.prepare_thread]
-    cmd += [flag for flag, off in (("--no-tsem", not settings.tsem), ("--no-sat", not settings.sat),
-                                   ("--no-cuda-graphs", not settings.cuda_graphs)) if off]
+           "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model,
+           "--config", settings.runtime.to_json(), "--threads", str(threads)]
+    cmd += ["--serve"] if requests_path is None else ["--requests", requests_path]
     if logits_out:
         cmd += ["--logits-out", logits_out]
     return cmd

@@ -30,6 +30,7 @@ from hpipe.launcher.jobs import (
     LaunchSettings,
     PreparedJob,
     stop_workers,
+    trim_logits,
     watch_workers,
     worker_command,
 )
@@ -56,7 +57,7 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
     workers' reports and `on_workers(workers)` is called once they are started (stage 0's
     `send_line` takes the requests)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    output = output or JobOutput(out_path, job.tokenizer)
+    output = output or JobOutput(out_path, job.tokenizer, job.requests)
     if not job.requests and not settings.serve:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
@@ -86,6 +87,8 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
             if on_workers is not None:
                 on_workers(workers)
             watch_workers(workers, lines, output, job.plan, log, quiet)
+            if settings.logits_out:
+                trim_logits(settings.logits_out, output.results)
         except KeyboardInterrupt:
             stop_workers(workers)
             raise HpipeError(f"interrupted; every worker was stopped; {len(output.results)} results are in "

@@ -1,12 +1,14 @@
 """The pipeline as a service: the stage workers started as `hpipe launch` starts them (local
 processes, or hosts over SSH with the same preflight, host keys and teardown), in serving mode:
-requests go to stage 0 as lines on its stdin, tokens come back on its stdout as they are sampled.
+requests go to stage 0 as `hpipe.protocol` ops on its stdin, tokens come back as reports on its
+stdout as they are sampled.
 
-`Engine` is what the HTTP front end (`hpipe.launcher.api`) talks to; it knows nothing of HTTP:
-`submit()` turns a request into a `Handle` whose events (tokens, the end, an error) arrive on the
-caller's asyncio loop; `abort()` ends one at once (its KV pages are freed by stage 0's scheduler);
-`stats` and `metrics` are what /metrics shows. When a stage fails, every open request ends with
-the launcher's one-line cause and `failure` holds it.
+`PipelineClient` is what the HTTP front end (`hpipe.launcher.api`) talks to; it knows nothing of
+HTTP: `submit()` turns a request into a `Handle` whose events (tokens, the end, an error) arrive on
+the caller's asyncio loop; `abort()` ends one at once (its KV pages are freed by stage 0's
+scheduler); `stats` and `metrics` are what /metrics shows. A request's index is its one key, from
+the handler to the sampler. When a stage fails, every open request ends with the launcher's
+one-line cause and `failure` holds it.
 """
 
 from __future__ import annotations
@@ -14,18 +16,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import json
 import threading
 import time
 from dataclasses import dataclass, field
 
+from hpipe import protocol
 from hpipe.errors import HpipeError
 from hpipe.launcher.cluster import launch_cluster
-from hpipe.launcher.jobs import JobOutput, LaunchSettings, PreparedJob
+from hpipe.launcher.jobs import LaunchSettings, PreparedJob, StageReports
 from hpipe.launcher.local import launch_local
 from hpipe.request import Request, SamplingParams
 
-__all__ = ["Engine", "Handle", "Metrics"]
+__all__ = ["Handle", "Metrics", "PipelineClient"]
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -40,9 +42,6 @@ class Handle:
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    t_submit: float = field(default_factory=time.time)
-    t_first: float | None = None
-    t_last: float | None = None
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -82,33 +81,30 @@ class Metrics:
     microbatches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50_000))
 
 
-class ServeOutput(JobOutput):
-    """The workers' reports while serving: tokens, results, stats and readiness go to the engine;
+class ServeOutput(StageReports):
+    """The workers' reports while serving: tokens, results, stats and readiness go to the client;
     timelines, the summary and errors are kept as for a batch job."""
 
-    def __init__(self, engine: Engine):
-        super().__init__(out_path="", tokenizer=None)
-        self.engine = engine
+    def __init__(self, client: PipelineClient):
+        super().__init__()
+        self.client = client
+        self.results = 0
+        self.handlers = {protocol.Tokens: client.on_tokens, protocol.Result: client.on_result,
+                         protocol.Stats: client.on_stats, protocol.Ready: client.on_ready,
+                         protocol.Rejected: client.on_rejected}
 
     def done_line(self) -> str:
-        return f"{len(self.results)} requests had been answered"
+        return f"{self.results} requests had been answered"
 
-    def take_report(self, kind: str | None, msg: dict) -> None:
-        e = self.engine
-        if kind == "tokens":
-            e.on_tokens(msg["items"])
-        elif kind == "result":
-            self.results.append(msg["id"])
-            e.on_result(msg)
-        elif kind == "stats":
-            e.on_stats(msg)
-        elif kind == "ready":
-            e.on_ready(msg)
-        elif kind == "rejected":
-            e.on_rejected(msg["id"], msg.get("message", "rejected"))
+    def take_report(self, report) -> None:
+        if isinstance(report, protocol.Result):
+            self.results += 1
+        handler = self.handlers.get(type(report))
+        if handler is not None:
+            handler(report)
 
 
-class Engine:
+class PipelineClient:
     def __init__(self, job: PreparedJob, plan_path: str, settings: LaunchSettings, inventory=None,
                  accept_new_keys: bool = False, push: bool = False, host_timeout_s: float = 15.0,
                  max_queue: int = 256, log=None, quiet: bool = True):
@@ -118,11 +114,11 @@ class Engine:
         self.log, self.quiet = log, quiet
         self.eos = frozenset()
         self.lock = threading.Lock()
-        self.open: dict[str, Handle] = {}
+        self.open: dict[int, Handle] = {}      # by request index
         self.next_index = itertools.count()
         self.stage0 = None
         self.ready = threading.Event()
-        self.info: dict = {}
+        self.info: protocol.Ready | None = None
         self.stats: dict = {}
         self.metrics = Metrics()
         self.failure: str | None = None
@@ -138,7 +134,7 @@ class Engine:
         """Starts every stage and waits until stage 0 is ready (the KV pool agreed and allocated)."""
         from hpipe import models
         self.eos = frozenset(models.eos_token_ids(self.job.source.path, self.job.config))
-        self.thread = threading.Thread(target=self._run, name="hpipe-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="hpipe-serve", daemon=True)
         self.thread.start()
         deadline = time.time() + timeout_s
         while not self.ready.wait(0.1):
@@ -169,6 +165,9 @@ class Engine:
         self.stage0 = workers[0]
         self.workers = workers
 
+    def _send(self, op) -> bool:
+        return self.stage0.send_line(protocol.op_line(op))
+
     def _fail(self, cause: str) -> None:
         with self.lock:
             if self.failure is not None or self.closing:
@@ -189,10 +188,10 @@ class Engine:
             self.open.clear()
         for h in handles:
             h.put(("error", "the server is shutting down"))
-        if self.stage0 is not None:      # the aborts first: stage 0 stops reading at "close"
+        if self.stage0 is not None:      # the aborts first: stage 0 stops reading at Close
             for h in handles:
-                self.stage0.send_line(json.dumps({"op": "abort", "index": h.request.index}))
-            self.stage0.send_line(json.dumps({"op": "close"}))
+                self._send(protocol.Abort(h.request.index))
+            self._send(protocol.Close())
         if self.thread is not None:
             self.thread.join(timeout=20)
         if self.thread is not None and self.thread.is_alive():
@@ -207,7 +206,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
     @property
     def max_model_len(self) -> int:
-        return int(self.info.get("max_model_len", 0))
+        return self.info.max_model_len if self.info else 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.info.max_batch if self.info else self.settings.runtime.max_batch
 
     def load(self) -> int:
         with self.lock:
@@ -224,11 +227,11 @@ class Engine:
         with self.lock:
             if self.failure is not None:
                 raise HpipeError(self.failure)
-            self.open[request.id] = handle
+            self.open[index] = handle
         self.metrics.prompt_tokens += len(input_ids)
-        if not self.stage0.send_line(json.dumps({"op": "add", "request": request.to_json()})):
+        if not self._send(protocol.Add(request)):
             with self.lock:           # the stage's own cause follows from the launcher
-                self.open.pop(request.id, None)
+                self.open.pop(index, None)
             raise HpipeError("stage 0 no longer takes requests")
         return handle
 
@@ -236,57 +239,54 @@ class Engine:
         """Ends a request now (its client went away, or a stop string matched: `reason` "stop"):
         stage 0 frees its KV pages."""
         with self.lock:
-            live = self.open.pop(handle.request.id, None) is not None
+            live = self.open.pop(handle.request.index, None) is not None
         if live:
             self.metrics.finished[reason] += 1
             if self.stage0 is not None:
-                self.stage0.send_line(json.dumps({"op": "abort", "index": handle.request.index}))
+                self._send(protocol.Abort(handle.request.index))
 
     # ------------------------------------------------------------------ reports (the launch thread)
-    def on_ready(self, msg: dict) -> None:
-        self.info = msg
+    def on_ready(self, ready: protocol.Ready) -> None:
+        self.info = ready
         self.ready.set()
 
-    def on_tokens(self, items: list) -> None:
-        now = time.time()
+    def on_tokens(self, tokens: protocol.Tokens) -> None:
         with self.lock:
-            for rid, token in items:
-                h = self.open.get(rid)
+            for index, token in tokens.items:
+                h = self.open.get(index)
                 if h is None:
                     continue
-                if h.t_first is None:
-                    h.t_first = now
-                    self.metrics.ttft.observe(now - h.t_submit)
-                h.t_last = now
                 h.output.append(token)
                 self.metrics.generation_tokens += 1
                 h.put(("token", token))
 
-    def on_result(self, msg: dict) -> None:
+    def on_result(self, result: protocol.Result) -> None:
+        """A request's end, and its timing as stage 0 measured it (aborted ones too: the metrics)."""
+        if result.ttft_s is not None:
+            self.metrics.ttft.observe(result.ttft_s)
+            if len(result.output_ids) > 1:
+                self.metrics.tpot.observe(result.tpot_s)
         with self.lock:
-            h = self.open.pop(msg["id"], None)
+            h = self.open.pop(result.index, None)
         if h is None:
             return
-        reason = msg.get("finish_reason") or "stop"
+        reason = result.finish_reason or "stop"
         h.finish_reason = reason
         self.metrics.finished[reason] += 1
-        n = len(h.output)
-        if n > 1 and h.t_first is not None:
-            self.metrics.tpot.observe((h.t_last - h.t_first) / (n - 1))
         h.put(("end", reason))
 
-    def on_rejected(self, rid: str, message: str) -> None:
+    def on_rejected(self, rejected: protocol.Rejected) -> None:
         with self.lock:
-            h = self.open.pop(rid, None)
+            h = self.open.pop(rejected.index, None)
         self.metrics.rejected += 1
         if h is not None:
-            h.put(("error", message))
+            h.put(("error", rejected.message))
 
-    def on_stats(self, msg: dict) -> None:
-        for t, decode, prefill in msg.pop("microbatches", []):
+    def on_stats(self, stats: protocol.Stats) -> None:
+        for t, decode, prefill in stats.microbatches:
             self.metrics.microbatch_tokens.observe(decode + prefill)
             self.metrics.microbatches.append((t, decode, prefill))
-        self.stats = msg
+        self.stats = {k: v for k, v in protocol.as_dict(stats).items() if k != "microbatches"}
 
     # ------------------------------------------------------------------ /metrics
     def prometheus(self) -> str:
@@ -302,7 +302,7 @@ class Engine:
             "# TYPE hpipe_kv_pages_used gauge", f"hpipe_kv_pages_used {s.get('pages_used', 0)}",
             "# HELP hpipe_kv_pages_free KV pages free.",
             "# TYPE hpipe_kv_pages_free gauge",
-            f"hpipe_kv_pages_free {s.get('pages_free', self.info.get('kv_pages', 0))}",
+            f"hpipe_kv_pages_free {s.get('pages_free', self.info.kv_pages if self.info else 0)}",
             "# HELP hpipe_preemptions_total Sequences preempted for KV pages (recomputed later).",
             "# TYPE hpipe_preemptions_total counter", f"hpipe_preemptions_total {s.get('preemptions', 0)}",
             "# HELP hpipe_prompt_tokens_total Prompt tokens submitted.",
@@ -320,6 +320,6 @@ class Engine:
                   *m.tpot.lines("hpipe_time_per_output_token_seconds"),
                   "# HELP hpipe_microbatch_tokens Tokens per micro-batch (decode + prefill).",
                   "# TYPE hpipe_microbatch_tokens histogram",
-                  *m.microbatch_tokens.lines("hpipe_microbatch_tokens", f'policy="{self.settings.policy}"')]
+                  *m.microbatch_tokens.lines("hpipe_microbatch_tokens", f'policy="{self.settings.runtime.policy}"')]
         return "\n".join(lines) + "\n"
 

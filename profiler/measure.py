@@ -99,7 +99,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     import torch
 
     from hpipe import models
-    from hpipe.runtime.kv import Segment
+    from hpipe.runtime.pages import Segment
     from hpipe.runtime.stage import StageRunner
 
     source = models.resolve_model(model)

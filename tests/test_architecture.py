@@ -23,7 +23,8 @@ SOURCE_DIRS = {"hpipe": "hpipe", "planner": "hpipe.planner", "profiler": "hpipe.
                "launcher": "hpipe.launcher"}
 
 FLOORS = {
-    0: ["hpipe", "hpipe.errors", "hpipe.formats", "hpipe.models", "hpipe.reports", "hpipe.request", "hpipe.memory",
+    0: ["hpipe", "hpipe.errors", "hpipe.config", "hpipe.formats", "hpipe.models", "hpipe.reports", "hpipe.protocol",
+        "hpipe.request", "hpipe.memory",
         "hpipe.net", "hpipe.grid", "hpipe.lifeline"],                                    # ground: errors, formats, models, reports
     1: ["hpipe.sampling", "hpipe.runtime", "hpipe.ssh"],               # what runs on a host
     2: ["hpipe.profiler", "hpipe.planner", "hpipe.launcher"],          # the three commands' machinery
@@ -195,3 +196,131 @@ def test_the_wheel_holds_one_import_name(tmp_path):
     for sub in ("planner/profiled.py", "profiler/measure.py", "launcher/jobs.py", "ssh/remote_wrapper.py",
                 "runtime/worker.py"):
         assert f"hpipe/{sub}" in names
+
+
+# ---------------------------------------------------------------------------------- one definition per default
+def literal_setting_defaults(source_dirs: dict[str, str], root: Path, settings: dict) -> list[str]:
+    """Every place outside hpipe/config.py that declares a runtime setting's default again: a
+    function parameter or a class field named after a setting with a literal default, or a CLI
+    option (typer / argparse) for a setting's flag with a literal default."""
+    flags = {s.flag: name for name, s in settings.items()}
+    found = []
+    for mod, path in modules(source_dirs, root).items():
+        if mod == "hpipe.config":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        where = lambda node: f"{path.relative_to(root)}:{node.lineno}"   # noqa: E731
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                pairs = list(zip(a.args[len(a.args) - len(a.defaults):], a.defaults)) + \
+                    [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                found += [f"{where(d)}: parameter {k.arg}={ast.unparse(d)}" for k, d in pairs
+                          if k.arg in settings and isinstance(d, ast.Constant) and d.value is not None]
+            elif isinstance(node, ast.ClassDef):
+                found += [f"{where(f)}: field {f.target.id} = {ast.unparse(f.value)}" for f in node.body
+                          if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)
+                          and f.target.id in settings and isinstance(f.value, ast.Constant)
+                          and f.value.value is not None]
+            elif isinstance(node, ast.Call):
+                strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                flag = next((s for s in strings if s in flags), None)
+                if flag is None:
+                    continue
+                literal = [a for a in node.args[:1] if isinstance(a, ast.Constant) and not isinstance(a.value, str)]
+                literal += [k.value for k in node.keywords if k.arg == "default" and isinstance(k.value, ast.Constant)]
+                found += [f"{where(node)}: option {flag} with default {ast.unparse(d)}" for d in literal]
+    return found
+
+
+def test_every_runtime_default_is_declared_once():
+    """RuntimeConfig holds every runtime setting's default: nothing else in the code declares one
+    again, and launch and serve offer every setting under its flag with the config's default."""
+    import typer
+
+    from hpipe.cli import app
+    from hpipe.config import DEFAULTS, SETTINGS
+
+    assert literal_setting_defaults(SOURCE_DIRS, ROOT, SETTINGS) == []
+    group = typer.main.get_command(app)
+    for command in ("launch", "serve"):
+        options = {opt: p for p in group.commands[command].params for opt in p.opts if opt.startswith("--")}
+        for name, s in SETTINGS.items():
+            assert s.flag in options, f"hpipe {command} has no {s.flag}"
+            default = getattr(DEFAULTS, name)
+            assert options[s.flag].default == (not default if s.negated else default), (command, s.flag)
+
+
+def test_the_defaults_check_can_fail(tmp_path):
+    from hpipe.config import SETTINGS
+    _write(tmp_path, {
+        "hpipe/__init__.py": "",
+        "hpipe/a.py": "def f(page_size: int = 16, other=3):\n    pass\n",
+        "hpipe/b.py": "class C:\n    max_batch: int = 16\n",
+        "hpipe/c.py": "import typer\nX = typer.Option(8, '--iterations')\n",
+        "hpipe/d.py": "def g(p):\n    p.add_argument('--kv-pages', type=int, default=0)\n",
+        "hpipe/e.py": "from hpipe.config import DEFAULTS\ndef f(page_size: int = DEFAULTS.page_size):\n    pass\n",
+    })
+    found = literal_setting_defaults({"hpipe": "hpipe"}, tmp_path, SETTINGS)
+    assert len(found) == 4 and all(f.split(":")[0] in ("hpipe/a.py", "hpipe/b.py", "hpipe/c.py", "hpipe/d.py")
+                                   for f in found), found
+
+
+# ---------------------------------------------------------------------------------- torch-free modules
+TORCH_FREE = ["hpipe.config", "hpipe.protocol", "hpipe.request", "hpipe.runtime.pages", "hpipe.runtime.sequence",
+              "hpipe.runtime.schedule", "hpipe.runtime.scheduler"]
+
+
+def torch_importers(source_dirs: dict[str, str], root: Path, names: list[str]) -> list[str]:
+    """Of `names`, those that import torch, directly or through the hpipe modules they import
+    (package __init__ files aside: the modules' own imports)."""
+    mods = modules(source_dirs, root)
+
+    def imports(mod):
+        tree = ast.parse(mods[mod].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                yield from (a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                yield node.module
+                yield from (f"{node.module}.{a.name}" for a in node.names)
+
+    bad = []
+    for name in names:
+        seen, todo = set(), [name]
+        while todo:
+            mod = todo.pop()
+            if mod in seen:
+                continue
+            seen.add(mod)
+            for target in imports(mod):
+                if target.split(".")[0] == "torch":
+                    bad.append(f"{name} imports torch (through {mod})")
+                elif target in mods and not mods[target].name == "__init__.py":
+                    todo.append(target)
+    return bad
+
+
+def test_the_scheduler_and_the_schedule_know_nothing_of_torch(tmp_path):
+    assert torch_importers(SOURCE_DIRS, ROOT, TORCH_FREE) == []
+    _write(tmp_path, {"hpipe/__init__.py": "", "hpipe/a.py": "from hpipe.b import x\n", "hpipe/b.py": "import torch\n"})
+    assert torch_importers({"hpipe": "hpipe"}, tmp_path, ["hpipe.a"]) == ["hpipe.a imports torch (through hpipe.b)"]
+
+
+# ---------------------------------------------------------------------------------- one seam
+def test_the_workers_reports_and_ops_are_written_in_one_module():
+    """The runtime's reports and the ops into stage 0 are `hpipe.protocol` records: no other module
+    writes one of their kinds by hand (`emit("result", ...)`) or spells an op's dict."""
+    from hpipe.protocol import REPORTS
+    found = []
+    for mod, path in modules(SOURCE_DIRS, ROOT).items():
+        if mod in ("hpipe.protocol", "hpipe.reports"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "emit" \
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in REPORTS \
+                    and node.args[0].value != "error":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: emit({node.args[0].value!r})")
+            if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "op" for k in node.keys):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: an op spelled by hand")
+    assert found == []

@@ -93,7 +93,7 @@ def test_cuda_graphs_match_eager(family, tiny_models):
         requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=12, eos_ids=frozenset([2]))
                     for i, p in enumerate(PROMPTS)]
         outs.append(run_inprocess(runners, requests, Slicing(lengths=(16, 8)).slices_for, max_batch=3,
-                                  keep_logits=True, static_decode=graphs, cuda_graphs=graphs))
+                                  keep_logits=True, static=graphs, graphs=graphs))
     for rid, eager in outs[0].items():
         assert outs[1][rid]["output_ids"] == eager["output_ids"]
         assert float((outs[1][rid]["logits"] - eager["logits"]).abs().max()) < 1e-4
@@ -103,7 +103,7 @@ def test_war_hazard_writing_one_version_while_the_other_replays(tiny_models):
     """SiPipe's WAR hazard: while the graph of version v replays (a long queue of replays on the
     GPU), the CPU executor fills version 1-v for the next step. The copy stream waits for the last
     replay of the version it overwrites, so every step's output equals the eager path's."""
-    from hpipe.runtime.kv import Segment
+    from hpipe.runtime.pages import Segment
     from hpipe.runtime.static_decode import StaticDecode
 
     path = tiny_models["llama"]

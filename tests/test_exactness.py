@@ -45,7 +45,7 @@ def check_against_reference(path, reference, bounds, slicing, prompts, max_batch
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=NEW_TOKENS, eos_ids=frozenset([EOS]))
                 for i, p in enumerate(prompts)]
     results = run_inprocess(runners, requests, slicing.slices_for, max_batch=max_batch, keep_logits=True,
-                            static_decode=static_decode, policy=policy, pages=pages, page_size=page_size)
+                            static=static_decode, policy=policy, pages=pages, page_size=page_size)
     assert set(results) == {r.id for r in requests}
     for r in requests:
         got = results[r.id]

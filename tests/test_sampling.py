@@ -202,42 +202,39 @@ def test_remove_clears_the_state_and_slots_are_independent():
     assert int(s.step(logits, ["c"], slot=0)[0]) == 7
 
 
-def test_a_leftover_row_after_a_stop_touches_nothing():
-    """The asynchronous runtime may run one more decode step of a sequence that just stopped: its
-    row gets a placeholder id and takes no sampler column (max_batch 1 here)."""
+def test_a_released_request_frees_its_column_for_the_next():
+    """The asynchronous runtime may run one more decode step of a sequence that just stopped: its row
+    is sampled with the state it still has (stage 0 drops the id), and once the schedule releases it
+    its column serves the next request (max_batch 1 here)."""
     from hpipe.request import Request
     from hpipe.sampling import RequestSampler
 
-    reqs = {i: Request(i, f"r{i}", (5, 6), SamplingParams(temperature=0.0), max_new_tokens=5,
-                       eos_ids=frozenset([3])) for i in range(2)}
-    sampler = RequestSampler(reqs, 16, max_batch=1)
+    reqs = [Request(i, f"r{i}", (5, 6), SamplingParams(temperature=0.0), max_new_tokens=5,
+                    eos_ids=frozenset([3])) for i in range(2)]
+    sampler = RequestSampler(16, max_batch=1, max_len=5)
     to_eos, to_seven = torch.zeros(1, 16), torch.zeros(1, 16)
     to_eos[0, 3] = to_seven[0, 7] = 10.0
-    assert sampler.sample(to_eos, [0]) == [3]          # r0 stops
-    assert sampler.sample(to_seven, [0]) == [0]        # its leftover step
+    sampler.admit(reqs[0])
+    assert sampler.sample(to_eos, [0]) == [3]          # r0 stops (stage 0 decides it)
+    assert sampler.sample(to_seven, [0]) == [7]        # its leftover step, before its release
+    sampler.release(0)
+    sampler.admit(reqs[1])
     assert sampler.sample(to_seven, [1]) == [7]        # r0's column is free for r1
-    assert sampler.sample(torch.cat([to_seven, to_eos]), [0, 1]) == [0, 3]
+    assert not sampler.knows(0) and sampler.knows(1)
 
 
-def test_a_serving_sampler_forgets_ended_requests():
-    """Serving (requests admitted as they come): a request that ended or was released still gets
-    placeholder ids for its leftover rows, and is forgotten FORGET_AFTER sampling calls later, so
-    the sampler's memory does not grow with the requests served."""
+def test_a_sampler_holds_only_the_requests_running():
+    """Requests admitted and released as the schedules say: over 3,072 requests the sampler's
+    memory does not grow with the requests served."""
     from hpipe.request import Request
     from hpipe.sampling import RequestSampler
 
-    sampler = RequestSampler({}, 16, max_batch=2, max_len=64)
+    sampler = RequestSampler(16, max_batch=2, max_len=64)
     to_eos, to_seven = torch.zeros(1, 16), torch.zeros(1, 16)
     to_eos[0, 3] = to_seven[0, 7] = 10.0
-    n = 3 * RequestSampler.FORGET_AFTER
-    for i in range(n):
+    for i in range(3072):
         sampler.admit(Request(i, f"r{i}", (5,), SamplingParams(temperature=0.0), max_new_tokens=5,
                               eos_ids=frozenset([3])))
-        assert sampler.sample(to_eos, [i]) == [3]              # ends at once
-        assert sampler.sample(to_seven, [i]) == [0]            # its leftover row
-    sampler.admit(Request(n, "aborted", (5,), SamplingParams(temperature=0.0), max_new_tokens=5))
-    assert sampler.sample(to_seven, [n]) == [7]
-    sampler.release(n)
-    assert sampler.sample(to_seven, [n]) == [0]
-    assert not sampler.requests and not sampler.counts
-    assert len(sampler.finished) <= RequestSampler.FORGET_AFTER + 1
+        assert sampler.sample(to_eos, [i]) == [3]
+        sampler.release(i)
+    assert not sampler.requests and not sampler.started

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hpipe.formats import Slicing
 from hpipe.request import Request
-from hpipe.runtime.kv import microbatch_kind
+from hpipe.runtime.pages import microbatch_kind
 from hpipe.runtime.scheduler import Scheduler
 
 EOS = 0
@@ -41,9 +41,17 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
     produced: dict[int, list[int]] = {r.index: [] for r in requests}
     leftovers: dict[int, int] = {r.index: 0 for r in requests}
     finished = {}
+    admitted, released = set(), set()     # what the schedules told the last stage's sampler, so far
     while not sched.done:
         mb = sched.next_microbatch()
         if mb is not None:
+            admitted |= {r.index for r in mb.admitted}
+            assert not {i for i, _ in mb.released} - admitted, "a release follows its admission"
+            released |= {i for i, _ in mb.released}
+            assert not set(mb.sampled) & released, "no row of a request comes after its release"
+            assert set(mb.sampled) <= admitted, "the sampler knows a request before its first row"
+            for index, generated in mb.released:
+                assert generated == len(finished[index].output), "a release carries the tokens stage 0 kept"
             assert len(sched.inflight) <= sched.max_inflight
             active_slots = [a.slot for a in sched.active]
             assert len(active_slots) == len(set(active_slots)) and len(active_slots) <= max_batch

@@ -1,18 +1,17 @@
 """Messages between stages, over torch.distributed.
 
 Three streams, each FIFO (torch.distributed matches messages by source and tag, in order):
-- the schedule (tag 2, the control plane): stage 0's scheduler publishes every micro-batch to every
-  other stage as soon as it is decided, in one fixed-size message (op, micro-batch id, segments and
-  the KV pages they add), ahead of the data; when serving, the same stream carries to the last stage
-  the requests that join (their sampling parameters) and those that were aborted, each before the
-  first schedule that needs it;
+- the schedule (tag 2, the control plane): stage 0's scheduler publishes every micro-batch's
+  `Schedule` (hpipe.runtime.schedule: segments, the KV pages they add, the requests admitted and
+  released) to every other stage as soon as it is decided, in one fixed-size message, ahead of the
+  data; serving, the admitted requests follow in a second message;
 - the hop, stage j -> j+1 (tag 0): the hidden states;
 - back, last stage -> stage 0 (tag 1): the sampled ids.
 
 Structure-aware transfer (SAT, SiPipe §5.3): a receiver knows every transfer's shape from the
 schedule, so the hidden states travel alone, into a receive posted ahead into a preallocated, reused
 buffer, and the ids come back alone (stage 0 knows how many each micro-batch returns). Without SAT
-(`--no-sat`, the baseline) every hop carries the schedule with the data, as a header and the segments
+(`--no-sat`, the baseline) every hop carries the schedule with the data, as its header and body
 before the hidden states, and the ids come back after a header: three and two messages.
 
 Control messages (schedule, headers, ids) travel on a gloo group; the hidden states on the data
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import threading
 from dataclasses import dataclass, field
 
@@ -33,12 +31,11 @@ import torch.distributed as dist
 
 from hpipe.errors import HpipeError
 from hpipe.net import choose_gloo_interface
-from hpipe.request import Request
-from hpipe.runtime.kv import PageTable, Segment, pages_needed
+from hpipe.runtime import schedule as codec
+from hpipe.runtime.pages import PageTable
+from hpipe.runtime.schedule import HEADER_LEN, Schedule
 
-OP_WORK, OP_STOP, OP_TOKENS, OP_ADMIT, OP_RELEASE = 1, 2, 3, 4, 5
-HEADER_LEN = 8
-SEGMENT_FIELDS = 7
+OP_STOP, OP_TOKENS = 2, 3          # the back link's header (without SAT)
 TAG_FORWARD, TAG_BACK, TAG_SCHEDULE = 0, 1, 2
 
 
@@ -149,97 +146,53 @@ class Pending:
         self.tensors.clear()
 
 
-def added_pages(seg: Segment, page_size: int) -> tuple[int, ...]:
-    """What a segment adds to its sequence's page table: the pages past those holding [0, start)."""
-    return seg.pages[pages_needed(seg.start, page_size):]
+@dataclass(frozen=True)
+class ScheduleLink:
+    """How this job's schedules travel, fixed at start: the body's capacity (the fixed-size message
+    on the control plane), the page size, whether the admitted requests travel with them (serving;
+    a batch job's stages all read its requests file) and where a request is looked up otherwise."""
+
+    capacity: int
+    page_size: int
+    with_requests: bool
+    requests: object = None          # index -> Request, when not with_requests
 
 
-def encode_segments(segments: list[Segment], page_size: int) -> tuple[torch.Tensor, int]:
-    """Segments as rows of SEGMENT_FIELDS, then the pages each adds, in one flat tensor; and the
-    number of pages."""
-    added = [added_pages(s, page_size) for s in segments]
-    rows = [[s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), len(a)] for s, a in zip(segments, added)]
-    pages = [p for a in added for p in a]
-    return torch.tensor([v for row in rows for v in row] + pages, dtype=torch.long), len(pages)
-
-
-def decode_segments(flat: list[int], n: int, table: PageTable) -> list[Segment]:
-    """The inverse of `encode_segments`, each segment's whole page list rebuilt by the stage's
-    page table (in the schedule's order)."""
-    out, at = [], SEGMENT_FIELDS * n
-    for i in range(n):
-        seq, slot, start, length, sample, prefill, k = flat[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
-        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill))
-        out.append(table.resolve(seg, flat[at:at + k]) if k or start else seg)
-        at += k
-    return out
+def _payload_tensor(payload: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
 # ------------------------------------------------------------------ the control plane (schedule)
-def schedule_len(max_segments: int, max_pages: int) -> int:
-    return HEADER_LEN + SEGMENT_FIELDS * max_segments + max_pages
-
-
-def schedule_pages(max_tokens: int, max_segments: int, page_size: int) -> int:
-    """The most pages one micro-batch can add: each segment adds at most ceil(length / size) + 1."""
-    return max_tokens // page_size + 2 * max_segments
-
-
-def publish_schedule(groups: Groups, world: int, mb_id: int, segments: list[Segment] | None,
-                     max_segments: int, max_pages: int, page_size: int, pending: Pending) -> None:
-    """Stage 0: one fixed-size message per stage: [op, id, n segments, tokens, n pages, ...] +
-    segments + the pages they add. segments None publishes the stop."""
-    msg = torch.zeros(schedule_len(max_segments, max_pages), dtype=torch.long)
-    if segments is None:
-        msg[0] = OP_STOP
-    else:
-        if len(segments) > max_segments:
-            raise ValueError(f"{len(segments)} segments, the schedule holds {max_segments}")
-        body, n_pages = encode_segments(segments, page_size)
-        if n_pages > max_pages:
-            raise ValueError(f"{n_pages} new KV pages, the schedule holds {max_pages}")
-        msg[:5] = torch.tensor([OP_WORK, mb_id, len(segments), sum(s.length for s in segments), n_pages])
-        msg[HEADER_LEN:HEADER_LEN + len(body)] = body
+def publish_schedule(groups: Groups, world: int, schedule: Schedule, link: ScheduleLink, pending: Pending) -> None:
+    """SAT, stage 0: one fixed-size message (header + body) to every other stage, then the payload."""
+    header, body, payload = codec.encode(schedule, link.page_size, link.with_requests)
+    if len(body) > link.capacity:
+        raise ValueError(f"a schedule of {len(body)} integers; the control plane's messages hold {link.capacity}")
+    msg = torch.zeros(HEADER_LEN + link.capacity, dtype=torch.long)
+    msg[:HEADER_LEN + len(body)] = torch.tensor(header + body, dtype=torch.long)
+    extra = _payload_tensor(payload) if payload else None
     for dst in range(1, world):
         pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
+        if extra is not None:
+            pending.add(groups.isend(extra, dst, TAG_SCHEDULE, "schedule"), extra)
 
 
-def publish_admit(groups: Groups, dst: int, request: Request, max_segments: int, max_pages: int,
-                  pending: Pending) -> None:
-    """Serving: a request that joins, for the last stage's sampler (its parameters, seed, limits)."""
-    payload = torch.tensor(list(json.dumps(request.to_json()).encode()), dtype=torch.uint8)
-    msg = torch.zeros(schedule_len(max_segments, max_pages), dtype=torch.long)
-    msg[:2] = torch.tensor([OP_ADMIT, len(payload)])
-    pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
-    pending.add(groups.isend(payload, dst, TAG_SCHEDULE, "schedule"), payload)
+def recv_schedule(groups: Groups, link: ScheduleLink, table: PageTable) -> Schedule:
+    """SAT, stages 1..N-1: the next schedule (its `stop` set at the end)."""
+    msg = torch.empty(HEADER_LEN + link.capacity, dtype=torch.long)
+    dist.recv(msg, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
+    flat = msg.tolist()
+    header = flat[:HEADER_LEN]
+    payload = _recv_payload(groups, 0, TAG_SCHEDULE, codec.payload_len(header))
+    return codec.decode(header, flat[HEADER_LEN:HEADER_LEN + codec.body_len(header)], payload, table, link.requests)
 
 
-def publish_release(groups: Groups, dst: int, seq: int, max_segments: int, max_pages: int, pending: Pending) -> None:
-    """Serving: a request that was aborted (its sampler state goes)."""
-    msg = torch.zeros(schedule_len(max_segments, max_pages), dtype=torch.long)
-    msg[:2] = torch.tensor([OP_RELEASE, seq])
-    pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
-
-
-def recv_schedule(groups: Groups, max_segments: int, max_pages: int, table: PageTable,
-                  events: list | None = None) -> tuple[int, list[Segment] | None]:
-    """Stages 1..N-1: the next micro-batch's (id, segments), or (-1, None) at the stop. Requests
-    that join or leave before it are appended to `events` as ("admit", Request) / ("release", seq)."""
-    msg = torch.empty(schedule_len(max_segments, max_pages), dtype=torch.long)
-    while True:
-        dist.recv(msg, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
-        op, mb_id, n, _, n_pages = msg[:5].tolist()
-        if op == OP_ADMIT:
-            payload = torch.empty(mb_id, dtype=torch.uint8)
-            dist.recv(payload, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
-            events.append(("admit", Request.from_json(json.loads(bytes(payload.tolist()).decode()))))
-            continue
-        if op == OP_RELEASE:
-            events.append(("release", mb_id))
-            continue
-        if op == OP_STOP:
-            return -1, None
-        return mb_id, decode_segments(msg[HEADER_LEN:HEADER_LEN + SEGMENT_FIELDS * n + n_pages].tolist(), n, table)
+def _recv_payload(groups: Groups, src: int, tag: int, n: int) -> bytes:
+    if not n:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8)
+    dist.recv(buf, src, group=groups.ctrl, tag=tag)
+    return bytes(buf.numpy())
 
 
 # ------------------------------------------------------------------ the hop (hidden states)
@@ -255,40 +208,43 @@ def post_recv_hidden(groups: Groups, src: int, buffer: torch.Tensor):
     return dist.irecv(buffer, src, group=groups.data, tag=TAG_FORWARD)
 
 
-def isend_work(groups: Groups, dst: int, mb_id: int, segments: list[Segment], hidden: torch.Tensor | None,
-               page_size: int, pending: Pending) -> None:
-    """Without SAT: header, segments (and the pages they add), hidden states."""
-    n_tokens = 0 if hidden is None else hidden.shape[0]
-    segs, n_pages = encode_segments(segments, page_size)
-    header = torch.tensor([OP_WORK, mb_id, len(segments), n_tokens, n_pages] + [0] * (HEADER_LEN - 5),
-                          dtype=torch.long)
-    pending.add(groups.isend(header, dst, TAG_FORWARD, "meta"), header)
-    pending.add(groups.isend(segs, dst, TAG_FORWARD, "meta"), segs)
+def isend_work(groups: Groups, dst: int, schedule: Schedule, hidden: torch.Tensor | None, link: ScheduleLink,
+               pending: Pending) -> None:
+    """Without SAT: the schedule's header and body (none at the stop), its payload, the hidden states."""
+    header, body, payload = codec.encode(schedule, link.page_size, link.with_requests)
+    head = torch.tensor(header, dtype=torch.long)
+    pending.add(groups.isend(head, dst, TAG_FORWARD, "meta"), head)
+    if body:
+        rest = torch.tensor(body, dtype=torch.long)
+        pending.add(groups.isend(rest, dst, TAG_FORWARD, "meta"), rest)
+    if payload:
+        extra = _payload_tensor(payload)
+        pending.add(groups.isend(extra, dst, TAG_FORWARD, "meta"), extra)
     if hidden is not None:
         send_hidden(groups, dst, hidden, pending)
 
 
-def send_stop(groups: Groups, dst: int, tag: int = TAG_FORWARD) -> None:
-    header = torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.long)
-    groups.isend(header, dst, tag, "meta").wait()
-
-
-def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype, table: PageTable,
-              receive_hidden: bool = True):
-    """Without SAT: (id, segments, hidden states), or (-1, None, None) at the stop. With
-    receive_hidden False the hidden states' buffer comes back empty, for the caller to receive into
-    (NCCL: every NCCL call of a stage stays on its compute thread)."""
-    header = torch.empty(HEADER_LEN, dtype=torch.long)
-    dist.recv(header, src, group=groups.ctrl, tag=TAG_FORWARD)
-    op, mb_id, n_segs, n_tokens, n_pages = header[:5].tolist()
-    if op == OP_STOP:
-        return -1, None, None
-    segs = torch.empty(n_segs * SEGMENT_FIELDS + n_pages, dtype=torch.long)
-    dist.recv(segs, src, group=groups.ctrl, tag=TAG_FORWARD)
-    hidden = torch.empty((n_tokens, hidden_size), dtype=dtype, device=groups.data_device)
+def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype, link: ScheduleLink, table: PageTable,
+              receive_hidden: bool = True) -> tuple[Schedule, torch.Tensor | None]:
+    """Without SAT: (schedule, hidden states); no hidden states at the stop. With receive_hidden
+    False the hidden states' buffer comes back empty, for the caller to receive into (NCCL: every
+    NCCL call of a stage stays on its compute thread)."""
+    head = torch.empty(HEADER_LEN, dtype=torch.long)
+    dist.recv(head, src, group=groups.ctrl, tag=TAG_FORWARD)
+    header = head.tolist()
+    body: list[int] = []
+    if codec.body_len(header):
+        buf = torch.empty(codec.body_len(header), dtype=torch.long)
+        dist.recv(buf, src, group=groups.ctrl, tag=TAG_FORWARD)
+        body = buf.tolist()
+    payload = _recv_payload(groups, src, TAG_FORWARD, codec.payload_len(header))
+    schedule = codec.decode(header, body, payload, table, link.requests)
+    if schedule.stop:
+        return schedule, None
+    hidden = torch.empty((schedule.n_tokens, hidden_size), dtype=dtype, device=groups.data_device)
     if receive_hidden:
         dist.recv(hidden, src, group=groups.data, tag=TAG_FORWARD)
-    return mb_id, decode_segments(segs.tolist(), n_segs, table), hidden
+    return schedule, hidden
 
 
 # ------------------------------------------------------------------ back (sampled ids)
@@ -299,6 +255,12 @@ def send_tokens(groups: Groups, dst: int, mb_id: int, ids: list[int], sat: bool)
         groups.isend(header, dst, TAG_BACK, "meta").wait()
     if ids:
         groups.isend(torch.tensor(ids, dtype=torch.long), dst, TAG_BACK, "data").wait()
+
+
+def send_back_stop(groups: Groups, dst: int) -> None:
+    """Without SAT: the end of the ids coming back."""
+    header = torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.long)
+    groups.isend(header, dst, TAG_BACK, "meta").wait()
 
 
 def recv_tokens(groups: Groups, src: int, n: int | None = None) -> tuple[int, int, list[int]]:

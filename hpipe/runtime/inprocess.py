@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from hpipe.config import DEFAULTS
 from hpipe.request import Request
-from hpipe.runtime.kv import PAGE_SIZE
 from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.stage import StageRunner
 from hpipe.runtime.static_decode import StaticDecode
@@ -17,11 +17,11 @@ from hpipe.sampling import RequestSampler
 
 
 def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
-                  max_batch: int = 16, n_stages: int | None = None, keep_logits: bool = False,
-                  static_decode: bool = False, cuda_graphs: bool = False, policy: Policy | None = None,
-                  pages: int | None = None, page_size: int = PAGE_SIZE) -> dict:
-    """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}. static_decode:
-    decode micro-batches take the static-shape path (CUDA graphs on CUDA with cuda_graphs). pages:
+                  max_batch: int = DEFAULTS.max_batch, n_stages: int | None = None, keep_logits: bool = False,
+                  static: bool = False, graphs: bool = False, policy: Policy | None = None,
+                  pages: int | None = None, page_size: int = DEFAULTS.page_size) -> dict:
+    """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}. static: decode
+    micro-batches take the static-shape path (replayed from CUDA graphs on CUDA with `graphs`). pages:
     the KV pool (None: room for max_batch of the longest request)."""
     ids = {r.index: r.id for r in requests}
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch, policy=policy, pages=pages,
@@ -30,31 +30,35 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
         runner.kv.page_size = page_size
         runner.kv.allocate(sched.pool.pages)
     statics: list[StaticDecode | None] = [None] * len(runners)
-    if static_decode:
+    if static:
         longest = max(len(r.input_ids) + r.max_new_tokens for r in requests)
-        statics = [StaticDecode(runner, max_batch, cuda_graphs, longest) for runner in runners]
+        statics = [StaticDecode(runner, max_batch, graphs, longest) for runner in runners]
         for runner, static in zip(runners, statics):
             static.capture()
             runner.kv.frozen = True
     vocab = runners[-1].config.vocab_size
-    sampler = RequestSampler({r.index: r for r in requests}, vocab, len(requests))
+    sampler = RequestSampler(vocab, len(requests), max(r.max_new_tokens for r in requests))
     logits: dict[int, list] = {}
     out: dict[str, dict] = {}
     while not sched.done:
         mb = sched.next_microbatch()
         assert mb is not None, "the scheduler stalled with nothing in flight"
+        for request in mb.admitted:       # the sampler follows the schedules, as the last stage does
+            sampler.admit(request)
+        for index, _ in mb.released:
+            sampler.release(index)
         x = torch.tensor(mb.tokens, dtype=torch.long)
         for runner, static in zip(runners, statics):
             if static is not None and static.accepts(mb.segments):
                 x = static.run(static.prepare(mb.segments, mb.id % 2), x)
             else:
                 x = runner.forward(runner.prepare_inputs(mb.segments), x)
-        seqs = [s.seq for s in mb.segments if s.sample]
+        seqs = mb.sampled
         if keep_logits:
             for i, s in enumerate(seqs):
                 logits.setdefault(s, []).append(x[i].detach().float().cpu())
-        for st in sched.on_sampled(mb.id, sampler.sample(x, seqs)):
-            out[st.request.id] = {"output_ids": st.output, "finish_reason": st.finish_reason}
+        for seq in sched.on_sampled(mb.id, sampler.sample(x, seqs)):
+            out[seq.request.id] = {"output_ids": seq.output, "finish_reason": seq.finish_reason}
     if keep_logits:
         for s, rows in logits.items():
             out[ids[s]]["logits"] = torch.stack(rows)

@@ -1,18 +1,11 @@
 """The KV cache of one stage: fixed-size pages from one pool (gLLM §3.3, vLLM's paged attention).
 
 Storage, per attention layer: one tensor [pages, page_size, kv_heads, head_dim] for keys and one for
-values. Token position p of a sequence lives in page `pages[p // page_size]` at row p % page_size, so
-a flat index `page * page_size + row` addresses it in the layer's [pages * page_size, ...] view:
+values. Which page holds which position is `hpipe.runtime.pages`' bookkeeping; here a flat index
+`page * page_size + row` addresses a position in the layer's [pages * page_size, ...] view:
 writing a micro-batch's new keys is one `index_copy_` per layer, reading a sequence's context one
-`index_select`. Page 0 is the scratch page: never handed out, it takes the writes of padded rows (the
-static decode path) and stands in for positions a row does not have (masked).
-
-Who owns which page is decided in one place. In the pipeline, stage 0's scheduler allocates pages
-from the pool (`PagePool`), and every segment of a micro-batch carries the pages of its sequence
-(`Segment.pages`); the schedule sends only the pages a segment adds and every other stage rebuilds
-the whole list with its `PageTable` (indexed by the sequence's slot), in the schedule's order. A
-segment without pages (profiling, benchmarks, unit tests) uses the store's own table per slot, grown
-on demand, which gives the old one-slot-per-sequence behaviour.
+`index_select`. A segment without pages (profiling, benchmarks, unit tests) uses the store's own
+table per slot, grown on demand, which gives the old one-slot-per-sequence behaviour.
 
 `BatchCache` is what transformers' attention modules see as `past_key_values` for one micro-batch:
 its `update(keys, values, layer_idx)` writes the new keys of every segment into their pages and
@@ -26,95 +19,15 @@ The attention mask built by `hpipe.runtime.stage.prepare_inputs` matches that la
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-PAGE_SIZE = 16           # tokens per page: vLLM's default block size
-SCRATCH_PAGE = 0
+from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
 
-
-@dataclass(frozen=True)
-class Segment:
-    """Tokens [start, start + length) of one sequence, processed in one micro-batch."""
-
-    seq: int      # request index (stable over the run)
-    slot: int     # the sequence's row in every stage's page table (reused once it ends)
-    start: int    # tokens of this sequence already in the cache = position of the first token
-    length: int
-    sample: bool  # the segment ends at a position whose next token is sampled
-    prefill: bool = False  # its tokens are the prompt's (else: tokens the pipeline generated)
-    pages: tuple[int, ...] = ()   # the KV pages of positions [0, end) (empty: the store's own per slot)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
-def pages_needed(tokens: int, page_size: int) -> int:
-    return math.ceil(tokens / page_size)
-
-
-def microbatch_kind(segments: list[Segment]) -> str:
-    """The one definition of a micro-batch's kind, the same on every stage (timelines, plan
-    checks): "prefill" (prompt tokens only), "decode" (generated tokens only) or "mixed"."""
-    kinds = {s.prefill for s in segments}
-    if len(kinds) > 1:
-        return "mixed"
-    return "prefill" if True in kinds else "decode"
-
-
-def layout_of(segments: list[Segment]) -> str:
-    return "rows" if len({s.length for s in segments}) == 1 else "packed"
-
-
-class PagePool:
-    """Stage 0's allocator: which pages are free (page 0, the scratch page, never is)."""
-
-    def __init__(self, pages: int, page_size: int = PAGE_SIZE):
-        if pages < 2:
-            raise ValueError(f"a KV pool needs at least 2 pages (one is scratch), got {pages}")
-        self.pages, self.page_size = pages, page_size
-        self.free = list(range(pages - 1, 0, -1))
-
-    @property
-    def usable(self) -> int:
-        return self.pages - 1
-
-    @property
-    def free_rate(self) -> float:
-        return len(self.free) / self.usable
-
-    def take(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
-        return [self.free.pop() for _ in range(n)]
-
-    def give_back(self, pages: list[int]) -> None:
-        self.free.extend(reversed(pages))
-
-
-class PageTable:
-    """Every stage but the first: the pages of each slot, rebuilt from what the schedule adds."""
-
-    def __init__(self, page_size: int):
-        self.page_size = page_size
-        self.rows: dict[int, list[int]] = {}
-
-    def added(self, seg: Segment) -> tuple[int, ...]:
-        """What stage 0 sends for a segment: the pages past those that hold [0, start)."""
-        return seg.pages[pages_needed(seg.start, self.page_size):]
-
-    def resolve(self, seg: Segment, added: list[int]) -> Segment:
-        keep = pages_needed(seg.start, self.page_size)
-        row = self.rows.get(seg.slot, [])[:keep] + list(added)
-        self.rows[seg.slot] = row
-        return Segment(seg.seq, seg.slot, seg.start, seg.length, seg.sample, seg.prefill, tuple(row))
+__all__ = ["BatchCache", "KVStore", "flat_positions"]
 
 
 class KVStore:
-    def __init__(self, device: str | torch.device, dtype: torch.dtype, page_size: int = PAGE_SIZE, pages: int = 64):
+    def __init__(self, device: str | torch.device, dtype: torch.dtype, page_size: int, pages: int = 64):
         self.device = torch.device(device)
         self.dtype = dtype
         self.page_size = page_size

@@ -1,12 +1,14 @@
 """The scheduler: the one place that decides what every micro-batch holds (stage 0).
 
-Each call to `next_microbatch()` returns the segments of the next micro-batch (prefill chunks of
-some sequences, decode tokens of others) or None when nothing may start now; `on_sampled()` takes
-the ids the last stage sampled for a micro-batch. Requests enter with `add()` (continuous batching:
-the batch job adds them all at once, the server as they come), leave when they finish or with
-`abort()`. It knows nothing of torch or processes, so it can be tested alone.
+Each call to `next_microbatch()` returns the `Schedule` of the next micro-batch (prefill chunks of
+some sequences, decode tokens of others, the requests admitted and released since the last one) or
+None when nothing may start now; `on_sampled()` takes the ids the last stage sampled for a
+micro-batch and is where a sequence's end is decided. Requests enter with `add()` (continuous
+batching: the batch job adds them all at once, the server as they come), leave when they finish or
+with `abort()`; `stop()` is the last schedule. It knows nothing of torch or processes (it imports
+none), so it can be tested alone. A sequence's life is `hpipe.runtime.sequence`.
 
-Memory: every sequence's KV lives in pages of one pool (`hpipe.runtime.kv.PagePool`), allocated here
+Memory: every sequence's KV lives in pages of one pool (`hpipe.runtime.pages.PagePool`), allocated here
 as its tokens are scheduled and carried in the segments, so every stage applies the same page table.
 When a decode step needs a page and none is free, the most recently admitted sequence is preempted:
 it takes no new steps, and once its steps in flight are back its pages return to the pool and it is
@@ -39,24 +41,32 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from hpipe.config import DEFAULTS, POLICIES, RuntimeConfig
 from hpipe.request import Request
-from hpipe.runtime.kv import PAGE_SIZE, PagePool, Segment, microbatch_kind, pages_needed
+from hpipe.runtime.pages import PagePool, Segment, pages_needed
+from hpipe.runtime.schedule import Schedule
+from hpipe.runtime.sequence import Sequence, Status
 
-__all__ = ["POLICIES", "MicroBatch", "Policy", "Scheduler", "SequenceState"]
+__all__ = ["DEVICE_DEFAULTS", "Policy", "Scheduler"]
 
-POLICIES = ("throttle", "sarathi")
+# gLLM's values (#MaxP 2048, #MinP 32) and Sarathi's budget (512) suit GPUs; a CPU stage needs a
+# second for ~1000 prompt tokens of a 135M model, so with any CPU stage in the pipeline #MaxP is 256
+# and #MinP 16: a micro-batch then costs at most ~8 decode steps, not ~60, and decode keeps flowing
+# while long prompts prefill. The one table of the device-dependent defaults.
+DEVICE_DEFAULTS = {"gpu": {"max_prefill": 2048, "min_prefill": 32, "budget": 512},
+                   "cpu": {"max_prefill": 256, "min_prefill": 16, "budget": 256}}
 
 
 @dataclass(frozen=True)
 class Policy:
-    name: str = "throttle"
-    iterations: int = 8          # throttle #T: spread waiting prompt tokens over this many micro-batches
-    max_prefill: int = 2048      # throttle #MaxP
-    min_prefill: int = 32        # throttle #MinP
-    kv_thresh: float = 0.05      # throttle: no new prefill below this KV-free rate
-    budget: int = 512            # sarathi: tokens per micro-batch
+    name: str = DEFAULTS.policy
+    iterations: int = DEFAULTS.iterations                       # throttle #T
+    max_prefill: int = DEVICE_DEFAULTS["gpu"]["max_prefill"]    # throttle #MaxP
+    min_prefill: int = DEVICE_DEFAULTS["gpu"]["min_prefill"]    # throttle #MinP
+    kv_thresh: float = DEFAULTS.kv_thresh                       # throttle: no new prefill below this KV-free rate
+    budget: int = DEVICE_DEFAULTS["gpu"]["budget"]              # sarathi: tokens per micro-batch
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -65,10 +75,23 @@ class Policy:
                 not 0 <= self.kv_thresh < 1 or self.min_prefill > self.max_prefill:
             raise ValueError(f"policy {self}: token counts must be >= 1 (#MinP <= #MaxP), kv_thresh in [0, 1)")
 
+    @classmethod
+    def resolve(cls, config: RuntimeConfig, devices: list[str]) -> Policy:
+        """The config's policy for these devices: its 0s ("the devices' default") resolved once."""
+        table = DEVICE_DEFAULTS["cpu" if any(d == "cpu" for d in devices) else "gpu"]
+        return cls(config.policy, iterations=config.iterations,
+                   max_prefill=config.max_prefill or table["max_prefill"],
+                   min_prefill=config.min_prefill or table["min_prefill"],
+                   kv_thresh=config.kv_thresh, budget=config.budget or table["budget"])
+
     @property
     def max_tokens(self) -> int:
         """The most prefill tokens one micro-batch can take under this policy."""
         return self.max_prefill if self.name == "throttle" else self.budget
+
+    def decode_tokens(self, decoding: int, n_stages: int) -> int:
+        """#D: throttle spreads the running decoders over the stages; sarathi takes them all (up to its budget)."""
+        return math.ceil(decoding / n_stages) if self.name == "throttle" else self.budget
 
     def prefill_tokens(self, waiting: int, kv_free: float, decode_tokens: int) -> int:
         if self.name == "sarathi":
@@ -79,56 +102,12 @@ class Policy:
         return int(max(min(math.ceil(waiting / self.iterations), by_kv), self.min_prefill))
 
 
-@dataclass
-class MicroBatch:
-    id: int
-    segments: list[Segment]
-    tokens: list[int] | None   # the input token ids of all segments, concatenated (None: not all back yet)
-    t: float = 0.0             # when it was committed (the scheduler's clock)
-
-    @property
-    def kind(self) -> str:
-        return microbatch_kind(self.segments)
-
-
-@dataclass
-class SequenceState:
-    request: Request
-    slot: int
-    order: int                                 # admission order (preemption takes the latest)
-    tokens: list[int]                          # what its prefill feeds: the prompt (+ its output, after a preemption)
-    cuts: list[int]                            # the plan's slice ends for `tokens`, when it runs alone
-    pos: int = 0                               # tokens of this sequence already sent into the pipeline
-    pages: list[int] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
-    in_flight: int = 0                         # committed sampling steps whose token has not come back
-    committed: int = 0                         # tokens it will have once every committed step is back
-    last_mb: int = -1                          # the micro-batch of its latest step (round-robin order)
-    preempting: bool = False                   # its pages go back once its steps in flight are back
-    preemptions: int = 0
-    finish_reason: str | None = None
-    t_admit: float = 0.0
-    t_first: float | None = None
-    t_last: float | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.pos < len(self.tokens)
-
-    @property
-    def prefilled(self) -> bool:
-        return not self.prefilling
-
-    @property
-    def waiting(self) -> bool:
-        return self.in_flight > 0
-
-
 class Scheduler:
     def __init__(self, requests: list[Request], slices_for: Callable[[int], list[int]], n_stages: int,
-                 max_batch: int = 16, max_inflight: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 lookahead: bool = False, policy: Policy | None = None, pages: int | None = None,
-                 page_size: int = PAGE_SIZE, max_tokens: int | None = None, serving: bool = False):
+                 max_batch: int = DEFAULTS.max_batch, max_inflight: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter, lookahead: bool = False,
+                 policy: Policy | None = None, pages: int | None = None, page_size: int = DEFAULTS.page_size,
+                 max_tokens: int | None = None, serving: bool = False):
         """pages: the KV pool (page 0 is scratch); None sizes it for `max_batch` of the longest
         request. max_tokens: the most tokens of one micro-batch (the stages' receive buffers).
         serving: requests keep coming (`add`) until `close()`."""
@@ -144,16 +123,18 @@ class Scheduler:
             pages = min(self.max_batch, max(1, len(requests))) * pages_needed(longest, page_size) + 1
         self.pool = PagePool(pages, page_size)
         self.max_tokens = max_tokens or (self.policy.max_tokens + self.max_batch)
-        self.queue: deque[Request] = deque()
-        self.active: list[SequenceState] = []
+        self.queue: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
         self.free_slots = list(range(self.max_batch - 1, -1, -1))
-        self.inflight: dict[int, MicroBatch] = {}
+        self.inflight: dict[int, Schedule] = {}
+        self.admitted: list[Request] = []          # since the last schedule (the sampler learns them from it)
+        self.released: list[tuple[int, int]] = []  # ended since the last schedule: (index, tokens generated)
         self.next_id = 0
         self.order = itertools.count()
         self.generated = 0                     # tokens appended to outputs (leftover steps' ids not counted)
         self.preemptions = 0
         self.closed = not serving
-        self.on_token: Callable | None = None  # (state, token) for every token appended to an output
+        self.on_token: Callable | None = None  # (sequence, token) for every token appended to an output
         self.t0 = clock()
         for r in requests:
             self.add(r)
@@ -164,20 +145,21 @@ class Scheduler:
         if need > self.pool.usable:
             raise ValueError(f"request {request.id!r}: {len(request.input_ids)} prompt + {request.max_new_tokens} "
                              f"new tokens need {need} KV pages; the pool has {self.pool.usable}")
-        self.queue.append(request)
+        self.queue.append(Sequence(request, self.clock()))
 
-    def abort(self, index: int) -> SequenceState | Request | None:
+    def abort(self, index: int) -> Sequence | None:
         """Ends a request now (a client went away): its pages return to the pool at once; steps of it
-        still in flight run as leftovers. Returns its state (or the queued request), None if unknown."""
-        for r in self.queue:
-            if r.index == index:
-                self.queue.remove(r)
-                return r
-        for st in self.active:
-            if st.request.index == index:
-                st.finish_reason = "abort"
-                self._retire(st)
-                return st
+        still in flight run as leftovers. Returns its sequence, None if unknown (ended already)."""
+        for seq in self.queue:
+            if seq.index == index:
+                self.queue.remove(seq)
+                seq.finish("abort")
+                return seq
+        for seq in self.active:
+            if seq.index == index:
+                seq.finish("abort")
+                self._retire(seq)
+                return seq
         return None
 
     def close(self) -> None:
@@ -194,57 +176,73 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.queue and self.free_slots:
-            req = self.queue.popleft()
-            tokens = list(req.input_ids)
-            self.active.append(SequenceState(req, self.free_slots.pop(), next(self.order), tokens,
-                                             _cuts(self.slices_for, len(tokens)), t_admit=self.clock()))
+            seq = self.queue.popleft()
+            seq.slot, seq.order, seq.status = self.free_slots.pop(), next(self.order), Status.PREFILLING
+            seq.tokens = list(seq.request.input_ids)
+            seq.cuts = _cuts(self.slices_for, len(seq.tokens))
+            self.active.append(seq)
+            self.admitted.append(seq.request)
 
-    def _retire(self, st: SequenceState) -> None:
-        self.active.remove(st)
-        self.pool.give_back(st.pages)
-        st.pages = []
-        self.free_slots.append(st.slot)
+    def _retire(self, seq: Sequence) -> None:
+        """A finished sequence leaves: its pages and slot now, its sampler state with the next schedule
+        (or never, if no schedule told the sampler of it yet)."""
+        self.active.remove(seq)
+        self.pool.give_back(seq.pages)
+        seq.pages = []
+        self.free_slots.append(seq.slot)
+        if seq.request in self.admitted:
+            self.admitted.remove(seq.request)
+        else:
+            self.released.append((seq.index, len(seq.output)))
 
     # ------------------------------------------------------------------ pages
-    def _release_pages(self, st: SequenceState) -> None:
-        """Preemption, once nothing of `st` is in flight: pages back, recomputed from its tokens."""
-        self.pool.give_back(st.pages)
-        st.pages, st.preempting = [], False
-        st.tokens = list(st.request.input_ids) + st.output
-        st.cuts = _cuts(self.slices_for, len(st.tokens))
-        st.pos = 0
+    def _release_pages(self, seq: Sequence) -> None:
+        """Preemption, once nothing of `seq` is in flight: pages back, recomputed from its tokens."""
+        self.pool.give_back(seq.pages)
+        seq.pages, seq.status = [], Status.PREFILLING
+        seq.tokens = list(seq.request.input_ids) + seq.output
+        seq.cuts = _cuts(self.slices_for, len(seq.tokens))
+        seq.pos = 0
 
-    def _preempt_for(self, needy: SequenceState) -> None:
-        victims = [st for st in self.active if st is not needy and not st.preempting and st.pages
-                   and st.finish_reason is None]
+    def _preempt_for(self, needy: Sequence) -> None:
+        victims = [s for s in self.active if s is not needy and s.status in (Status.PREFILLING, Status.DECODING)
+                   and s.pages]
         if not victims:
             return
-        victim = max(victims, key=lambda st: st.order)
-        victim.preempting = True
+        victim = max(victims, key=lambda s: s.order)
+        victim.status = Status.PREEMPTED
         victim.preemptions += 1
         self.preemptions += 1
         if victim.in_flight == 0:
             self._release_pages(victim)
 
-    def _grow(self, st: SequenceState, end: int) -> bool:
-        """Pages for positions [0, end) of `st`; False if the pool has not enough free now."""
-        more = pages_needed(end, self.pool.page_size) - len(st.pages)
+    def _grow(self, seq: Sequence, end: int) -> bool:
+        """Pages for positions [0, end) of `seq`; False if the pool has not enough free now."""
+        more = pages_needed(end, self.pool.page_size) - len(seq.pages)
         if more <= 0:
             return True
         got = self.pool.take(more)
         if got is None:
             return False
-        st.pages += got
+        seq.pages += got
         return True
 
     # ------------------------------------------------------------------ the next micro-batch
-    def _emit(self, segments: list[Segment], tokens: list[int] | None) -> MicroBatch:
-        mb = MicroBatch(self.next_id, segments, tokens, self.clock())
+    def _emit(self, segments: list[Segment], tokens: list[int] | None) -> Schedule:
+        # at most max_batch of each per schedule (the schedule's capacity); the rest go with the next
+        cap = self.max_batch
+        admitted, self.admitted = self.admitted[:cap], self.admitted[cap:]
+        released, self.released = self.released[:cap], self.released[cap:]
+        schedule = Schedule(self.next_id, segments, admitted, released, tokens=tokens, t=self.clock())
         self.next_id += 1
-        self.inflight[mb.id] = mb
-        return mb
+        self.inflight[schedule.id] = schedule
+        return schedule
 
-    def next_microbatch(self) -> MicroBatch | None:
+    def stop(self) -> Schedule:
+        """The last schedule (once `done`). The releases still owed are not sent: every stage stops."""
+        return Schedule(-1, [], stop=True)
+
+    def next_microbatch(self) -> Schedule | None:
         if len(self.inflight) >= self.max_inflight:
             return None
         self._admit()
@@ -254,49 +252,48 @@ class Scheduler:
         if not segments:
             return None
         known = decode_ids is not None
-        mb = self._emit(segments, decode_ids + prefill_ids if known else None)
-        by_seq = {st.request.index: st for st in self.active}
+        schedule = self._emit(segments, decode_ids + prefill_ids if known else None)
+        by_index = {s.index: s for s in self.active}
         for seg in segments:
-            by_seq[seg.seq].last_mb = mb.id
-        return mb
+            by_index[seg.seq].last_mb = schedule.id
+        return schedule
 
     def _decode_part(self) -> tuple[list[Segment], list[int] | None]:
-        decoding = [st for st in self.active if st.prefilled and st.finish_reason is None and not st.preempting]
+        decoding = [s for s in self.active if s.decoding]
         ahead = 2 if self.lookahead else 1
-        ready = sorted((st for st in decoding if st.in_flight < ahead and st.committed < st.request.max_new_tokens),
-                       key=lambda st: st.last_mb)
-        if self.policy.name == "throttle":
-            cap = math.ceil(len(decoding) / self.n_stages)
-        else:
-            cap = self.policy.budget
+        ready = sorted((s for s in decoding if s.in_flight < ahead and s.committed < s.request.max_new_tokens),
+                       key=lambda s: s.last_mb)
+        cap = self.policy.decode_tokens(len(decoding), self.n_stages)
         segments, ids, known = [], [], True
-        for st in ready[:min(cap, self.max_tokens)]:
-            if st.preempting or st.prefilling:    # preempted by an earlier row of this loop
+        for seq in ready[:min(cap, self.max_tokens)]:
+            if not seq.decoding:                   # preempted by an earlier row of this loop
                 continue
-            if not self._grow(st, st.pos + 1):
-                self._preempt_for(st)              # a victim with nothing in flight frees its pages now
-                if not self._grow(st, st.pos + 1):
+            if not self._grow(seq, seq.pos + 1):
+                self._preempt_for(seq)             # a victim with nothing in flight frees its pages now
+                if not self._grow(seq, seq.pos + 1):
                     break
-            segments.append(Segment(st.request.index, st.slot, st.pos, 1, sample=True, pages=tuple(st.pages)))
-            known = known and st.in_flight == 0
+            segments.append(Segment(seq.index, seq.slot, seq.pos, 1, sample=True, pages=tuple(seq.pages)))
+            known = known and seq.in_flight == 0
             if known:
-                ids.append(st.output[-1])
-            st.pos += 1
-            st.in_flight += 1
-            st.committed += 1
+                ids.append(seq.output[-1])
+            seq.pos += 1
+            seq.in_flight += 1
+            seq.committed += 1
         return segments, ids if known else None
 
     def _prefill_part(self, decode_tokens: int) -> tuple[list[Segment], list[int]]:
-        prefilling = [st for st in self.active if st.prefilling and not st.preempting and st.finish_reason is None]
+        prefilling = [s for s in self.active if s.prefilling]
         if not prefilling:
             return [], []
-        decoding = any(st.prefilled and st.finish_reason is None for st in self.active)
-        alone = not decoding and len(prefilling) == 1 and not self.queue
+        decoders = sum(1 for s in self.active if s.decoding)
+        alone = not decoders and len(prefilling) == 1 and not self.queue \
+            and not any(s.status is Status.PREEMPTED and s.prefilled for s in self.active)
         if alone:   # the plan's latency-optimal slicing for this prompt's exact length
-            st = prefilling[0]
-            budget = st.cuts[bisect.bisect_right(st.cuts, st.pos)] - st.pos
+            seq = prefilling[0]
+            budget = seq.cuts[bisect.bisect_right(seq.cuts, seq.pos)] - seq.pos
         else:
-            waiting = sum(len(st.tokens) - st.pos for st in prefilling) + sum(len(r.input_ids) for r in self.queue)
+            waiting = sum(len(s.tokens) - s.pos for s in prefilling) + \
+                sum(len(s.request.input_ids) for s in self.queue)
             budget = self.policy.prefill_tokens(waiting, self.pool.free_rate, decode_tokens)
             if budget <= 0 and not decode_tokens and not self.inflight:   # never idle with prompts waiting
                 budget = self.policy.min_prefill
@@ -305,87 +302,84 @@ class Scheduler:
         size = self.pool.page_size
         # vLLM's watermark: a page kept free for each running decoder's next step, so that a prompt
         # does not take the pages decoders need and then lose them (and its work) to a preemption
-        reserve = sum(1 for st in self.active if st.prefilled and st.finish_reason is None and not st.preempting)
+        reserve = decoders
         waiting_new, leader = False, True
-        for st in prefilling:
+        for seq in prefilling:
             if budget <= 0:
                 break
             free = len(self.pool.free) - reserve
-            if not st.pages:     # a prompt starts only when all of it fits beside the running decoders, in order
-                if waiting_new or pages_needed(len(st.tokens), size) > free:
+            if not seq.pages:     # a prompt starts only when all of it fits beside the running decoders, in order
+                if waiting_new or pages_needed(len(seq.tokens), size) > free:
                     waiting_new = True
                     continue
-            if leader and st.pages:     # the oldest prompt under way always gets on: the reserve, then preemption
+            if leader and seq.pages:     # the oldest prompt under way always gets on: the reserve, then preemption
                 free = len(self.pool.free)
-                if (len(st.pages) + free) * size <= st.pos:
-                    self._preempt_for(st)
+                if (len(seq.pages) + free) * size <= seq.pos:
+                    self._preempt_for(seq)
                     free = len(self.pool.free)
-            n = min(budget, len(st.tokens) - st.pos, (len(st.pages) + max(0, free)) * size - st.pos)
-            if n <= 0 or not self._grow(st, st.pos + n):
+            n = min(budget, len(seq.tokens) - seq.pos, (len(seq.pages) + max(0, free)) * size - seq.pos)
+            if n <= 0 or not self._grow(seq, seq.pos + n):
                 break
             leader = False
-            sample = st.pos + n == len(st.tokens)
-            segments.append(Segment(st.request.index, st.slot, st.pos, n, sample=sample, prefill=True,
-                                    pages=tuple(st.pages)))
-            ids += st.tokens[st.pos:st.pos + n]
-            st.pos += n
+            sample = seq.pos + n == len(seq.tokens)
+            segments.append(Segment(seq.index, seq.slot, seq.pos, n, sample=sample, prefill=True,
+                                    pages=tuple(seq.pages)))
+            ids += seq.tokens[seq.pos:seq.pos + n]
+            seq.pos += n
             budget -= n
             if sample:
-                st.in_flight += 1
-                st.committed = len(st.output) + 1
+                seq.status = Status.DECODING
+                seq.in_flight += 1
+                seq.committed = len(seq.output) + 1
         return segments, ids
 
     # ------------------------------------------------------------------ ids in
-    def input_ids(self, mb: MicroBatch) -> list[int] | None:
+    def input_ids(self, schedule: Schedule) -> list[int] | None:
         """The micro-batch's input ids, or None while a decode step's token is still in flight. A
         sequence that stopped in the meantime gets a dummy id (its step's output is dropped)."""
-        if mb.tokens is not None:
-            return mb.tokens
-        by_seq = {st.request.index: st for st in self.active}
+        if schedule.tokens is not None:
+            return schedule.tokens
+        by_index = {s.index: s for s in self.active}
         ids = []
-        for seg in mb.segments:
-            st = by_seq.get(seg.seq)
-            if st is None or st.finish_reason is not None:     # finished: this step is a leftover
+        for seg in schedule.segments:
+            seq = by_index.get(seg.seq)
+            if seq is None or seq.finished:     # finished: this step is a leftover
                 ids += [0] * seg.length
                 continue
             if seg.prefill:
-                ids += st.tokens[seg.start:seg.end]
+                ids += seq.tokens[seg.start:seg.end]
                 continue
-            k = seg.start - len(st.request.input_ids)    # index of the generated token it feeds
-            if k >= len(st.output):
+            k = seg.start - len(seq.request.input_ids)    # index of the generated token it feeds
+            if k >= len(seq.output):
                 return None
-            ids.append(st.output[k])
-        mb.tokens = ids
+            ids.append(seq.output[k])
+        schedule.tokens = ids
         return ids
 
-    def on_sampled(self, mb_id: int, ids: list[int]) -> list[SequenceState]:
+    def on_sampled(self, mb_id: int, ids: list[int]) -> list[Sequence]:
         """Takes the ids sampled for micro-batch `mb_id` (one per sampling segment, in order) and
-        returns the sequences that finished."""
-        mb = self.inflight.pop(mb_id)
-        sampled = [s for s in mb.segments if s.sample]
+        returns the sequences that finished: the one place a sequence's end is decided."""
+        schedule = self.inflight.pop(mb_id)
+        sampled = schedule.sampled
         if len(sampled) != len(ids):
             raise RuntimeError(f"micro-batch {mb_id}: {len(ids)} ids for {len(sampled)} sampling segments")
-        by_seq = {st.request.index: st for st in self.active}
+        by_index = {s.index: s for s in self.active}
         now = self.clock()
         finished = []
-        for seg, token in zip(sampled, ids):
-            st = by_seq.get(seg.seq)
-            if st is None or st.finish_reason is not None:   # a step committed after its sequence stopped
+        for index, token in zip(sampled, ids):
+            seq = by_index.get(index)
+            if seq is None or seq.finished:   # a step committed after its sequence stopped
                 continue
-            st.output.append(token)
+            seq.take_token(token, now)
             self.generated += 1
-            st.in_flight -= 1
-            st.t_first = now if st.t_first is None else st.t_first
-            st.t_last = now
             if self.on_token is not None:
-                self.on_token(st, token)
-            st.finish_reason = st.request.finish_reason(token, len(st.output))
-            if st.finish_reason:
-                finished.append(st)
-            elif st.preempting and st.in_flight == 0:
-                self._release_pages(st)
-        for st in finished:
-            self._retire(st)
+                self.on_token(seq, token)
+            if seq.finished:
+                finished.append(seq)
+            elif seq.status is Status.PREEMPTED and seq.in_flight == 0:
+                self._release_pages(seq)
+        for seq in finished:
+            self._retire(seq)
         return finished
 
 

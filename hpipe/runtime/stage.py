@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from hpipe import models
-from hpipe.runtime.kv import BatchCache, KVStore, Segment, layout_of
+from hpipe.config import DEFAULTS
+from hpipe.runtime.kv import BatchCache, KVStore
+from hpipe.runtime.pages import Segment, layout_of
 
 
 @dataclass
@@ -35,7 +37,7 @@ class StageInputs:
 
 class StageRunner:
     def __init__(self, model_dir: Path, config, units: range, device: str = "cpu", dtype: str = "float32",
-                 attn_implementation: str = "sdpa"):
+                 attn_implementation: str = DEFAULTS.attn, page_size: int = DEFAULTS.page_size):
         self.config = config
         self.units = units
         self.device = torch.device(device)
@@ -49,7 +51,7 @@ class StageRunner:
         self.blocks = sorted({(u - 1) // 2 for u in units if 0 < u < self.n_units - 1})
         self.windows = sorted({models.sliding_window_of_block(config, b) for b in self.blocks},
                               key=lambda w: -1 if w is None else w)
-        self.kv = KVStore(device, self.dtype)
+        self.kv = KVStore(device, self.dtype, page_size)
         self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
 
     @property

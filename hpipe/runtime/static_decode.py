@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hpipe.runtime.kv import SCRATCH_PAGE, KVStore, Segment, flat_positions, pages_needed
+from hpipe.runtime.kv import KVStore, flat_positions
+from hpipe.runtime.pages import SCRATCH_PAGE, Segment, pages_needed
 from hpipe.runtime.stage import StageInputs
 
 __all__ = ["BATCH_SIZES", "StaticDecode", "StaticKV", "unsupported"]

@@ -1,0 +1,152 @@
+"""Every runtime setting, once: its default, its unit, its rule and its flag.
+
+`RuntimeConfig` is the one source of truth for how the stage workers run. `hpipe launch` and
+`hpipe serve` build their runtime flags from it (`cli_option`), so both expose every setting under
+the same flag with the same default; the launcher hands the workers the config whole (one JSON
+argument, `to_json` / `from_json`); the run summary records it. A value that breaks its rule is
+refused here, with the flag to change, whoever built the config.
+
+Settings whose best value depends on the devices (the policy's prefill amounts) default to 0,
+"the plan's devices' default", and are resolved once at start (`hpipe.runtime.scheduler.Policy`).
+
+Pure Python: the CLI imports it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+from hpipe.errors import HpipeError
+
+__all__ = ["POLICIES", "RuntimeConfig", "SETTINGS", "Setting"]
+
+POLICIES = ("throttle", "sarathi")
+SWITCH = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one field of RuntimeConfig looks from the command line and what values it takes."""
+
+    default: object                  # the field's default (one definition: RuntimeConfig's)
+    flag: str                        # the CLI flag; a "--no-" flag turns a True default off
+    help: str
+    unit: str = ""
+    choices: tuple = ()
+    lo: float | None = None          # the smallest value allowed
+    below: float | None = None       # values must be < this
+
+    @property
+    def negated(self) -> bool:
+        return self.flag.startswith("--no-")
+
+    def check(self, value) -> None:
+        """Raises HpipeError naming the flag when `value` breaks this setting's rule."""
+        kind = type(self.default)
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else:
+            ok = isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            what = {bool: "true or false", float: "a finite number", int: "an integer", str: "a string"}[kind]
+            raise HpipeError(f"{self.flag} {value!r}: must be {what}")
+        if self.choices and value not in self.choices:
+            raise HpipeError(f"{self.flag} {value!r}: use {', '.join(self.choices[:-1])} or {self.choices[-1]}")
+        if self.lo is not None and value < self.lo:
+            raise HpipeError(f"{self.flag} must be at least {self.lo:g}, got {value}")
+        if self.below is not None and value >= self.below:
+            raise HpipeError(f"{self.flag} must be below {self.below:g}, got {value}")
+
+
+def setting(default, flag: str, help: str, **rule):
+    """A RuntimeConfig field: its default and, in the metadata, its flag and rule."""
+    return field(default=default, metadata={"setting": Setting(default, flag, help, **rule)})
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    # -- what runs at once
+    max_batch: int = setting(16, "--max-batch", "sequences running at once", unit="sequences", lo=1)
+    max_model_len: int = setting(0, "--max-model-len", "the longest prompt + output a request may have "
+                                 "(0: the model's context)", unit="tokens", lo=0)
+    # -- tokens per micro-batch
+    policy: str = setting("throttle", "--policy", "tokens per micro-batch: throttle (gLLM: decode spread over the "
+                          "stages, prefill from the waiting tokens and free KV) or sarathi (a fixed budget, decode "
+                          "first)", choices=POLICIES)
+    iterations: int = setting(8, "--iterations", "throttle #T: waiting prompt tokens spread over this many "
+                              "micro-batches", unit="micro-batches", lo=1)
+    max_prefill: int = setting(0, "--max-prefill", "throttle #MaxP (0: 2048 on GPUs, 256 with a CPU stage)",
+                               unit="tokens", lo=0)
+    min_prefill: int = setting(0, "--min-prefill", "throttle #MinP (0: 32 on GPUs, 16 with a CPU stage)",
+                               unit="tokens", lo=0)
+    kv_thresh: float = setting(0.05, "--kv-thresh", "throttle: no new prefill below this KV-free rate",
+                               unit="fraction of the pool", lo=0.0, below=1.0)
+    budget: int = setting(0, "--budget", "sarathi: tokens per micro-batch (0: 512 on GPUs, 256 with a CPU stage)",
+                          unit="tokens", lo=0)
+    # -- the KV cache
+    page_size: int = setting(16, "--page-size", "tokens per KV page (vLLM's block size)", unit="tokens", lo=1)
+    kv_pages: int = setting(0, "--kv-pages", "KV pages per stage (0: what the sequences need, within free "
+                            "memory); fewer pages preempt and recompute sequences", unit="pages", lo=0)
+    # -- the asynchronous runtime (SiPipe)
+    sampling: str = setting("auto", "--sampling", "inline: the last stage samples (on a sampler thread under TSEM); "
+                            "cpu: a pool of sampler processes takes the logits off the last stage (SiPipe); auto: "
+                            "cpu when the last stage is a GPU, else inline", choices=("auto", "inline", "cpu"))
+    sampler_procs: int = setting(1, "--sampler-procs", "with --sampling cpu: sampler processes", unit="processes",
+                                 lo=1)
+    tsem: bool = setting(True, "--no-tsem", "prepare each micro-batch's inputs inline, not on a CPU thread while "
+                         "the previous one computes (TSEM off)")
+    sat: bool = setting(True, "--no-sat", "send header and segments with every hop's hidden states instead of the "
+                        "schedule ahead on the control plane (SAT off)")
+    cuda_graphs: bool = setting(True, "--no-cuda-graphs", "CUDA stages: run decode steps eagerly")
+    static_decode: str = setting("auto", "--static-decode", "decode steps with static shapes (padded, whole KV "
+                                 "slots under a mask), the path CUDA graphs replay; auto: with CUDA graphs (on a "
+                                 "CPU it is slower, see README)", choices=SWITCH)
+    prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "
+                                  "previous micro-batch computes; auto: on CUDA stages (a CPU stage's forward "
+                                  "already keeps its cores busy, see README)", choices=SWITCH)
+    attn: str = setting("sdpa", "--attn", "transformers' attention implementation", choices=("sdpa", "eager"))
+    rendezvous_timeout_s: float = setting(300.0, "--rendezvous-timeout", "seconds a stage waits for the others to join",
+                               unit="s", lo=1.0)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            f.metadata["setting"].check(getattr(self, f.name))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RuntimeConfig:
+        data = json.loads(text)
+        unknown = set(data) - set(SETTINGS)
+        if unknown:
+            raise HpipeError(f"runtime config: unknown setting(s) {sorted(unknown)}; the launcher and the worker "
+                             f"run different hpipe versions")
+        return cls(**data)
+
+    def replace(self, **changes) -> RuntimeConfig:
+        return dataclasses.replace(self, **changes)
+
+
+SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(RuntimeConfig)}
+DEFAULTS = RuntimeConfig()
+
+
+def cli_option(name: str):
+    """The typer option of one setting, its default taken from RuntimeConfig (a "--no-" flag
+    defaults to the opposite of its setting)."""
+    import typer
+    s = SETTINGS[name]
+    default = getattr(DEFAULTS, name)
+    return typer.Option(not default if s.negated else default, s.flag, help=s.help)
+
+
+def from_cli(values: dict) -> RuntimeConfig:
+    """RuntimeConfig from the CLI's parameter values (keyed by setting name; "--no-" flags by the
+    setting's name too, holding the flag's value)."""
+    return RuntimeConfig(**{name: (not v if SETTINGS[name].negated else v) for name, v in values.items()})

@@ -1,0 +1,189 @@
+"""The seam between the stage workers and what launched them: typed records, one encoding.
+
+Into stage 0 (serving: one JSON object a line on its stdin):
+    Add(request)      a request joins (its index is its one key, from the server's handler to the sampler)
+    Abort(index)      a request ends now (its client went away, or a stop string matched)
+    Close()           finish what runs, then stop (as the end of stdin does)
+
+Out of every worker (report lines `@@hpipe {json}` on stdout, `hpipe.reports`' encoding):
+    Ready      stage 0 is serving: the KV pool, the longest sequence, the batch, the policy
+    Tokens     (index, token) pairs as they are sampled (serving)
+    Result     one finished request: its tokens, why it ended, its timing
+    Rejected   a request stage 0 cannot take (it does not fit the KV pool)
+    Stats      queue, KV pages, preemptions and the recent micro-batches (serving, a few times a second)
+    Error      the stage's one-line cause, before it exits non-zero
+    Timeline   the stage's measured intervals and figures, at its end
+    Summary    stage 0's run figures and the config it ran with, at its end
+
+`send(record)` writes a report, `read_report(line)` reads one back (None for a log line; a plain
+dict for the profiler's own reports); `op_line(op)` / `read_op(line)` do the same for the ops.
+The worker, the batch job (`hpipe.launcher.jobs`) and the server (`hpipe.launcher.serving`) all go
+through here. Pure Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hpipe.reports import emit, parse
+from hpipe.request import Request
+
+__all__ = ["Abort", "Add", "Close", "Error", "Ready", "Rejected", "Result", "Stats", "Summary", "Timeline",
+           "Tokens", "op_line", "read_op", "read_report", "send"]
+
+
+# ---------------------------------------------------------------------------------------- ops in
+@dataclass(frozen=True)
+class Add:
+    request: Request
+
+
+@dataclass(frozen=True)
+class Abort:
+    index: int
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+def op_line(op: Add | Abort | Close) -> str:
+    if isinstance(op, Add):
+        return json.dumps({"op": "add", "request": op.request.to_json()})
+    if isinstance(op, Abort):
+        return json.dumps({"op": "abort", "index": op.index})
+    return json.dumps({"op": "close"})
+
+
+def read_op(line: str) -> Add | Abort | Close:
+    """Raises ValueError (with what is wrong) for a line that is not an op."""
+    try:
+        msg = json.loads(line)
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op == "add":
+            return Add(Request.from_json(msg["request"]))
+        if op == "abort":
+            return Abort(int(msg["index"]))
+        if op == "close":
+            return Close()
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"bad op line ({e})") from None
+    raise ValueError(f"unknown op {op!r}")
+
+
+# ---------------------------------------------------------------------------------------- reports out
+@dataclass(frozen=True)
+class Ready:
+    KIND: ClassVar[str] = "ready"
+    kv_pages: int
+    page_size: int
+    max_model_len: int
+    max_batch: int
+    policy: dict
+
+
+@dataclass(frozen=True)
+class Tokens:
+    KIND: ClassVar[str] = "tokens"
+    items: list                 # [index, token] pairs, in sampling order
+
+
+@dataclass(frozen=True)
+class Result:
+    KIND: ClassVar[str] = "result"
+    index: int
+    output_ids: list
+    finish_reason: str | None
+    prompt_tokens: int
+    ttft_s: float | None
+    tpot_s: float
+    e2e_s: float | None
+    tokens_per_s: float | None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    KIND: ClassVar[str] = "rejected"
+    index: int
+    message: str
+
+
+@dataclass(frozen=True)
+class Stats:
+    KIND: ClassVar[str] = "stats"
+    waiting: int
+    running: int
+    pages_used: int
+    pages_free: int
+    preemptions: int
+    inflight: int
+    microbatches: list = field(default_factory=list)   # (time, decode tokens, prefill tokens) since the last
+
+
+@dataclass(frozen=True)
+class Error:
+    KIND: ClassVar[str] = "error"
+    message: str
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Timeline:
+    KIND: ClassVar[str] = "timeline"
+    rank: int
+    host: str
+    device: str
+    units: list
+    start: float
+    end: float
+    load_s: float
+    peak_rss_bytes: int
+    kv_bytes: int
+    intervals: list
+    links: dict
+    cuda_graphs: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    KIND: ClassVar[str] = "summary"
+    wall_s: float
+    generated_tokens: int
+    tokens_per_s: float | None
+    t0_wall: float
+    preemptions: int
+    requests: int
+    prompt_tokens: int
+    options: dict               # the modes each switch resolved to on stage 0
+    policy: dict
+    kv_pages: int
+    page_size: int
+    config: dict                # the RuntimeConfig the stages ran with
+
+
+REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Error, Timeline, Summary)}
+
+
+def send(record) -> None:
+    """One report on stdout (whole lines, from any thread)."""
+    emit(record.KIND, **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
+
+
+def read_report(line: str):
+    """The report on this line as its record (a dict for reports not defined here), or None for a log line."""
+    msg = parse(line)
+    if msg is None:
+        return None
+    cls = REPORTS.get(msg.pop("type", None))
+    if cls is None:
+        return msg
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in msg.items() if k in names})
+
+
+def as_dict(record) -> dict:
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}

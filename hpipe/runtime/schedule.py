@@ -1,0 +1,119 @@
+"""The schedule: one message per micro-batch, decided by stage 0's scheduler and read the same way by
+every stage (vLLM v1's SchedulerOutput, for a pipeline).
+
+A `Schedule` holds
+- its micro-batch's id and segments (prefill chunks and decode tokens, with their KV pages);
+- the requests admitted since the last schedule: the last stage's sampler learns a request's
+  parameters, seed and prompt before the first row of it it samples;
+- the requests released since the last schedule, each with the number of tokens it generated:
+  stage 0 alone decides that a sequence has ended (EOS, a stop id, its length, an abort); a release
+  goes out in the first schedule committed after that decision, so it follows every schedule that
+  can still hold a leftover row of it, and since every stage reads schedules in order, the last
+  stage frees the sequence's sampler state (and trims its logits) exactly when nothing of it can
+  come any more;
+- or the stop (`stop`): nothing follows.
+
+Encoding, in one place (`encode` / `decode`): a header of HEADER_LEN integers, a body of integers
+(the segments' fields, the pages they add, the released pairs, the admitted indices) and, when the
+receivers do not hold the job's requests (serving), a payload of the admitted requests as JSON.
+The transport (`hpipe.runtime.comm`) sends header and body as one fixed-size message on the control
+plane (SAT) or as two messages on every hop (without SAT), and the payload after them.
+
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hpipe.request import Request
+from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind
+
+__all__ = ["HEADER_LEN", "SEGMENT_FIELDS", "Schedule", "body_capacity", "decode", "encode"]
+
+HEADER_LEN = 8
+SEGMENT_FIELDS = 7
+OP_WORK, OP_STOP = 1, 2
+
+
+@dataclass
+class Schedule:
+    id: int
+    segments: list[Segment]
+    admitted: list[Request] = field(default_factory=list)
+    released: list[tuple[int, int]] = field(default_factory=list)   # (request index, tokens it generated)
+    stop: bool = False
+    tokens: list[int] | None = None   # stage 0 only, not sent: the input ids (None while a decode token is out)
+    t: float = 0.0                    # stage 0 only: when it was committed
+
+    @property
+    def kind(self) -> str:
+        return microbatch_kind(self.segments)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def sampled(self) -> list[int]:
+        """The request indices of its rows that are sampled, in order."""
+        return [s.seq for s in self.segments if s.sample]
+
+
+def body_capacity(max_segments: int, max_tokens: int, page_size: int) -> int:
+    """The most body integers one schedule takes: its segments, the pages they add (each segment at
+    most ceil(length / size) + 1), and as many released pairs and admitted indices as segments."""
+    max_pages = max_tokens // page_size + 2 * max_segments
+    return SEGMENT_FIELDS * max_segments + max_pages + 3 * max_segments
+
+
+def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[list[int], list[int], bytes]:
+    """(header, body, payload). The payload holds the admitted requests when `with_requests`."""
+    if schedule.stop:
+        op, mb_id = OP_STOP, -1
+    else:
+        op, mb_id = OP_WORK, schedule.id
+    added = [added_pages(s, page_size) for s in schedule.segments]
+    body = [v for s, a in zip(schedule.segments, added)
+            for v in (s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), len(a))]
+    body += [p for a in added for p in a]
+    body += [v for pair in schedule.released for v in pair]
+    body += [r.index for r in schedule.admitted]
+    payload = json.dumps([r.to_json() for r in schedule.admitted]).encode() if with_requests and schedule.admitted \
+        else b""
+    n_pages = sum(len(a) for a in added)
+    header = [op, mb_id, len(schedule.segments), n_pages, len(schedule.released), len(schedule.admitted),
+              len(payload), len(body)]
+    return header, body, payload
+
+
+def payload_len(header: list[int]) -> int:
+    return header[6]
+
+
+def body_len(header: list[int]) -> int:
+    return header[7]
+
+
+def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
+           requests: Callable[[int], Request] | None) -> Schedule:
+    """The inverse of `encode`: each segment's whole page list rebuilt by this stage's page table
+    (in the schedule's order); admitted requests from the payload, or by index from `requests` (a
+    batch job's stages all read the job's requests file)."""
+    op, mb_id, n, n_pages, n_released, n_admitted = header[:6]
+    segments, at = [], SEGMENT_FIELDS * n
+    for i in range(n):
+        seq, slot, start, length, sample, prefill, k = body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
+        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill))
+        segments.append(table.resolve(seg, body[at:at + k]) if k or start else seg)
+        at += k
+    released = [(body[at + 2 * i], body[at + 2 * i + 1]) for i in range(n_released)]
+    at += 2 * n_released
+    indices = body[at:at + n_admitted]
+    if payload:
+        admitted = [Request.from_json(d) for d in json.loads(payload.decode())]
+    else:
+        admitted = [requests(i) for i in indices] if indices else []
+    return Schedule(mb_id, segments, admitted, released, stop=op == OP_STOP)
