@@ -172,7 +172,7 @@ def test_worker_with_wrong_job_token_refuses_to_join(tiny_models, tmp_path):
     for rank, token in ((0, "a" * 32), (1, "b" * 32)):
         cmd = [sys.executable, "-m", "hpipe.runtime.worker", "--plan", str(plan), "--rank", str(rank),
                "--world-size", "2", "--master-port", str(port), "--model", str(path), "--requests",
-               str(tmp_path / "req.jsonl"), "--timeout-s", "60"]
+               str(tmp_path / "req.jsonl"), "--config", '{"rendezvous_timeout_s": 60}']
         env = dict(os.environ, PYTHONPATH=str(ROOT), HPIPE_JOB_TOKEN=token)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     try:
