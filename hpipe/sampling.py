@@ -1,9 +1,9 @@
 """Sampling of the next token on the CPU, with vLLM's (V1) semantics and SiPipe's design (§5.1).
 
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=1)
-    sampler = CPUSampler(vocab_size, max_batch=256, max_len=512, slots=2)
-    sampler.add(seq_id, params, prompt_ids, slot=0)
-    ids = sampler.step(logits, seq_ids, slot=0)          # logits: float32 [B, V]; ids: LongTensor [B]
+    sampler = CPUSampler(vocab_size, max_batch=256, max_len=512, replicas=2)
+    sampler.add(seq_id, params, prompt_ids, replica=0)
+    ids = sampler.step(logits, seq_ids, replica=0)          # logits: float32 [B, V]; ids: LongTensor [B]
     ids, probs = sampler.step(logits, seq_ids, return_probs=True)
     sampler.remove(seq_id)
 
@@ -23,8 +23,8 @@ of output tokens, seen-in-prompt flags and the output history [max_len, max_batc
 scatter per sampled token, nothing is rebuilt from the history; penalties are applied only at the
 ids a sequence has seen (gather, compute, scatter: O(seen) per row, not O(V)); the candidates come
 from one top-k over the penalized logits, and the probabilities are computed exactly (float64) on
-those candidates only. `slots` are replicas of this state, so that micro-batch n and n + p (p =
-pipeline depth) share one while other slots are in use. In steady state no [B, V]-sized tensor
+those candidates only. `replicas` are copies of this state, so that micro-batch n and n + p (p =
+pipeline depth) share one while the others are in use. In steady state no [B, V]-sized tensor
 is allocated per step: the penalized logits go to a preallocated work buffer, column-wise [V, B]
 (SiPipe) or row-wise [B, V]; `bench/sampler.py` measures both and DEFAULT_LAYOUT is the faster
 here. Rows that need the whole vocabulary (top_k = 0 with sampling)
@@ -46,7 +46,7 @@ __all__ = ["CPUSampler", "RequestSampler", "SamplingError", "SamplingParams"]
 DEFAULT_LAYOUT = "row"   # measured by bench/sampler.py (bench/results/sampler.json)
 
 
-class _Slot:
+class _Replica:
     """The state of up to max_batch sequences: one column each."""
 
     def __init__(self, vocab: int, max_batch: int, max_len: int, layout: str):
@@ -64,33 +64,33 @@ class _Slot:
         self.free = list(range(max_batch - 1, -1, -1))
 
     def at(self, ids: torch.Tensor, cols: torch.Tensor):
-        """Index of (token id, column) pairs in this slot's [V, B] or [B, V] buffers."""
+        """Index of (token id, column) pairs in this replica's [V, B] or [B, V] buffers."""
         return (ids, cols) if self.layout == "column" else (cols, ids)
 
 
 class CPUSampler:
-    def __init__(self, vocab_size: int, max_batch: int, max_len: int, slots: int = 1, layout: str | None = None):
-        if vocab_size < 1 or max_batch < 1 or max_len < 1 or slots < 1:
-            raise SamplingError("vocab_size, max_batch, max_len and slots must all be >= 1")
+    def __init__(self, vocab_size: int, max_batch: int, max_len: int, replicas: int = 1, layout: str | None = None):
+        if vocab_size < 1 or max_batch < 1 or max_len < 1 or replicas < 1:
+            raise SamplingError("vocab_size, max_batch, max_len and replicas must all be >= 1")
         layout = layout or DEFAULT_LAYOUT
         if layout not in ("column", "row"):
             raise SamplingError(f"layout {layout!r}: use 'column' or 'row'")
         self.vocab_size, self.max_batch, self.max_len, self.layout = vocab_size, max_batch, max_len, layout
-        self.slots = [_Slot(vocab_size, max_batch, max_len, layout) for _ in range(slots)]
-        self.where: dict = {}   # seq_id -> (slot, column)
+        self.replicas = [_Replica(vocab_size, max_batch, max_len, layout) for _ in range(replicas)]
+        self.where: dict = {}   # seq_id -> (replica, column)
 
     # -- sequences ----------------------------------------------------------------------------
 
-    def add(self, seq_id, params: SamplingParams, prompt_ids, slot: int = 0) -> None:
+    def add(self, seq_id, params: SamplingParams, prompt_ids, replica: int = 0) -> None:
         if seq_id in self.where:
             raise SamplingError(f"sequence {seq_id!r} was already added")
-        if not 0 <= slot < len(self.slots):
-            raise SamplingError(f"slot {slot} does not exist (slots: {len(self.slots)})")
+        if not 0 <= replica < len(self.replicas):
+            raise SamplingError(f"replica {replica} does not exist (replicas: {len(self.replicas)})")
         if not isinstance(params, SamplingParams):
             raise SamplingError("params must be a SamplingParams")
-        st = self.slots[slot]
+        st = self.replicas[replica]
         if not st.free:
-            raise SamplingError(f"slot {slot} already holds max_batch={self.max_batch} sequences")
+            raise SamplingError(f"replica {replica} already holds max_batch={self.max_batch} sequences")
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise SamplingError(f"sequence {seq_id!r}: a prompt id is outside the vocabulary (size {self.vocab_size})")
@@ -108,13 +108,13 @@ class CPUSampler:
         else:
             g.manual_seed(params.seed)
         st.generators[col] = g
-        self.where[seq_id] = (slot, col)
+        self.where[seq_id] = (replica, col)
 
     def remove(self, seq_id) -> None:
         if seq_id not in self.where:
             raise SamplingError(f"sequence {seq_id!r} is not in the sampler")
-        slot, col = self.where.pop(seq_id)
-        st = self.slots[slot]
+        replica, col = self.where.pop(seq_id)
+        st = self.replicas[replica]
         ids = torch.tensor(st.seen[col], dtype=torch.long)
         if len(ids):   # clear only what this sequence touched: O(seen), not O(V)
             at = st.at(ids, torch.full((len(ids),), col))
@@ -126,8 +126,8 @@ class CPUSampler:
 
     # -- one step -----------------------------------------------------------------------------
 
-    def step(self, logits: torch.Tensor, seq_ids, slot: int = 0, return_probs: bool = False):
-        st = self.slots[slot]
+    def step(self, logits: torch.Tensor, seq_ids, replica: int = 0, return_probs: bool = False):
+        st = self.replicas[replica]
         seq_ids = list(seq_ids)
         b = len(seq_ids)
         if logits.dim() != 2 or logits.shape[0] != b or logits.shape[1] != self.vocab_size:
@@ -135,8 +135,8 @@ class CPUSampler:
         cols_l = []
         for s in seq_ids:
             where = self.where.get(s)
-            if where is None or where[0] != slot:
-                raise SamplingError(f"sequence {s!r} is not in slot {slot}")
+            if where is None or where[0] != replica:
+                raise SamplingError(f"sequence {s!r} is not in replica {replica}")
             cols_l.append(where[1])
         if len(set(cols_l)) != b:
             raise SamplingError("a sequence appears twice in one step")
@@ -215,7 +215,7 @@ class CPUSampler:
     # -- helpers ------------------------------------------------------------------------------
 
     @staticmethod
-    def _seen_matrix(st: _Slot, cols_l: list[int], rows: list[int]) -> torch.Tensor:
+    def _seen_matrix(st: _Replica, cols_l: list[int], rows: list[int]) -> torch.Tensor:
         """[L, B] ids each row has seen (prompt ∪ output), padded by repeating its first id (or 0):
         a repeated index writes the same value twice, so padding changes nothing."""
         width = max([len(st.seen[cols_l[i]]) for i in rows] + [1])
@@ -246,7 +246,7 @@ class CPUSampler:
         vals = torch.where(in_prompt | out_seen, penalized, vals)
         return vals - freq[:, None] * count.to(vals.dtype) - pres[:, None] * out_seen.to(vals.dtype)
 
-    def _penalize_in_place(self, st: _Slot, work, seen_idx, cols, params, rows) -> None:
+    def _penalize_in_place(self, st: _Replica, work, seen_idx, cols, params, rows) -> None:
         r = torch.tensor(rows, dtype=torch.long)
         ids = seen_idx[:, r].t()                                  # [R, L]
         c = cols[r][:, None].expand_as(ids)
@@ -259,7 +259,7 @@ class CPUSampler:
             vals = work[r[:, None].expand_as(ids), ids]
             work[r[:, None].expand_as(ids), ids] = self._apply(vals, count, in_prompt, rep, freq, pres)
 
-    def _exact_penalized(self, st: _Slot, logits, rows, ids, cols, params) -> torch.Tensor:
+    def _exact_penalized(self, st: _Replica, logits, rows, ids, cols, params) -> torch.Tensor:
         """float64 penalized logits of the candidates `ids` [R, K], from the original logits."""
         r = torch.tensor(rows, dtype=torch.long)
         vals = logits[r[:, None].expand_as(ids), ids].double()

@@ -1,13 +1,14 @@
 """hpipe's launcher: prepares a job from a plan and prompts, starts the stage workers (local
-processes, or remote hosts over SSH), collects their reports into the results file; `serving` runs the same workers as a service and
+processes, or remote hosts over SSH) as a `Launch` the batch job and the server each drive, collects
+their reports into the results file; `serving` runs the same workers as a service and
 `api` puts the OpenAI HTTP API in front of it (`hpipe serve`)."""
 
-from hpipe.launcher.cluster import check_table, launch_cluster, plan_hosts, preflight, refuse_failed
-from hpipe.launcher.jobs import (LaunchSettings, PreparedJob, busy_fractions, encode_prompt, plan_check, prepare,
-                                 prepare_model, write_run_summary)
-from hpipe.launcher.local import launch_local, threads_per_stage
+from hpipe.launcher.cluster import check_table, launch_cluster, plan_hosts, preflight, refuse_failed, start_cluster
+from hpipe.launcher.jobs import (Launch, LaunchSettings, PreparedJob, busy_fractions, encode_prompt, plan_check,
+                                 prepare, prepare_model, write_run_summary)
+from hpipe.launcher.local import launch_local, start_local, threads_per_stage
 from hpipe.launcher.run_chart import check_timeline_out, predicted_timeline, write_run_timeline
 
-__all__ = ["LaunchSettings", "PreparedJob", "busy_fractions", "check_table", "check_timeline_out", "encode_prompt",
+__all__ = ["Launch", "LaunchSettings", "PreparedJob", "busy_fractions", "check_table", "check_timeline_out", "encode_prompt",
            "launch_cluster", "launch_local", "plan_check", "plan_hosts", "predicted_timeline", "preflight", "prepare", "prepare_model",
-           "refuse_failed", "threads_per_stage", "write_run_summary", "write_run_timeline"]
+           "refuse_failed", "start_cluster", "start_local", "threads_per_stage", "write_run_summary", "write_run_timeline"]

@@ -18,17 +18,17 @@ import queue
 import secrets
 import shlex
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpipe.launcher.jobs import (
     JobOutput,
+    Launch,
+    StageReports,
     LaunchSettings,
     PreparedJob,
     stop_workers,
     trim_logits,
-    watch_workers,
     worker_command,
 )
 from hpipe.launcher.local import LaunchReport
@@ -202,31 +202,52 @@ def remote_model_spec(source: models.ModelSource) -> str:
 
 def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
                    settings: LaunchSettings, *, accept_new_keys: bool = False, push: bool = False,
-                   host_timeout_s: float = 15.0, log=None, quiet: bool = False, output=None, on_workers=None):
-    """As `launch_local`, on the inventory's hosts over SSH (serving: stage 0's requests go through
-    its wrapper's stdin)."""
+                   host_timeout_s: float = 15.0, log=None, quiet: bool = False) -> LaunchReport:
+    """As `launch_local`, on the inventory's hosts over SSH."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    output = output or JobOutput(out_path, job.tokenizer, job.requests)
-    if not job.requests and not settings.serve:
+    output = JobOutput(out_path, job.tokenizer, job.requests)
+    if not job.requests:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
+    launch = start_cluster(job, plan_path, inventory, settings, output, accept_new_keys=accept_new_keys, push=push,
+                           host_timeout_s=host_timeout_s, log=log, quiet=quiet)
+    launch.where = f" to {out_path}"
+    return LaunchReport(output, launch.wait())
+
+
+def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, settings: LaunchSettings,
+                  output: StageReports, *, accept_new_keys: bool = False, push: bool = False,
+                  host_timeout_s: float = 15.0, log=None, quiet: bool = False) -> Launch:
+    """Connects, checks and starts every stage on its host (serving: stage 0's requests go through
+    its wrapper's stdin); the returned Launch drives them and tears everything down at its end."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     plan = job.plan
     names = plan_hosts(plan, inventory)
     hosts = {h.name: h for h in inventory.hosts}
-    t0 = time.time()
     conns = ssh.connect_all(inventory, names, accept_new_keys, log)
     launch_id = secrets.token_hex(6)
     workers: list[ssh.RemoteProcess] = []
     remote_tmp = f"/tmp/hpipe-launch-{launch_id}"
+
+    def cleanup() -> None:
+        stop_workers(workers)
+        lost = {w.conn.host.name for w in workers if w.silent_s() > 2.0}
+        for w in workers:
+            w.close()
+        _remove_remote_tmp({n: c for n, c in conns.items() if n not in lost}, remote_tmp)
+        for c in conns.values():
+            c.close()
+
     try:
+        runtime = settings.runtime
         if settings.serve:    # the KV pool sizes itself from free memory: room for one longest sequence
-            kv_tokens = settings.runtime.max_model_len or models.context_length(job.config)
-            microbatch = memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], settings.runtime.max_batch)
+            kv_tokens = runtime.max_model_len or models.context_length(job.config)
+            microbatch = memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], runtime.max_batch)
         else:
             kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)
-            kv_tokens *= min(settings.runtime.max_batch, len(job.requests))
+            kv_tokens *= min(runtime.max_batch, len(job.requests))
             slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in job.requests]
-            microbatch = memory.microbatch_tokens(slices, min(settings.runtime.max_batch, len(job.requests)))
+            microbatch = memory.microbatch_tokens(slices, min(runtime.max_batch, len(job.requests)))
         spec = remote_model_spec(job.source)
         checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
                            microbatch_tokens=microbatch, push_model=push)
@@ -257,25 +278,16 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
             workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s))
         if not quiet:
             log(f"hpipe: launched {world} stages on {', '.join(names)} (rendezvous {master.address}:{port})")
-        if on_workers is not None:
-            on_workers(workers)
-        watch_workers(workers, lines, output, plan, log, quiet, host_timeout_s=host_timeout_s)
-        if settings.logits_out:
-            ssh.get_file(conns[plan.stages[-1].host], f"{remote_tmp}/logits.npz", settings.logits_out)
-            trim_logits(settings.logits_out, output.results)
-    except KeyboardInterrupt:
-        stop_workers(workers)
-        raise HpipeError(f"interrupted; every remote worker was stopped; {len(output.results)} results are in "
-                         f"{out_path}; rerun with --resume to finish") from None
-    finally:
-        stop_workers(workers)
-        lost = {w.conn.host.name for w in workers if w.silent_s() > 2.0}
-        for w in workers:
-            w.close()
-        _remove_remote_tmp({n: c for n, c in conns.items() if n not in lost}, remote_tmp)
-        for c in conns.values():
-            c.close()
-    return LaunchReport(output, time.time() - t0)
+    except BaseException:
+        cleanup()
+        raise
+
+    def fetch_logits() -> None:
+        ssh.get_file(conns[plan.stages[-1].host], f"{remote_tmp}/logits.npz", settings.logits_out)
+        trim_logits(settings.logits_out, output.results)
+
+    return Launch(workers, lines, output, plan, log, quiet, host_timeout_s=host_timeout_s,
+                  finish=fetch_logits if settings.logits_out else None, cleanup=cleanup)
 
 
 def _remove_remote_tmp(conns: dict[str, ssh.Connection], path: str) -> None:

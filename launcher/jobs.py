@@ -320,6 +320,44 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
                      + f"; every worker was stopped; {output.done_line()}")
 
 
+class Launch:
+    """A started pipeline, as the batch job and the server each drive it: `send` an op to stage 0
+    (serving), `lines` (the workers' output lines, each a report for `output` or a log line),
+    `wait` until every worker has ended (their reports go to `output` as they come), `stop` every
+    worker now. `wait` always ends with the launcher's teardown (`cleanup`), and a failure is one
+    HpipeError naming the stage."""
+
+    def __init__(self, workers: list, lines: queue.Queue, output: StageReports, plan: formats.Plan, log,
+                 quiet: bool, host_timeout_s: float | None = None, finish=None, cleanup=None, where: str = ""):
+        self.workers, self.lines, self.output, self.plan = workers, lines, output, plan
+        self.log, self.quiet, self.host_timeout_s = log, quiet, host_timeout_s
+        self.finish, self.cleanup, self.where = finish, cleanup, where
+        self.t0 = time.time()
+
+    def send(self, op) -> bool:
+        """One op on stage 0's stdin; False once it is gone."""
+        return self.workers[0].send_line(protocol.op_line(op))
+
+    def stop(self) -> None:
+        stop_workers(self.workers)
+
+    def wait(self) -> float:
+        """Until every worker has ended; returns the wall time since the start."""
+        try:
+            watch_workers(self.workers, self.lines, self.output, self.plan, self.log, self.quiet, self.host_timeout_s)
+            if self.finish is not None:
+                self.finish()
+        except KeyboardInterrupt:
+            self.stop()
+            raise HpipeError(f"interrupted; every worker was stopped; {self.output.done_line()}{self.where}; rerun "
+                             f"with --resume to finish") from None
+        finally:
+            self.stop()
+            if self.cleanup is not None:
+                self.cleanup()
+        return time.time() - self.t0
+
+
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
 
 

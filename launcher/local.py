@@ -1,8 +1,9 @@
 """`hpipe launch --local`: every stage worker as a process on this machine.
 
 Workers run `python -m hpipe.runtime.worker ...` (the same command the SSH launcher runs on remote
-hosts), each in its own process group. Their stdout reports go to `JobOutput`; their stderr is
-streamed with a `[host:rank]` prefix. If one worker fails, or on Ctrl-C, every worker is stopped
+hosts), each in its own process group; `start_local` returns the `Launch` that drives them. Their
+stdout reports go to the launch's output (`JobOutput` for a batch job); their stderr is streamed
+with a `[host:rank]` prefix. If one worker fails, or on Ctrl-C, every worker is stopped
 and the launch fails with one line naming the stage, its cause and its last log lines; results
 already written stay in the results file.
 """
@@ -12,26 +13,26 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpipe.errors import HpipeError
 from hpipe.lifeline import PARENT_ENV, arm_parent_death_signal
 from hpipe.net import free_port
 from hpipe.request import write_requests
 from hpipe.launcher.jobs import (
     JobOutput,
+    Launch,
     LaunchSettings,
     PreparedJob,
+    StageReports,
     stop_workers,
     trim_logits,
-    watch_workers,
     worker_command,
 )
 
@@ -52,15 +53,23 @@ def threads_per_stage(devices: list[str]) -> list[int]:
 
 
 def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: LaunchSettings,
-                 log=None, quiet: bool = False, output=None, on_workers=None) -> LaunchReport:
-    """Runs the job until every worker has ended. Serving (`settings.serve`): `output` takes the
-    workers' reports and `on_workers(workers)` is called once they are started (stage 0's
-    `send_line` takes the requests)."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    output = output or JobOutput(out_path, job.tokenizer, job.requests)
-    if not job.requests and not settings.serve:
+                 log=None, quiet: bool = False) -> LaunchReport:
+    """Runs the batch job until every worker has ended."""
+    log = log or _stderr
+    output = JobOutput(out_path, job.tokenizer, job.requests)
+    if not job.requests:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
+    launch = start_local(job, plan_path, settings, output, log, quiet)
+    launch.where = f" to {out_path}"
+    return LaunchReport(output, launch.wait())
+
+
+def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, output: StageReports, log=None,
+                quiet: bool = False) -> Launch:
+    """Starts every stage as a local process; the returned Launch drives them. Serving
+    (`settings.serve`) stage 0 takes requests on its stdin (`Launch.send`)."""
+    log = log or _stderr
     world = len(job.plan.stages)
     threads = threads_per_stage([s.device for s in job.plan.stages])
     port = free_port()
@@ -69,33 +78,34 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
     # so that `python -m hpipe.runtime.worker` finds this checkout even when it is not installed
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="hpipe-launch-") as tmp:
-        requests_path = None
-        if not settings.serve:
-            requests_path = str(Path(tmp) / "requests.jsonl")
-            write_requests(job.requests, requests_path)
-        workers: list[LocalWorker] = []
-        lines: queue.Queue = queue.Queue()
-        try:
-            for rank, stage in enumerate(job.plan.stages):
-                cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
-                                     str(job.source.path), requests_path, settings, threads[rank],
-                                     os.path.abspath(settings.logits_out) if settings.logits_out and rank == world - 1
-                                     else None)
-                workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0))
-            if on_workers is not None:
-                on_workers(workers)
-            watch_workers(workers, lines, output, job.plan, log, quiet)
-            if settings.logits_out:
-                trim_logits(settings.logits_out, output.results)
-        except KeyboardInterrupt:
-            stop_workers(workers)
-            raise HpipeError(f"interrupted; every worker was stopped; {len(output.results)} results are in "
-                             f"{out_path}; rerun with --resume to finish") from None
-        finally:
-            stop_workers(workers)
-    return LaunchReport(output, time.time() - t0)
+    tmp = tempfile.mkdtemp(prefix="hpipe-launch-")
+    requests_path = None
+    if not settings.serve:
+        requests_path = str(Path(tmp) / "requests.jsonl")
+        write_requests(job.requests, requests_path)
+    workers: list[LocalWorker] = []
+    lines: queue.Queue = queue.Queue()
+    logits = os.path.abspath(settings.logits_out) if settings.logits_out else None
+
+    def cleanup() -> None:
+        stop_workers(workers)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        for rank, stage in enumerate(job.plan.stages):
+            cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
+                                 str(job.source.path), requests_path, settings, threads[rank],
+                                 logits if rank == world - 1 else None)
+            workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0))
+    except BaseException:
+        cleanup()
+        raise
+    finish = (lambda: trim_logits(logits, output.results)) if logits else None
+    return Launch(workers, lines, output, job.plan, log, quiet, finish=finish, cleanup=cleanup)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def _pump(stream, rank: int, name: str, lines: queue.Queue) -> None:

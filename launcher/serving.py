@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from hpipe import protocol
 from hpipe.errors import HpipeError
-from hpipe.launcher.cluster import launch_cluster
+from hpipe.launcher.cluster import start_cluster
 from hpipe.launcher.jobs import LaunchSettings, PreparedJob, StageReports
-from hpipe.launcher.local import launch_local
+from hpipe.launcher.local import start_local
 from hpipe.request import Request, SamplingParams
 
 __all__ = ["Handle", "Metrics", "PipelineClient"]
@@ -116,7 +116,7 @@ class PipelineClient:
         self.lock = threading.Lock()
         self.open: dict[int, Handle] = {}      # by request index
         self.next_index = itertools.count()
-        self.stage0 = None
+        self.launch = None                     # the started pipeline (hpipe.launcher.jobs.Launch)
         self.ready = threading.Event()
         self.info: protocol.Ready | None = None
         self.stats: dict = {}
@@ -127,7 +127,6 @@ class PipelineClient:
         self.output = ServeOutput(self)
         self.thread: threading.Thread | None = None
         self.closing = False                   # close() or stop() asked: the end is not a failure
-        self.workers: list = []
 
     # ------------------------------------------------------------------ life cycle
     def start(self, timeout_s: float = 600.0) -> None:
@@ -147,11 +146,14 @@ class PipelineClient:
     def _run(self) -> None:
         try:
             if self.inventory is not None:
-                launch_cluster(self.job, self.plan_path, self.inventory, "", self.settings, log=self.log,
-                               quiet=self.quiet, output=self.output, on_workers=self._started, **self.launch_kwargs)
+                self.launch = start_cluster(self.job, self.plan_path, self.inventory, self.settings, self.output,
+                                            log=self.log, quiet=self.quiet, **self.launch_kwargs)
             else:
-                launch_local(self.job, self.plan_path, "", self.settings, log=self.log, quiet=self.quiet,
-                             output=self.output, on_workers=self._started)
+                self.launch = start_local(self.job, self.plan_path, self.settings, self.output, log=self.log,
+                                          quiet=self.quiet)
+            if self.closing:         # closed while the stages were starting
+                self.launch.stop()
+            self.launch.wait()
             if not self.closing:
                 self._fail("the pipeline stopped")
         except HpipeError as e:
@@ -161,12 +163,8 @@ class PipelineClient:
         finally:
             self.stopped.set()
 
-    def _started(self, workers: list) -> None:
-        self.stage0 = workers[0]
-        self.workers = workers
-
     def _send(self, op) -> bool:
-        return self.stage0.send_line(protocol.op_line(op))
+        return self.launch is not None and self.launch.send(op)
 
     def _fail(self, cause: str) -> None:
         with self.lock:
@@ -188,7 +186,7 @@ class PipelineClient:
             self.open.clear()
         for h in handles:
             h.put(("error", "the server is shutting down"))
-        if self.stage0 is not None:      # the aborts first: stage 0 stops reading at Close
+        if self.launch is not None:      # the aborts first: stage 0 stops reading at Close
             for h in handles:
                 self._send(protocol.Abort(h.request.index))
             self._send(protocol.Close())
@@ -198,10 +196,9 @@ class PipelineClient:
             self.stop()
 
     def stop(self) -> None:
-        from hpipe.launcher.jobs import stop_workers
         self.closing = True
-        if self.workers:
-            stop_workers(self.workers)
+        if self.launch is not None:
+            self.launch.stop()
 
     # ------------------------------------------------------------------ requests
     @property
@@ -242,8 +239,7 @@ class PipelineClient:
             live = self.open.pop(handle.request.index, None) is not None
         if live:
             self.metrics.finished[reason] += 1
-            if self.stage0 is not None:
-                self._send(protocol.Abort(handle.request.index))
+            self._send(protocol.Abort(handle.request.index))
 
     # ------------------------------------------------------------------ reports (the launch thread)
     def on_ready(self, ready: protocol.Ready) -> None:

@@ -62,16 +62,16 @@ def random_params(rng: random.Random, greedy: bool | None = None) -> SamplingPar
 def run_against_reference(vocab, rows, steps, rng, layout, logits_fn=None):
     """rows: [(params, prompt)]. Runs `steps` steps of one batch; checks every row's
     distribution against the reference, then records the sampled id as the reference's history."""
-    sampler = CPUSampler(vocab, max_batch=len(rows) + 2, max_len=steps + 1, slots=2, layout=layout)
+    sampler = CPUSampler(vocab, max_batch=len(rows) + 2, max_len=steps + 1, replicas=2, layout=layout)
     seqs = [f"s{i}" for i in range(len(rows))]
     for s, (params, prompt) in zip(seqs, rows):
-        sampler.add(s, params, prompt, slot=1)
+        sampler.add(s, params, prompt, replica=1)
     outputs = {s: [] for s in seqs}
     for _ in range(steps):
         order = seqs[:]
         rng.shuffle(order)                 # any order of sequences in a step
         logits = logits_fn(len(order)) if logits_fn else torch.randn(len(order), vocab) * rng.choice([1.0, 3.0, 8.0])
-        ids, probs = sampler.step(logits, order, slot=1, return_probs=True)
+        ids, probs = sampler.step(logits, order, replica=1, return_probs=True)
         assert ids.dtype == torch.long and probs.shape == (len(order), vocab)
         for i, s in enumerate(order):
             params, prompt = rows[seqs.index(s)]
@@ -186,20 +186,20 @@ def test_invalid_parameters_are_refused_with_the_rule():
 
 def test_remove_clears_the_state_and_slots_are_independent():
     vocab = 30
-    s = CPUSampler(vocab, max_batch=1, max_len=4, slots=2)
+    s = CPUSampler(vocab, max_batch=1, max_len=4, replicas=2)
     p = SamplingParams(temperature=0.0, repetition_penalty=5.0)
-    s.add("a", p, [7], slot=0)
-    s.add("b", SamplingParams(temperature=0.0), [], slot=1)
+    s.add("a", p, [7], replica=0)
+    s.add("b", SamplingParams(temperature=0.0), [], replica=1)
     logits = torch.zeros(1, vocab)
     logits[0, 7] = 2.0
     logits[0, 8] = 1.0
-    assert int(s.step(logits, ["a"], slot=0)[0]) == 8          # 7 is penalized: 2/5 < 1
-    assert int(s.step(logits, ["b"], slot=1)[0]) == 7          # slot 1 knows nothing of "a"
+    assert int(s.step(logits, ["a"], replica=0)[0]) == 8          # 7 is penalized: 2/5 < 1
+    assert int(s.step(logits, ["b"], replica=1)[0]) == 7          # replica 1 knows nothing of "a"
     with pytest.raises(SamplingError):
-        s.add("c", p, [], slot=0)                              # slot 0 is full
+        s.add("c", p, [], replica=0)                              # replica 0 is full
     s.remove("a")
-    s.add("c", SamplingParams(temperature=0.0), [], slot=0)    # the freed column starts clean
-    assert int(s.step(logits, ["c"], slot=0)[0]) == 7
+    s.add("c", SamplingParams(temperature=0.0), [], replica=0)    # the freed column starts clean
+    assert int(s.step(logits, ["c"], replica=0)[0]) == 7
 
 
 def test_a_released_request_frees_its_column_for_the_next():
