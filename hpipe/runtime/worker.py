@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -100,6 +101,22 @@ class JobRequests:
         self.sequences = min(config.max_batch, max(1, len(self.requests)))   # running at once, at most
         self.sampler_len = max((r.max_new_tokens for r in self.requests), default=1)
         self.lengths = [len(r.input_ids) for r in self.requests]
+        self.max_batch = config.max_batch
+
+    def sampler_columns(self, world: int) -> int:
+        """Sampler state for every sequence running, plus those whose release is still on its way."""
+        return max(1, min(len(self.requests), self.max_batch + world))
+
+    def pool_rows(self) -> int:
+        """The most rows one micro-batch samples."""
+        return max(1, min(len(self.requests), 2 * self.max_batch))
+
+    def lookup(self) -> Callable[[int], Request] | None:
+        """How the other stages learn an admitted request: from the file they all read."""
+        return self.by_index.__getitem__
+
+    def reports(self, sched: Scheduler) -> JobReports:
+        return JobReports(sched)
 
     def start(self, driver: Driver, ready: protocol.Ready) -> None:
         """Every request is the scheduler's from the start."""
@@ -112,12 +129,24 @@ class ServedRequests:
 
     def __init__(self, config: RuntimeConfig, model_config):
         self.requests: list[Request] = []
-        self.by_index = None        # the schedules carry the admitted requests
         context = models.context_length(model_config)
         self.max_len = min(config.max_model_len or context, context)
-        self.sequences = config.max_batch
+        self.max_batch = self.sequences = config.max_batch
         self.sampler_len = self.max_len
         self.lengths = [self.max_len]
+
+    def sampler_columns(self, world: int) -> int:
+        return self.max_batch + world
+
+    def pool_rows(self) -> int:
+        return 2 * self.max_batch
+
+    def lookup(self) -> None:
+        """None: the schedules carry the admitted requests whole (the other stages have no file)."""
+        return None
+
+    def reports(self, sched: Scheduler) -> ServeReports:
+        return ServeReports(sched)
 
     def start(self, driver: Driver, ready: protocol.Ready) -> None:
         protocol.send(ready)
@@ -270,9 +299,9 @@ class StageWorker:
         self.graphs = static_decode.capture() if static_decode is not None else 0
         runner.kv.frozen = True             # sized once: a growth mid-run would be a bug (and move the graphs' KV)
         max_segments = config.max_batch + 1
+        lookup = self.requests.lookup()
         link = comm.ScheduleLink(body_capacity(max_segments, self.max_tokens, config.page_size), config.page_size,
-                                 with_requests=self.requests.serving,
-                                 requests=None if self.requests.serving else self.requests.by_index.__getitem__)
+                                 with_requests=lookup is None, requests=lookup)
         self.ex = Executors(self.rank, self.world, runner, self.groups, self.modes, Timeline(bounded=args.serve),
                             link, self.max_tokens, static=static_decode)
         self.ex.allocate_buffers()
@@ -316,16 +345,12 @@ class StageWorker:
             return None
         config, requests = self.config, self.requests
         vocab = int(self.model_config.vocab_size)
-        # sampler state for every sequence running, plus those whose release is still on its way
-        columns = config.max_batch + self.world if requests.serving else \
-            min(len(requests.requests), config.max_batch + self.world)
+        columns = requests.sampler_columns(self.world)
         if self.modes.sampling == "cpu":
-            rows = 2 * config.max_batch if requests.serving else max(1, min(len(requests.requests),
-                                                                            2 * config.max_batch))
-            pool = SamplerPool(vocab, rows, max(1, columns), requests.sampler_len, send=deliver,
+            pool = SamplerPool(vocab, requests.pool_rows(), columns, requests.sampler_len, send=deliver,
                                n_procs=config.sampler_procs, errors=self.ex.errors)
             return PoolSampling(pool, deliver, self.ex.timeline, self.keep)
-        sampler = RequestSampler(vocab, max(1, columns), requests.sampler_len)
+        sampler = RequestSampler(vocab, columns, requests.sampler_len)
         if self.modes.tsem and self.world > 1:
             return ThreadSampling(sampler, deliver, self.ex.timeline, self.keep, self.ex.errors)
         return Sampling(sampler, deliver, self.ex.timeline, self.keep)
@@ -362,7 +387,7 @@ class StageWorker:
         sched = Scheduler(requests.requests, self.plan.slicing.slices_for, self.world, config.max_batch,
                           lookahead=self.modes.tsem, policy=self.policy, pages=self.pages,
                           page_size=config.page_size, max_tokens=self.max_tokens, serving=requests.serving)
-        driver = Driver(self.ex, sched, (ServeReports if requests.serving else JobReports)(sched))
+        driver = Driver(self.ex, sched, requests.reports(sched))
         sampling = self._sampling(driver.take_ids) if self.world == 1 else None
         requests.start(driver, protocol.Ready(self.pages - 1, config.page_size, requests.max_len, config.max_batch,
                                               dataclasses.asdict(self.policy)))

@@ -1,0 +1,174 @@
+"""This checkout against another commit, in one run: decode throughput of `hpipe launch` on 2 local
+CPU stages and the maximum output throughput of `hpipe serve --local`, the two commits interleaved
+round by round (this machine is shared and noisy: compare ratios within a run, not runs).
+
+    python bench/commits.py [--base REF] [--rounds 3] [--prompts 8] [--new-tokens 48]
+                            [--num-prompts 24] [--rate 8] [--max-output-len 64] [--name NAME]
+
+The base commit is checked out into a temporary git worktree; each side runs its own code (its
+folder on PYTHONPATH) on the same plan, prompts, requests and arrival times. Decode: bench/decode.py's
+workload and measure (tokens/s over the decode window) for "all on" (the defaults) and "all off";
+serving: bench/serve.py's ShareGPT requests at one high Poisson rate (its maximum output
+throughput), throttle policy. Writes bench/results/commits[-NAME].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import decode as decode_bench  # noqa: E402
+import serve as serve_bench  # noqa: E402
+
+
+def run_hpipe(root: Path, args: list, cwd: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                       env=env, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise SystemExit(f"[{root}] hpipe {' '.join(map(str, args[:2]))} failed:\n{r.stderr[-3000:]}")
+
+
+def start_server(root: Path, plan: Path, args, work: Path) -> tuple[subprocess.Popen, str]:
+    """bench/serve.py's server, running `root`'s code."""
+    from hpipe.net import free_port
+    import urllib.request
+
+    port = free_port()
+    log = open(work / f"serve-{port}.log", "w")
+    cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port), "--policy", "throttle",
+           "--max-model-len", str(args.max_model_len), "--max-batch", "16", "--max-queue", str(10 * args.num_prompts)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(root)),
+                            start_new_session=True, cwd=work)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"[{root}] hpipe serve exited {proc.returncode}: {(work / log.name).read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("hpipe serve did not come up")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base", default="HEAD~1", help="the commit to compare against (a git ref)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--rate", type=float, default=8.0)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", default="", help="decode or serve: leave that part out")
+    ap.add_argument("--name", default="")
+    args = ap.parse_args()
+    base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    report = {"machine_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+              "base": base_rev, "head": head_rev + ("+working tree" if dirty else ""), "rounds": args.rounds}
+    out = ROOT / "bench" / "results" / f"commits{'-' + args.name if args.name else ''}.json"
+    with tempfile.TemporaryDirectory(prefix="hpipe-bench-commits-") as tmp:
+        tmp = Path(tmp)
+        base_root = tmp / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base_root), args.base], cwd=ROOT, check=True,
+                       capture_output=True)
+        sides = {"base": base_root, "head": ROOT}
+        try:
+            if "decode" not in args.skip:
+                report["decode"] = decode_part(sides, tmp, args)
+                out.write_text(json.dumps(report, indent=2) + "\n")
+            if "serve" not in args.skip:
+                report["serve"] = serve_part(sides, tmp, args)
+                out.write_text(json.dumps(report, indent=2) + "\n")
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base_root)], cwd=ROOT, capture_output=True)
+    print(json.dumps(report, indent=2))
+
+
+def decode_part(sides: dict, tmp: Path, args) -> dict:
+    work = tmp / "decode"
+    work.mkdir()
+    plan = work / "plan.json"
+    prompts = decode_bench.prompts_file(work / "p.jsonl", args.prompts)
+    run_hpipe(ROOT, ["plan", "--model", "smollm2", "--stages", "2", "-o", plan], work)
+    variants = {"all on": [], "all off": decode_bench.VARIANTS["all off"]}
+    runs: dict = {v: {s: [] for s in sides} for v in variants}
+    for k in range(args.rounds):
+        for variant, extra in variants.items():
+            for side, root in sides.items():
+                o, tl = work / f"o-{k}-{side}-{len(extra)}.jsonl", work / f"t-{k}-{side}-{len(extra)}.json"
+                run_hpipe(root, ["launch", plan, "--local", "--prompts", prompts, "--out", o, "--timeline-out", tl,
+                                 "--max-new-tokens", args.new_tokens, "--max-batch", args.prompts, "--temperature",
+                                 "0.8", "--top-k", "50", "--quiet", *extra], work)
+                runs[variant][side].append(decode_bench.measure(o, tl)["decode_tokens_per_s"])
+                print(f"  decode {variant} {side}: {runs[variant][side][-1]} tok/s", flush=True)
+    result = {"setup": f"SmolLM2-135M, 2 local CPU stages, {args.prompts} prompts x {args.new_tokens} new tokens, "
+                       f"temperature 0.8, top-k 50"}
+    for variant, by_side in runs.items():
+        med = {s: statistics.median(v) for s, v in by_side.items()}
+        ratios = [h / b for h, b in zip(by_side["head"], by_side["base"])]
+        result[variant] = {"tokens_per_s_runs": by_side, "median_tokens_per_s": med,
+                           "head_over_base_median": round(med["head"] / med["base"], 4),
+                           "head_over_base_per_round": [round(r, 4) for r in ratios]}
+    return result
+
+
+def serve_part(sides: dict, tmp: Path, args) -> dict:
+    from hpipe import models
+    work = tmp / "serve"
+    work.mkdir()
+    plan = work / "plan.json"
+    run_hpipe(ROOT, ["plan", "--model", "smollm2", "--stages", "2", "-o", plan], work)
+    tokenizer = models.load_tokenizer(models.resolve_model("smollm2").path)
+    requests, _ = serve_bench.sample_requests(tokenizer, args.num_prompts, args.max_model_len, args.max_output_len,
+                                              args.seed)
+    runs: dict = {s: [] for s in sides}
+    for k in range(args.rounds):
+        for side, root in sides.items():
+            proc, base = start_server(root, plan, args, work)
+            try:
+                asyncio.run(serve_bench.run_rate(base, requests[:2], float("inf"), args.seed))     # warm-up
+                run = asyncio.run(serve_bench.run_rate(base, requests, args.rate, args.seed))
+                s = serve_bench.summarize(run, [])
+            finally:
+                serve_bench.stop_server(proc)
+            runs[side].append({k: s[k] for k in ("output_throughput", "request_throughput", "median_ttft_ms",
+                                                 "median_tpot_ms")})
+            print(f"  serve {side}: {s['output_throughput']} tok/s out, TPOT median {s['median_tpot_ms']} ms",
+                  flush=True)
+    med = {s: statistics.median(r["output_throughput"] for r in v) for s, v in runs.items()}
+    return {"setup": f"hpipe serve --local, 2 CPU stages, throttle, {len(requests)} ShareGPT requests at "
+                     f"{args.rate} req/s (Poisson), replies capped at {args.max_output_len} tokens",
+            "runs": runs, "median_output_throughput": med,
+            "head_over_base_median": round(med["head"] / med["base"], 4),
+            "head_over_base_per_round": [round(h["output_throughput"] / b["output_throughput"], 4)
+                                         for h, b in zip(runs["head"], runs["base"])]}
+
+
+if __name__ == "__main__":
+    main()
