@@ -5,8 +5,8 @@ round by round (this machine is shared and noisy: compare ratios within a run, n
     python bench/commits.py [--base REF] [--rounds 3] [--prompts 8] [--new-tokens 48]
                             [--num-prompts 24] [--rate 8] [--max-output-len 64] [--name NAME]
 
-The base commit is checked out into a temporary git worktree; each side runs its own code (its
-folder on PYTHONPATH) on the same plan, prompts, requests and arrival times. Decode: bench/decode.py's
+The base commit is checked out into a temporary git worktree and laid out as it installs; each side
+runs its own code (its folder on PYTHONPATH) on the same plan, prompts, requests and arrival times. Decode: bench/decode.py's
 workload and measure (tokens/s over the decode window) for "all on" (the defaults) and "all off";
 serving: bench/serve.py's ShareGPT requests at one high Poisson rate (its maximum output
 throughput), throttle policy. Writes bench/results/commits[-NAME].json.
@@ -26,13 +26,22 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# bench/profile.py would shadow the standard library's `profile` module: keep bench/ off the path
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import decode as decode_bench  # noqa: E402
-import serve as serve_bench  # noqa: E402
+
+def _bench_module(name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+decode_bench = _bench_module("decode")
+serve_bench = _bench_module("serve")
 
 
 def run_hpipe(root: Path, args: list, cwd: Path) -> None:
@@ -41,32 +50,6 @@ def run_hpipe(root: Path, args: list, cwd: Path) -> None:
                        env=env, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
         raise SystemExit(f"[{root}] hpipe {' '.join(map(str, args[:2]))} failed:\n{r.stderr[-3000:]}")
-
-
-def start_server(root: Path, plan: Path, args, work: Path) -> tuple[subprocess.Popen, str]:
-    """bench/serve.py's server, running `root`'s code."""
-    from hpipe.net import free_port
-    import urllib.request
-
-    port = free_port()
-    log = open(work / f"serve-{port}.log", "w")
-    cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port), "--policy", "throttle",
-           "--max-model-len", str(args.max_model_len), "--max-batch", "16", "--max-queue", str(10 * args.num_prompts)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(root)),
-                            start_new_session=True, cwd=work)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"[{root}] hpipe serve exited {proc.returncode}: {(work / log.name).read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("hpipe serve did not come up")
 
 
 def main() -> None:
@@ -79,6 +62,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--kv-pages", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="decode or serve: leave that part out")
     ap.add_argument("--name", default="")
@@ -97,7 +82,7 @@ def main() -> None:
         base_root = tmp / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(base_root), args.base], cwd=ROOT, check=True,
                        capture_output=True)
-        sides = {"base": base_root, "head": ROOT}
+        sides = {"base": installed_layout(base_root, tmp / "base-pkg"), "head": ROOT}
         try:
             if "decode" not in args.skip:
                 report["decode"] = decode_part(sides, tmp, args)
@@ -108,6 +93,16 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_root)], cwd=ROOT, capture_output=True)
     print(json.dumps(report, indent=2))
+
+
+def installed_layout(checkout: Path, dest: Path) -> Path:
+    """The checkout as it installs (planner/, profiler/, launcher/ inside hpipe/), so that its folder
+    on PYTHONPATH is the whole of `hpipe`, not mixed with this checkout's editable install."""
+    import shutil
+    shutil.copytree(checkout / "hpipe", dest / "hpipe")
+    for sub in ("planner", "profiler", "launcher"):
+        shutil.copytree(checkout / sub, dest / "hpipe" / sub)
+    return dest
 
 
 def decode_part(sides: dict, tmp: Path, args) -> dict:
@@ -150,7 +145,7 @@ def serve_part(sides: dict, tmp: Path, args) -> dict:
     runs: dict = {s: [] for s in sides}
     for k in range(args.rounds):
         for side, root in sides.items():
-            proc, base = start_server(root, plan, args, work)
+            proc, base = serve_bench.start_server(plan, "throttle", args, work, None, root=root)
             try:
                 asyncio.run(serve_bench.run_rate(base, requests[:2], float("inf"), args.seed))     # warm-up
                 run = asyncio.run(serve_bench.run_rate(base, requests, args.rate, args.seed))

@@ -170,7 +170,9 @@ def summarize(run: dict, microbatches: list) -> dict:
 
 
 # ------------------------------------------------------------------------------- the server
-def start_server(plan: Path, policy: str, args, work: Path, cluster: Path | None) -> tuple[subprocess.Popen, str]:
+def start_server(plan: Path, policy: str, args, work: Path, cluster: Path | None,
+                 root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """`hpipe serve` running `root`'s code (this checkout by default), once it answers /health."""
     from hpipe.net import free_port
 
     port = free_port()
@@ -181,8 +183,8 @@ def start_server(plan: Path, policy: str, args, work: Path, cluster: Path | None
            "--max-queue", str(10 * args.num_prompts)]
     if args.kv_pages:
         cmd += ["--kv-pages", str(args.kv_pages)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(root)),
+                            start_new_session=True, cwd=work)
     base = f"http://127.0.0.1:{port}"
     import urllib.request
     deadline = time.time() + 300
