@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from hpipe.errors import HpipeError
 
-__all__ = ["POLICIES", "RuntimeConfig", "SETTINGS", "Setting"]
+__all__ = ["DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "cli_option", "from_cli"]
 
 POLICIES = ("throttle", "sarathi")
 SWITCH = ("auto", "on", "off")
@@ -129,9 +129,6 @@ class RuntimeConfig:
                              f"run different hpipe versions")
         return cls(**data)
 
-    def replace(self, **changes) -> RuntimeConfig:
-        return dataclasses.replace(self, **changes)
-
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(RuntimeConfig)}
 DEFAULTS = RuntimeConfig()
@@ -143,7 +140,8 @@ def cli_option(name: str):
     import typer
     s = SETTINGS[name]
     default = getattr(DEFAULTS, name)
-    return typer.Option(not default if s.negated else default, s.flag, help=s.help)
+    return typer.Option(not default if s.negated else default, s.flag,
+                        help=f"{s.help} [{s.unit}]" if s.unit else s.help)
 
 
 def from_cli(values: dict) -> RuntimeConfig:

@@ -170,7 +170,7 @@ REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Err
 
 def send(record) -> None:
     """One report on stdout (whole lines, from any thread)."""
-    emit(record.KIND, **{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
+    emit(record.KIND, **as_dict(record))
 
 
 def read_report(line: str):

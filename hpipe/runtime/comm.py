@@ -33,9 +33,9 @@ from hpipe.errors import HpipeError
 from hpipe.net import choose_gloo_interface
 from hpipe.runtime import schedule as codec
 from hpipe.runtime.pages import PageTable
-from hpipe.runtime.schedule import HEADER_LEN, Schedule
+from hpipe.runtime.schedule import HEADER_LEN, OP_STOP, Schedule
 
-OP_STOP, OP_TOKENS = 2, 3          # the back link's header (without SAT)
+OP_TOKENS = 3                      # the back link's header (without SAT): OP_TOKENS or the schedules' OP_STOP
 TAG_FORWARD, TAG_BACK, TAG_SCHEDULE = 0, 1, 2
 
 

@@ -255,7 +255,7 @@ class WithHeaders:
 
     def end_hop(self) -> None:
         pending = comm.Pending()
-        comm.isend_work(self.ex.groups, self.ex.rank + 1, Schedule(-1, [], stop=True), None, self.ex.link, pending)
+        comm.isend_work(self.ex.groups, self.ex.rank + 1, Schedule.end(), None, self.ex.link, pending)
         pending.wait()
 
     def send_ids(self, mb_id: int, ids: list[int]) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hpipe.request import Request
 from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind
@@ -48,18 +49,24 @@ class Schedule:
     tokens: list[int] | None = None   # stage 0 only, not sent: the input ids (None while a decode token is out)
     t: float = 0.0                    # stage 0 only: when it was committed
 
-    @property
+    # its segments never change once decided: what follows from them is computed once
+    @cached_property
     def kind(self) -> str:
         return microbatch_kind(self.segments)
 
-    @property
+    @cached_property
     def n_tokens(self) -> int:
         return sum(s.length for s in self.segments)
 
-    @property
+    @cached_property
     def sampled(self) -> list[int]:
         """The request indices of its rows that are sampled, in order."""
         return [s.seq for s in self.segments if s.sample]
+
+    @classmethod
+    def end(cls) -> Schedule:
+        """The stop: nothing follows it."""
+        return cls(-1, [], stop=True)
 
 
 def body_capacity(max_segments: int, max_tokens: int, page_size: int) -> int:

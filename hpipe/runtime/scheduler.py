@@ -240,7 +240,7 @@ class Scheduler:
 
     def stop(self) -> Schedule:
         """The last schedule (once `done`). The releases still owed are not sent: every stage stops."""
-        return Schedule(-1, [], stop=True)
+        return Schedule.end()
 
     def next_microbatch(self) -> Schedule | None:
         if len(self.inflight) >= self.max_inflight:
