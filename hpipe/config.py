@@ -141,7 +141,7 @@ def cli_option(name: str):
     s = SETTINGS[name]
     default = getattr(DEFAULTS, name)
     return typer.Option(not default if s.negated else default, s.flag,
-                        help=f"{s.help} [{s.unit}]" if s.unit else s.help)
+                        help=f"{s.help}; in {s.unit}" if s.unit else s.help)
 
 
 def from_cli(values: dict) -> RuntimeConfig:
