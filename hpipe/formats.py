@@ -261,6 +261,7 @@ class StagePlan:
     host: str
     device: str
     units: tuple[int, int]  # [start, end) in partition units
+    weights: str = "none"   # the weight format this stage runs (hpipe.quant.WeightFormat)
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,7 @@ class Plan:
     predicted: dict[str, Any] | None = None
     created_by: str = ""
     version: int = PLAN_VERSION
+    weights: str = "none"   # asked for: none, gguf, int8 or int4:G (each stage says what it runs)
 
     def to_json(self) -> dict:
         return {
@@ -331,7 +333,9 @@ class Plan:
             "created_by": self.created_by,
             "model": asdict(self.model),
             "dtype": self.dtype,
-            "stages": [{"host": s.host, "device": s.device, "units": list(s.units)} for s in self.stages],
+            "weights": self.weights,
+            "stages": [{"host": s.host, "device": s.device, "units": list(s.units), "weights": s.weights}
+                       for s in self.stages],
             "slicing": {
                 "count": self.slicing.count,
                 "lengths": list(self.slicing.lengths),
@@ -377,7 +381,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
 def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     _expect(path, "top level", data, dict, "a JSON object")
     _no_unknown_keys(path, "top level", data,
-                     {"version", "created_by", "model", "dtype", "stages", "slicing", "predicted"})
+                     {"version", "created_by", "model", "dtype", "weights", "stages", "slicing", "predicted"})
     if "version" not in data:
         raise _fail(path, "version", f"missing; this hpipe writes plan version {PLAN_VERSION}")
     _check_version(path, data, PLAN_VERSION, "plans")
@@ -396,13 +400,14 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     for i, s in enumerate(stages_raw):
         where = f"stages[{i}]"
         _expect(path, where, s, dict, "an object")
-        _no_unknown_keys(path, where, s, {"host", "device", "units"})
+        _no_unknown_keys(path, where, s, {"host", "device", "units", "weights"})
         host = _expect(path, f"{where}.host", s.get("host"), str, "a host name")
         device = check_device(path, f"{where}.device", s.get("device"))
         units = _expect(path, f"{where}.units", s.get("units"), list, "[start, end]")
         if len(units) != 2 or not all(isinstance(u, int) and not isinstance(u, bool) for u in units):
             raise _fail(path, f"{where}.units", f"expected [start, end] integers, got {units!r}")
-        stages.append(StagePlan(host=host, device=device, units=(units[0], units[1])))
+        weights = _expect(path, f"{where}.weights", s.get("weights", "none"), str, "a weight format")
+        stages.append(StagePlan(host=host, device=device, units=(units[0], units[1]), weights=weights))
     sl = _expect(path, "slicing", data["slicing"], dict, "an object")
     _no_unknown_keys(path, "slicing", sl, {"count", "lengths", "granularity", "by_seq_len"})
     count = _expect(path, "slicing.count", sl.get("count", 1), int, "a positive integer")
@@ -420,8 +425,9 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     predicted = data.get("predicted")
     if predicted is not None:
         _expect(path, "predicted", predicted, dict, "an object or null")
+    weights = _expect(path, "weights", data.get("weights", "none"), str, "a weight format")
     plan = Plan(model=model, stages=tuple(stages), slicing=slicing, dtype=dtype, predicted=predicted,
-                created_by=str(data.get("created_by", "")), version=data["version"])
+                created_by=str(data.get("created_by", "")), version=data["version"], weights=weights)
     validate_plan(plan, path)
     return plan
 
@@ -457,6 +463,19 @@ def validate_plan(plan: Plan, path: str = "<plan>") -> None:
             raise _fail(path, f"slicing.by_seq_len[{n}]", f"slice lengths must be positive and sum to {n}")
     if plan.dtype not in DTYPES:
         raise _fail(path, "dtype", f"{plan.dtype!r} is not one of {', '.join(DTYPES)}")
+    check_weights(path, "weights", plan.weights)
+    for i, s in enumerate(plan.stages):
+        check_weights(path, f"stages[{i}].weights", s.weights)
+
+
+def check_weights(path: str, where: str, text: str):
+    """A weight format named in a file: one of hpipe.quant's."""
+    from hpipe import quant
+
+    try:
+        return quant.WeightFormat.parse(text, where="weights")
+    except HpipeError as e:
+        raise _fail(path, where, str(e)) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -614,7 +633,8 @@ def _check_table(path, where, table, context_dependent: bool):
 def validate_profile(data: Any, path: str = "<profile>") -> dict:
     """Checks a profile (as loaded from JSON); returns it. Fields are documented in docs/formats.md."""
     _expect(path, "top level", data, dict, "a JSON object")
-    _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "max_seq_len",
+    _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "weights",
+                                              "max_seq_len",
                                               "quick", "bytes", "devices", "links", "errors"})
     if data.get("version") != PROFILE_VERSION:
         raise _fail(path, "version", f"this hpipe reads profile version {PROFILE_VERSION}, "
@@ -630,6 +650,7 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
     units = m["units"]
     if data["dtype"] not in DTYPES:
         raise _fail(path, "dtype", f"{data['dtype']!r} is not one of {', '.join(DTYPES)}")
+    check_weights(path, "weights", data.get("weights", "none"))
     b = _expect(path, "bytes", data["bytes"], dict, "an object")
     for key, n in (("weights_per_unit", units), ("kv_per_token_per_unit", units),
                    ("activation_per_token_at_cut", units + 1)):

@@ -49,7 +49,18 @@ def cache_dir() -> Path:
 @dataclass(frozen=True)
 class ModelSource:
     name: str  # as the user gave it
-    path: Path  # a Hugging Face directory (config.json + safetensors); GGUF is converted first
+    path: Path  # config.json and tokenizer (a Hugging Face directory, or a GGUF file's, made once)
+    gguf: Path | None = None  # the GGUF file itself: its tensors are read in their own blocks
+
+    @property
+    def location(self) -> Path:
+        """What another process on this host is told to load (it resolves it again)."""
+        return self.gguf or self.path
+
+    def dense_path(self, progress=None) -> Path:
+        """A directory with float safetensors: the checkpoint itself, or a GGUF file converted once
+        (only stages on a device without quantized kernels, or asked for --quantize none, need it)."""
+        return convert_gguf(self.gguf, progress) if self.gguf is not None else self.path
 
 
 def smollm2_gguf_path() -> Path:
@@ -65,10 +76,11 @@ def smollm2_gguf_path() -> Path:
 
 
 def resolve_model(spec: str, progress=None) -> ModelSource:
-    """MODEL as the user gives it (`smollm2`, a Hugging Face directory or a .gguf file) -> a
-    directory with config.json and safetensors weights (GGUF is converted once and cached)."""
+    """MODEL as the user gives it (`smollm2`, a Hugging Face directory or a .gguf file) -> where its
+    config, tokenizer and weights are (a GGUF file's config and tokenizer are written out once)."""
     if spec == DEFAULT_MODEL:
-        return ModelSource(spec, convert_gguf(smollm2_gguf_path(), progress=progress))
+        gguf = smollm2_gguf_path()
+        return ModelSource(spec, gguf_metadata(gguf, progress=progress), gguf)
     if spec in ARCHITECTURES:
         raise HpipeError(f"{spec!r} names an architecture for planning only (no weights); to run, give a Hugging "
                          f"Face directory or a .gguf file")
@@ -76,7 +88,10 @@ def resolve_model(spec: str, progress=None) -> ModelSource:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise HpipeError(f"{spec}: GGUF file not found")
-        return ModelSource(spec, convert_gguf(path, progress=progress))
+        return ModelSource(spec, gguf_metadata(path, progress=progress), path.resolve())
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if path.is_dir() and len(ggufs) == 1 and not list(path.glob("*.safetensors")):   # e.g. pushed by --push-model
+        return ModelSource(spec, gguf_metadata(ggufs[0], progress=progress), ggufs[0].resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise HpipeError(f"{spec}: not a Hugging Face model directory (no config.json)")
@@ -94,60 +109,94 @@ def _file_key(path: Path) -> str:
     return h[:16]
 
 
-def convert_gguf(gguf: Path, progress=None) -> Path:
-    """Dequantizes a GGUF file once into a cached safetensors directory; later calls return it
-    at once. Safe against concurrent callers (a lock file) and crashes (atomic rename)."""
+METADATA_MARKER = "hpipe-metadata.json"
+
+
+def _gguf_dir(gguf: Path) -> Path:
     gguf = Path(gguf).resolve()
-    target = cache_dir() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
-    if (target / CONVERTED_MARKER).exists():
+    return cache_dir() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+
+
+def _once(target: Path, marker: str, make, note: str, progress=None) -> Path:
+    """Runs `make(tmp_dir)` once for `target/marker`: files it writes land in `target` (renamed in,
+    so a crash leaves nothing half-written; a lock file serializes concurrent callers)."""
+    if (target / marker).exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / CONVERTED_MARKER).exists():
+        if (target / marker).exists():
             return target
         if progress:
-            progress(f"converting {gguf.name} to safetensors once (cached in {target})")
+            progress(f"{note} once (cached in {target})")
         t0 = time.time()
         tmp = target.parent / f"{target.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            _convert_gguf_into(gguf, tmp)
-            (tmp / CONVERTED_MARKER).write_text(json.dumps(
-                {"source": str(gguf), "seconds": round(time.time() - t0, 1)}))
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(tmp, target)
+            make(tmp)
+            for f in tmp.iterdir():
+                os.replace(f, target / f.name)
+            (target / marker).write_text(json.dumps({"seconds": round(time.time() - t0, 1)}))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
+def gguf_metadata(gguf: Path, progress=None) -> Path:
+    """A GGUF file's config.json, tokenizer and generation config, written once (no weights)."""
+    gguf = Path(gguf).resolve()
+    target = _gguf_dir(gguf)
+    if (target / CONVERTED_MARKER).exists():      # a full conversion has them too
+        return target
+    return _once(target, METADATA_MARKER, lambda out: _gguf_metadata_into(gguf, out),
+                 f"reading {gguf.name}'s config and tokenizer", progress)
+
+
+def _gguf_metadata_into(gguf: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own progress bar
+    try:
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many kinds for a bad or unsupported file
+        raise HpipeError(f"{gguf}: transformers could not read this GGUF file: {e}") from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(str(out))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def convert_gguf(gguf: Path, progress=None) -> Path:
+    """Dequantizes a GGUF file once into float32 safetensors beside its config (for stages that run
+    dense weights); later calls return at once."""
+    gguf = Path(gguf).resolve()
+    gguf_metadata(gguf, progress)
+    return _once(_gguf_dir(gguf), CONVERTED_MARKER, lambda out: _convert_gguf_into(gguf, out),
+                 f"converting {gguf.name} to float32 safetensors", progress)
+
+
 def _convert_gguf_into(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own progress bar
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many kinds for a bad or unsupported file
         raise HpipeError(f"{gguf}: transformers could not read this GGUF file: {e}") from None
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
+    if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(str(out))
-    model.generation_config.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,34 +309,47 @@ def sliding_window_of_block(config, b: int) -> int | None:
     return None
 
 
-def unit_bytes(config, dtype: str = "float32") -> dict:
-    """From the model itself: weight bytes per unit, KV-cache bytes per token per unit, and
-    activation bytes per token crossing each possible cut (index c = the cut before unit c;
-    0 = token ids in, U = token ids back)."""
+def unit_bytes(config, dtype: str = "float32", weights: str = "none") -> dict:
+    """From the model itself: weight bytes per unit (resident, in `weights`' packed form: a GGUF
+    file's block matrices counted as 4-bit groups of 32, its embedding as int8 rows), KV-cache
+    bytes per token per unit, and activation bytes per token crossing each possible cut (index c =
+    the cut before unit c; 0 = token ids in, U = token ids back)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hpipe import quant
+
+    fmt = quant.WeightFormat.parse(weights, where="weights")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
     elem = torch.tensor([], dtype=torch_dtype(dtype)).element_size()
     n = num_units(config)
-    weights = []
+
+    def param_bytes(module, p) -> int:
+        if fmt.quantized and p.dim() == 2 and isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            rows = isinstance(module, torch.nn.Embedding) or p is getattr(model.get_input_embeddings(), "weight")
+            return quant.packed_bytes(*p.shape, fmt, int8_rows=rows)
+        return p.numel() * elem
+
+    weights_per_unit = []
     for u in range(n):
         seen = set()
         total = 0
         for path in unit_modules(config, u):
-            for p in model.get_submodule(path).parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    total += p.numel() * elem
-        weights.append(total)
+            for module in model.get_submodule(path).modules():
+                for p in module.parameters(recurse=False):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        total += param_bytes(module, p)
+        weights_per_unit.append(total)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     kv = [2 * kv_heads * head_dim * elem if unit_kind(config, u) == "attn" else 0 for u in range(n)]
     hidden = int(config.hidden_size) * elem
     activation = [8] + [hidden] * (n - 1) + [8]
-    return {"weights_per_unit": weights, "kv_per_token_per_unit": kv, "activation_per_token_at_cut": activation}
+    return {"weights_per_unit": weights_per_unit, "kv_per_token_per_unit": kv,
+            "activation_per_token_at_cut": activation}
 
 
 def check_plan_matches(plan, config, model_name: str) -> None:
@@ -333,11 +395,18 @@ def _checkpoint_key(name: str, index: dict[str, Path], config) -> str | None:
     return next((c for c in candidates if c in index), None)
 
 
-def files_for_units(path: Path, config, units: range) -> list[Path]:
-    """The files of model directory `path` that a stage holding `units` reads: config, tokenizer and
-    generation files, plus only the safetensors shards that hold one of its tensors."""
+def files_for_units(model: "ModelSource | Path", config, units: range) -> list[Path]:
+    """The files that a stage holding `units` reads: config, tokenizer and generation files, plus
+    only the safetensors shards that hold one of its tensors, or the GGUF file itself (never its
+    float conversion)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    source = as_source(model)
+    path = source.path
+    if source.gguf is not None:
+        return [f for f in sorted(path.iterdir()) if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja")
+                and not f.name.startswith("hpipe-")] + [source.gguf]
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -374,22 +443,47 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def build_model_units(path: Path, config, units: range, device: str = "cpu", dtype: str = "float32",
-                      attn_implementation: str = "sdpa"):
+def as_source(model: "ModelSource | Path") -> ModelSource:
+    return model if isinstance(model, ModelSource) else ModelSource(str(model), Path(model))
+
+
+def build_model_units(model_source: "ModelSource | Path", config, units: range, device: str = "cpu",
+                      dtype: str = "float32", attn_implementation: str = "sdpa", weights=None):
     """Builds the transformers CausalLM on the meta device and materializes only the modules of
-    `units`, reading just their tensors from the safetensors files. Returns the model object; the
-    modules of other units stay on the meta device and hold no memory."""
+    `units`: dense from safetensors, or (`weights` quantized) with its linear layers and embedding
+    replaced by weight-only quantized modules (`hpipe.quant`). Returns the model object; the modules
+    of other units stay on the meta device and hold no memory."""
     import torch
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from hpipe import quant
+
+    source = as_source(model_source)
+    weights = weights or quant.NONE
     hf_logging.set_verbosity_error()
     tdtype = torch_dtype(dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=tdtype, attn_implementation=attn_implementation)
     model.eval()
     model.requires_grad_(False)
+    if weights.quantized:
+        _load_quantized(model, source, config, units, device, tdtype, weights)
+    else:
+        _load_dense(model, source.dense_path(), config, units, device, tdtype)
+    for u in units:
+        for mod_path in unit_modules(config, u):
+            for bname, buf in model.get_submodule(mod_path).named_buffers():
+                if buf.is_meta:
+                    raise HpipeError(f"unit {unit_name(config, u)}: buffer {bname!r} has no stored value; "
+                                     f"this model family needs support in hpipe.models")
+    return model
+
+
+def _load_dense(model, path: Path, config, units: range, device: str, tdtype) -> None:
+    import torch
+    from safetensors import safe_open
+
     index = _weight_index(path)
     wanted: dict[str, list[tuple[torch.nn.Module, str, str]]] = {}  # file -> [(module, attr, key)]
     for u in units:
@@ -411,12 +505,115 @@ def build_model_units(path: Path, config, units: range, device: str = "cpu", dty
                     t = sf.get_tensor(key).to(dtype=tdtype)
                     loaded[key] = torch.nn.Parameter(t.to(device), requires_grad=False)
                 owner._parameters[attr] = loaded[key]
-    for u in units:
+
+
+class _SafetensorsTensors:
+    """A float checkpoint's tensors by transformers' parameter names, as float32 arrays."""
+
+    def __init__(self, path: Path, config):
+        self.index, self.config = _weight_index(path), config
+
+    def name(self, hf_name: str) -> str | None:
+        key = _checkpoint_key(hf_name, self.index, self.config)
+        return None if key is None or (key != hf_name and hf_name == "lm_head.weight") else key
+
+    def read(self, hf_name: str):
+        from safetensors import safe_open
+
+        key = _checkpoint_key(hf_name, self.index, self.config)
+        with safe_open(str(self.index[key]), framework="pt", device="cpu") as sf:
+            return sf.get_tensor(key).float().numpy()
+
+
+def _packed_dir(source: ModelSource, weights, device_type: str) -> Path:
+    files = [source.gguf] if source.gguf is not None else sorted(source.path.glob("*.safetensors"))
+    key = hashlib.sha256("|".join(_file_key(f) for f in files).encode()).hexdigest()[:16]
+    stem = source.gguf.stem if source.gguf is not None else source.path.name
+    return cache_dir() / "packed" / f"{stem}-{key}" / f"{str(weights).replace(':', '-')}-{device_type}"
+
+
+def _load_quantized(model, source: ModelSource, config, units: range, device: str, tdtype, weights) -> None:
+    """Each unit's packed tensors come from the disk cache (built once from the GGUF blocks or the
+    float checkpoint, then mapped); every nn.Linear and nn.Embedding of the unit is replaced."""
+    import numpy as np
+    import torch
+
+    from hpipe import quant
+
+    if config.model_type not in LLAMA_LIKE:
+        raise HpipeError(f"quantized weights run {', '.join(LLAMA_LIKE)} models; {config.model_type} runs "
+                         f"dense: use --quantize none")
+    if weights.kind == "gguf" and source.gguf is None:
+        raise HpipeError(f"{source.name}: --quantize gguf keeps a .gguf file's own blocks, and this model is a "
+                         f"float checkpoint; use --quantize int8 or int4[:group]")
+    device_type = torch.device(device).type
+    directory = _packed_dir(source, weights, device_type)
+    readers = {}
+
+    def reader():
+        if "r" not in readers:
+            readers["r"] = quant.GGUFTensors(source.gguf, model) if source.gguf is not None \
+                else _SafetensorsTensors(source.path, config)
+        return readers["r"]
+
+    def tied(hf_name: str) -> bool:
+        return hf_name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False)) and \
+            reader().name(hf_name) is None
+
+    def pack_unit(u: int) -> dict:
+        out = {}
         for mod_path in unit_modules(config, u):
-            for bname, buf in model.get_submodule(mod_path).named_buffers():
-                if buf.is_meta:
-                    raise HpipeError(f"unit {unit_name(config, u)}: buffer {bname!r} has no stored value; "
-                                     f"this model family needs support in hpipe.models")
+            for name, sub in model.get_submodule(mod_path).named_modules():
+                full = f"{mod_path}.{name}" if name else mod_path
+                for pname, _ in sub.named_parameters(recurse=False):
+                    key = f"{full}.{pname}"
+                    if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)) and pname == "weight":
+                        if tied(key):
+                            continue                     # the embedding's own tensors (unit 0's file)
+                        if reader().name(key) is None:
+                            raise HpipeError(f"{source.name}: no tensor for {key!r} (unit {unit_name(config, u)})")
+                        packed = quant.pack(reader().read(key), weights, device_type,
+                                            as_embedding=isinstance(sub, torch.nn.Embedding))
+                        out.update({f"{full}.{k}": v for k, v in packed.items()})
+                    else:
+                        out[key] = torch.from_numpy(np.asarray(_as_float(reader().read(key)))).reshape(-1).clone()
+        return out
+
+    for u in units:
+        tensors = quant.cached_unit(directory, u, lambda: pack_unit(u))
+        for mod_path in unit_modules(config, u):
+            for name, sub in list(model.get_submodule(mod_path).named_modules()):
+                full = f"{mod_path}.{name}" if name else mod_path
+                parent_path, _, child = full.rpartition(".")
+                if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+                    mine = tensors if not tied(f"{full}.weight") else \
+                        {k.replace(unit_modules(config, 0)[0], full): v
+                         for k, v in quant.cached_unit(directory, 0, lambda: pack_unit(0)).items()}
+                    parts = {k[len(full) + 1:]: v for k, v in mine.items() if k.startswith(full + ".")}
+                    bias = parts.pop("bias", None)
+                    bias = None if bias is None else bias.to(device, tdtype)
+                    new = quant.embedding_module(parts, device, tdtype) if isinstance(sub, torch.nn.Embedding) \
+                        else quant.linear_module(parts, device, bias)
+                    setattr(model.get_submodule(parent_path), child, new)
+                else:
+                    for pname, p in list(sub.named_parameters(recurse=False)):
+                        t = tensors[f"{full}.{pname}"].reshape(p.shape).to(device, tdtype)
+                        sub._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+
+
+def _as_float(x):
+    from hpipe import quant
+
+    return x.dequantize() if isinstance(x, quant.Affine) else x
+
+
+def build_full_model(model_source: "ModelSource | Path", config, dtype: str = "float32", weights=None,
+                     device: str = "cpu"):
+    """The whole CausalLM in one process, every unit's weights as a stage would hold them (packed
+    when `weights` is quantized): what `generate` and a full-sequence forward run as a reference."""
+    model = build_model_units(model_source, config, range(num_units(config)), device, dtype, weights=weights)
+    if config.model_type not in GPT2_LIKE:
+        model.model.rotary_emb = rotary_embedding(model, config, device)
     return model
 
 

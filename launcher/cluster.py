@@ -70,7 +70,7 @@ def plan_hosts(plan: formats.Plan, inventory: formats.Inventory) -> list[str]:
 def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, microbatch_tokens: int) -> dict:
     """Bytes each device of the host needs for its stages: the planner's memory model
     (hpipe.memory), for kv_tokens tokens of KV cache and micro-batches of up to microbatch_tokens."""
-    table = models.unit_bytes(config, plan.dtype)
+    table = models.unit_bytes(config, plan.dtype, plan.weights)
     need: dict[str, int] = {}
     for st in plan.stages:
         if st.host == host_name:
@@ -163,7 +163,7 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
                   transient=False) as progress:
         for name, conn in conns.items():
             units = [u for st in job.plan.stages if st.host == name for u in range(*st.units)]
-            files = models.files_for_units(job.source.path, job.config, range(min(units), max(units) + 1))
+            files = models.files_for_units(job.source, job.config, range(min(units), max(units) + 1))
             home = checks[name].info.get("home") or "/root"
             rdir = f"{home}/.cache/hpipe/pushed/{job.source.path.name}-{fp.split(':')[-1][:16]}"
             remote_dirs[name] = rdir
@@ -184,8 +184,8 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
                 bad = [t for (f, t) in todo if after.get(t) != local_sums[f]]
                 if bad:
                     raise HpipeError(f"host {name}: checksum mismatch after copying {bad[0]}; retry --push-model")
-            n_shards = sum(1 for f in files if f.suffix == ".safetensors")
-            all_shards = len(list(job.source.path.glob("*.safetensors")))
+            n_shards = sum(1 for f in files if f.suffix in (".safetensors", ".gguf"))
+            all_shards = len(list(job.source.path.glob("*.safetensors"))) or 1
             log(f"hpipe: {name}: {len(todo)} of {len(files)} model files copied ({n_shards} of {all_shards} weight "
                 f"shards needed; {total / 2**20:.1f} MiB) to {rdir}")
     return remote_dirs

@@ -94,7 +94,7 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
     try:
         for rank, stage in enumerate(job.plan.stages):
             cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
-                                 str(job.source.path), requests_path, settings, threads[rank],
+                                 str(job.source.location), requests_path, settings, threads[rank],
                                  logits if rank == world - 1 else None)
             workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0))
     except BaseException:

@@ -64,8 +64,10 @@ def _dims(config):
     return hidden, heads, head_dim, kv_heads, inter, mlp_mats, int(config.vocab_size)
 
 
-def unit_cost(config, kind: str, s, c, elem: int):
-    """(flops, bytes moved) of one unit of `kind` for s tokens after c tokens of context (numpy-friendly)."""
+def unit_cost(config, kind: str, s, c, elem: int, welem: float | None = None):
+    """(flops, bytes moved) of one unit of `kind` for s tokens after c tokens of context (numpy-friendly);
+    `welem`: bytes per weight when they differ from the activations' (quantized)."""
+    welem = elem if welem is None else welem
     hidden, heads, head_dim, kv_heads, inter, mlp_mats, vocab = _dims(config)
     act = 4 * s * hidden * elem
     if kind == "embed":
@@ -73,17 +75,23 @@ def unit_cost(config, kind: str, s, c, elem: int):
     if kind == "attn":
         qkv = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
         flops = 2 * s * qkv + 4 * s * heads * head_dim * (c + (s + 1) / 2)
-        return flops, qkv * elem + (c + s) * 2 * kv_heads * head_dim * elem + act
+        return flops, qkv * welem + (c + s) * 2 * kv_heads * head_dim * elem + act
     if kind == "mlp":
-        return 2 * s * mlp_mats * hidden * inter, mlp_mats * hidden * inter * elem + act
+        return 2 * s * mlp_mats * hidden * inter, mlp_mats * hidden * inter * welem + act
     if kind == "head":  # the final norm on all rows, the LM head on the sampled row
-        return 2 * hidden * vocab + 0.0 * s, hidden * vocab * elem + s * hidden * elem
+        return 2 * hidden * vocab + 0.0 * s, hidden * vocab * welem + s * hidden * elem
     raise ValueError(kind)
 
 
-def unit_time(config, kind: str, s, c, device: DeviceSpec, dtype: str):
-    """Roofline estimate in seconds (s, c may be numpy arrays)."""
-    flops, nbytes = unit_cost(config, kind, s, c, 4 if dtype == "float32" else 2)
+def unit_time(config, kind: str, s, c, device: DeviceSpec, dtype: str, weights: str = "none"):
+    """Roofline estimate in seconds (s, c may be numpy arrays); quantized weights move fewer bytes
+    (their packed size, `hpipe.quant.packed_bytes`) and compute at the activations' rate."""
+    from hpipe import quant
+
+    elem = 4 if dtype == "float32" else 2
+    fmt = quant.WeightFormat.parse(weights, where="weights")
+    welem = quant.packed_bytes(4096, 4096, fmt) / 4096 ** 2 if fmt.quantized else None
+    flops, nbytes = unit_cost(config, kind, s, c, elem, welem)
     peak = (device.fp32_tflops if dtype == "float32" else device.fp16_tflops) * 1e12 * COMPUTE_EFFICIENCY
     bandwidth = device.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY
     return np.maximum(flops / peak, nbytes / bandwidth) + device.overhead_us * 1e-6

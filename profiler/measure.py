@@ -95,7 +95,8 @@ def free_memory(device: str, torch) -> dict:
     return {"free_bytes": info.get("MemAvailable", info.get("MemFree", 0)), "total_bytes": info.get("MemTotal", 0)}
 
 
-def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype: str, repeats: int | None) -> dict:
+def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype: str, repeats: int | None,
+            weights: str = "none") -> dict:
     import torch
 
     from hpipe import models
@@ -109,8 +110,11 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     if max_seq_len and max_seq_len > ctx:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's context of {ctx} tokens")
     n_units = models.num_units(config)
-    body = StageRunner(source.path, config, range(3), device, dtype)   # embed, block 0 attn + mlp
-    head = StageRunner(source.path, config, range(n_units - 1, n_units), device, dtype)
+    from hpipe import quant
+
+    fmt = quant.stage_weights(quant.WeightFormat.parse(weights), device)   # the units the stage will run
+    body = StageRunner(source, config, range(3), device, dtype, weights=fmt)   # embed, block 0 attn + mlp
+    head = StageRunner(source, config, range(n_units - 1, n_units), device, dtype, weights=fmt)
     dev = body.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     repeats = repeats or (3 if quick else 5)
@@ -190,7 +194,8 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     fit_error["all"] = float(np.median(pooled)) if pooled.size else None  # every held-out point of every kind
     return {"device": device, "source": "measured", "identity": device_identity(device, torch),
             "memory": free_memory(device, torch), "compute": tables, "decode": decode, "fit_error": fit_error,
-            "max_seq_len": n, "quick": quick, "repeats": repeats, "dtype": dtype}
+            "max_seq_len": n, "quick": quick, "repeats": repeats, "dtype": dtype,
+            "weights": str(fmt)}
 
 
 def main(argv=None) -> int:
@@ -201,6 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--max-seq-len", type=int)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--weights", default="none")
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
@@ -215,7 +221,8 @@ def main(argv=None) -> int:
             index = int(args.device.split(":")[1]) if ":" in args.device else 0
             if index >= torch.cuda.device_count():
                 raise RuntimeError(f"{args.device} does not exist here ({torch.cuda.device_count()} CUDA devices)")
-        result = measure(args.model, args.device, args.quick, args.max_seq_len, args.dtype, args.repeats)
+        result = measure(args.model, args.device, args.quick, args.max_seq_len, args.dtype, args.repeats,
+                         args.weights)
         emit("device_profile", **result)
         return 0
     except Exception as e:

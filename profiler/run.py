@@ -49,7 +49,7 @@ def _reports(proc):
     proc.wait()
 
 
-def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick: bool) -> dict:
+def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick: bool, weights: str = "none") -> dict:
     name = model_spec if model_spec in (models.DEFAULT_MODEL, *models.ARCHITECTURES) else \
         str(Path(model_spec).expanduser().resolve())
     return {
@@ -58,8 +58,8 @@ def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick:
         "created_by": f"hpipe {__version__}",
         "model": {"name": name, "family": config.model_type, "units": models.num_units(config),
                   "blocks": models.num_blocks(config), "fingerprint": models.fingerprint(config)},
-        "dtype": dtype, "max_seq_len": max_seq_len, "quick": quick,
-        "bytes": models.unit_bytes(config, dtype), "devices": [], "links": [], "errors": [],
+        "dtype": dtype, "weights": weights, "max_seq_len": max_seq_len, "quick": quick,
+        "bytes": models.unit_bytes(config, dtype, weights), "devices": [], "links": [], "errors": [],
     }
 
 
@@ -114,7 +114,8 @@ def _add_link(profile: dict, a: dict, b: dict, link: dict, measured_between: str
 
 
 def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, max_seq_len: int | None,
-                  dtype: str, console: Console | None = None, host: str = "local", threads: int = 0) -> dict:
+                  dtype: str, console: Console | None = None, host: str = "local", threads: int = 0,
+                  weights: str = "none") -> dict:
     console = console or Console(stderr=True)
     source = models.resolve_model(model_spec, progress=lambda m: console.print(m))
     config = models.load_config(source.path)
@@ -124,7 +125,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     n = min(max_seq_len or 2048, ctx)
     for d in devices:
         formats.check_device("--devices", d, d)
-    profile = profile_header(model_spec, config, dtype, n, quick)
+    profile = profile_header(model_spec, config, dtype, n, quick, weights)
     names = _device_names(devices)
     measured: dict[str, dict] = {}  # identity name -> device profile
     threads = threads or max(1, os.cpu_count() or 1)
@@ -137,8 +138,9 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
                 profile["devices"].append(entry)
                 continue
             task = progress.add_task(f"{dev_id} units", total=None, note="starting")
-            cmd = [sys.executable, "-m", "hpipe.profiler.measure", "--model", str(source.path), "--device", d,
-                   "--dtype", dtype, "--max-seq-len", str(n), "--threads", str(threads)] + (["--quick"] if quick else [])
+            cmd = [sys.executable, "-m", "hpipe.profiler.measure", "--model", str(source.gguf or source.path),
+                   "--device", d, "--dtype", dtype, "--weights", weights, "--max-seq-len", str(n),
+                   "--threads", str(threads)] + (["--quick"] if quick else [])
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                                     stdin=subprocess.DEVNULL)
             result, error = _follow_measurement(_reports(proc), progress, task)
@@ -242,7 +244,7 @@ def _remote_free_port(conn) -> int:
 
 def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, quick: bool, max_seq_len: int | None,
                     dtype: str, accept_new_keys: bool = False, console: Console | None = None,
-                    host_timeout_s: float = 30.0) -> dict:
+                    host_timeout_s: float = 30.0, weights: str = "none") -> dict:
     """Measures every device of every host (one host at a time, so that measurements do not share
     a network or a machine), then the link between every pair of hosts, over SSH. Devices of one
     host are measured as in `profile_local`; a link between two hosts is measured once, between
@@ -257,7 +259,7 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
     if max_seq_len is not None and not 1 <= max_seq_len <= ctx:
         raise HpipeError(f"--max-seq-len {max_seq_len}: must be between 1 and the model's context ({ctx})")
     n = min(max_seq_len or 2048, ctx)
-    profile = profile_header(model_spec, config, dtype, n, quick)
+    profile = profile_header(model_spec, config, dtype, n, quick, weights)
     names = [h.name for h in inventory.hosts]
     conns = ssh.connect_all(inventory, names, accept_new_keys, log=lambda m: console.print(m))
     try:
@@ -276,7 +278,8 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
                 for d in host.devices:
                     task = progress.add_task(f"{host.name}/{d} units", total=None, note="starting")
                     argv = [host.python, "-m", "hpipe.profiler.measure", "--model", model_spec, "--device", d,
-                            "--dtype", dtype, "--max-seq-len", str(n), "--threads", str(threads)] + \
+                            "--dtype", dtype, "--weights", weights, "--max-seq-len", str(n),
+                            "--threads", str(threads)] + \
                         (["--quick"] if quick else [])
                     tail: list[str] = []
                     env = {**host.env, "PYTHONUNBUFFERED": "1"}
@@ -367,25 +370,25 @@ def _measure_remote_link(profile, progress, conns, host_a, host_b, a: dict, b: d
 # Estimated profiles
 
 
-def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: int) -> dict:
+def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: int, weights: str = "none") -> dict:
     from hpipe.profiler.measure import grid
 
     s_grid, c_grid = grid(max_seq_len, quick=False)
     tables = {}
     for kind in formats.UNIT_KINDS:
         cs = c_grid if kind == "attn" else [0]
-        t = [[float(catalog.unit_time(config, kind, s, c, spec, dtype)) if s + c <= max_seq_len else None
+        t = [[float(catalog.unit_time(config, kind, s, c, spec, dtype, weights)) if s + c <= max_seq_len else None
               for c in cs] for s in s_grid]
         tables[kind] = {"s": s_grid, "c": cs, "t": t}
     return tables
 
 
 def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dtype: str,
-                     max_seq_len: int | None) -> dict:
+                     max_seq_len: int | None, weights: str = "none") -> dict:
     config = models.config_for(model_spec)
     ctx = models.context_length(config)
     n = min(max_seq_len or 2048, ctx)
-    profile = profile_header(model_spec, config, dtype, n, quick=False)
+    profile = profile_header(model_spec, config, dtype, n, quick=False, weights=weights)
     by_type: dict[str, dict] = {}
     for host in inventory.hosts:
         if not host.device_types:
@@ -394,7 +397,7 @@ def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dt
         for device, dtype_name in zip(host.devices, host.device_types):
             spec = catalog.spec(dtype_name)
             if dtype_name not in by_type:
-                tables = estimated_tables(config, spec, dtype, n)
+                tables = estimated_tables(config, spec, dtype, n, weights)
                 by_type[dtype_name] = {"compute": tables, "fit_error": {k: heldout_error(v["s"], v["c"], v["t"])
                                                                         for k, v in tables.items()}}
             profile["devices"].append({

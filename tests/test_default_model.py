@@ -1,5 +1,7 @@
-"""The real default model (SmolLM2-135M-Instruct from its GGUF file) through the multi-process
-pipeline: a 512-token prompt, 2 and 3 stages, one cut between the halves of a block."""
+"""The real default model (SmolLM2-135M-Instruct from its GGUF file, run in the file's own 4/8-bit
+blocks) through the multi-process pipeline: a 512-token prompt, 2 and 3 stages, one cut between
+the halves of a block, against one process running the same quantized modules over the whole
+sequence (transformers' forward and `generate`)."""
 
 from __future__ import annotations
 
@@ -15,18 +17,19 @@ from hpipe.cli import main
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
+QUANTIZED_TOLERANCE = 0.5   # logits; see the test
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from transformers import AutoModelForCausalLM
+    from hpipe import quant
 
     source = models.resolve_model("smollm2")
     tokenizer = models.load_tokenizer(source.path)
     text = (models.Path(models.__file__).parent / "data" / "demo_document.md").read_text()
     prompt = tokenizer(text)["input_ids"][:512]
     assert len(prompt) == 512
-    reference = AutoModelForCausalLM.from_pretrained(str(source.path)).eval()
+    reference = models.build_full_model(source, models.load_config(source.path), weights=quant.WeightFormat("gguf"))
     return source, prompt, reference
 
 
@@ -53,5 +56,11 @@ def test_smollm2_pipeline_matches_transformers(smollm2, tmp_path, stages, cuts):
     got = torch.from_numpy(np.load(logits)["doc"])
     ref = reference_logits(reference, prompt, result["output_ids"])
     assert got.shape == ref.shape
-    assert float((got - ref).abs().max()) < 1e-4
-    assert_greedy_equal(reference, prompt, result["output_ids"], reference_greedy(reference, prompt, NEW_TOKENS, 2))
+    # the kernels take bf16 activations and give bf16 results: logits come in steps of 2^-8 of their
+    # size (0.125 at 16-32), and a float32 difference in the order of summation (KV pages, slices)
+    # can round an input one bf16 step the other way. A wrong cut, page or position is off by whole
+    # units on many rows: the mean difference is what tells them apart.
+    diff = (got - ref).abs()
+    assert float(diff.max()) < QUANTIZED_TOLERANCE and float(diff.mean()) < QUANTIZED_TOLERANCE / 10
+    assert_greedy_equal(reference, prompt, result["output_ids"], reference_greedy(reference, prompt, NEW_TOKENS, 2),
+                        tie=QUANTIZED_TOLERANCE)

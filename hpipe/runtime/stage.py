@@ -36,14 +36,15 @@ class StageInputs:
 
 
 class StageRunner:
-    def __init__(self, model_dir: Path, config, units: range, device: str = "cpu", dtype: str = "float32",
-                 attn_implementation: str = DEFAULTS.attn, page_size: int = DEFAULTS.page_size):
+    def __init__(self, model: models.ModelSource | Path, config, units: range, device: str = "cpu",
+                 dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
+                 page_size: int = DEFAULTS.page_size, weights=None):
         self.config = config
         self.units = units
         self.device = torch.device(device)
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
-        self.model = models.build_model_units(model_dir, config, units, device, dtype, attn_implementation)
+        self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights)
         self.rotary = models.rotary_embedding(self.model, config, device)
         self.n_units = models.num_units(config)
         self.gpt2 = config.model_type in models.GPT2_LIKE

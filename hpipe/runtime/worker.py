@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpipe import formats, memory, models, protocol
+from hpipe import formats, memory, models, protocol, quant
 from hpipe.config import RuntimeConfig
 from hpipe.errors import HpipeError
 from hpipe.lifeline import tie_to_parent
@@ -282,8 +282,10 @@ class StageWorker:
         source = models.resolve_model(args.model or plan.model.name)
         self.model_config = models.load_config(source.path)
         models.check_plan_matches(plan, self.model_config, source.name)
-        runner = self.runner = StageRunner(source.path, self.model_config, range(*self.stage_plan.units),
-                                           self.stage_plan.device, plan.dtype, config.attn, config.page_size)
+        self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
+        runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
+                                           self.stage_plan.device, plan.dtype, config.attn, config.page_size,
+                                           weights=self.weights)
         self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
         self.policy = Policy.resolve(config, [s.device for s in plan.stages])
         self.modes, static = self._modes()
@@ -398,7 +400,8 @@ class StageWorker:
                 sampling.close()
         return protocol.Summary(**run, requests=len(requests.requests), prompt_tokens=sum(
             len(r.input_ids) for r in requests.requests),
-            options={**dataclasses.asdict(self.modes), "static_decode": self.ex.static is not None},
+            options={**dataclasses.asdict(self.modes), "static_decode": self.ex.static is not None,
+                     "weights": str(self.weights)},
             policy=dataclasses.asdict(self.policy), kv_pages=self.pages - 1, page_size=config.page_size,
             config=dataclasses.asdict(config))
 

@@ -1,0 +1,451 @@
+"""Weights kept quantized: GGUF files in their own 4/8-bit form, Hugging Face models quantized at
+load, run by PyTorch's weight-only kernels.
+
+Three steps, each a small function:
+
+1. **Read** (`read_gguf_tensor`): a GGUF tensor's blocks -> `Affine` codes and per-group scales and
+   offsets, `w = scale * code + offset`, exactly the values the `gguf` package's own dequantization
+   gives (same float32 arithmetic), without passing through a float weight matrix. Or, for a float
+   checkpoint, `quantize_int4` / `quantize_int8` make the same form from the floats.
+2. **Pack** (`pack`): codes -> the kernel's layout. A 4-bit code with a group the kernel takes
+   (Q4_0, Q4_1, Q4_K, int4:G) goes to the int4 kernel, `w = (u - 8) * s + z` with s, z in bf16;
+   every other code (Q8_0, Q6_K, 5-bit types, int8) is re-quantized to int8 per output channel, the
+   nearest layout a kernel serves (`torch._weight_int8pack_mm` has one scale per row).
+3. **Run** (`Int4Linear`, `Int8Linear`, `Int8Embedding`): modules that take the place of
+   transformers' `nn.Linear` / `nn.Embedding` inside its own attention and MLP modules, as torchao
+   swaps them; activations go to the kernel in bf16 (the CPU kernels take no other dtype).
+
+Why the torch ops and not torchao: the codes and scales must be the file's own (torchao's
+weight-only configs re-derive them from floats), and the two CPU ops are all we need; torchao is
+the field's home for the CUDA variants, whose torch ops we call the same way.
+
+Bounds (tests/test_quant.py checks them):
+- packing int4: s and z rounded to bf16 (relative error <= 2^-8 each), so per weight
+  |w_packed - w| <= 2^-8 * (8 |s| + |z|) + rounding of z's own value, <= 2^-8 * (8|s| + |z|) * (1 + 2^-8);
+- re-quantizing to int8 per channel: |w_packed - w| <= s_row / 2 with s_row = max|w_row| / 127 (plus
+  the bf16 rounding of s_row, 2^-8 relative, times 127);
+- a quantized linear against a float64 matmul of the packed weights: activations rounded to bf16
+  (2^-8 relative each) and the output rounded to bf16: |y - y64| <= 2^-8 (|x| . |w|) (2 + K 2^-8 ...),
+  taken in the tests as 2^-7 * (|x| @ |w|.T) + 2^-8 |y64|.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpipe.errors import HpipeError
+
+__all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack",
+           "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes",
+           "GGUF_TYPES"]
+
+INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
+INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
+
+
+# --------------------------------------------------------------------------------------------
+# What the user asks for
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """`none` (the plan's dtype, dense), `gguf` (a GGUF file's own blocks), `int8` (per channel) or
+    `int4:G` (groups of G along the input dimension, asymmetric)."""
+    kind: str = "none"
+    group: int = 0
+
+    @classmethod
+    def parse(cls, text: str, where: str = "--quantize") -> "WeightFormat":
+        kind, _, group = text.strip().lower().partition(":")
+        if kind in ("none", "gguf", "int8") and not group:
+            return cls(kind)
+        if kind == "int4":
+            g = int(group) if group.isdigit() else (32 if not group else -1)
+            if g in INT4_GROUPS:
+                return cls("int4", g)
+            raise HpipeError(f"{where} {text!r}: int4 groups are {', '.join(map(str, INT4_GROUPS))} "
+                             f"(e.g. int4:32)")
+        raise HpipeError(f"{where} {text!r}: use none, gguf (a .gguf file's own blocks), int8 or int4[:group]")
+
+    def __str__(self) -> str:
+        return f"int4:{self.group}" if self.kind == "int4" else self.kind
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "none"
+
+
+NONE = WeightFormat()
+
+
+def default_format(model_is_gguf: bool) -> WeightFormat:
+    """A GGUF file runs in its own blocks; a float checkpoint as it is unless asked."""
+    return WeightFormat("gguf") if model_is_gguf else NONE
+
+
+def kernels_on(device: str) -> tuple[bool, str]:
+    """Whether `device` runs the weight-only kernels, and a line that says which (or why not)."""
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return False, "no CUDA here"
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        if major >= 8:
+            return True, f"int4/int8 weight-only (tinygemm), bf16 activations, sm{major}{minor}"
+        return False, f"sm{major}{minor} has no int4 kernel (needs sm80+): dense float16"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):
+        return True, f"int4/int8 weight-only, bf16 activations ({cap}{_bf16_note()})"
+    return False, f"CPU capability {cap}: no vectorized int4/int8 kernel, dense float32"
+
+
+def _bf16_note() -> str:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
+    except (OSError, IndexError):
+        return ""
+    return ", AVX512-BF16" if "avx512_bf16" in flags else ", bf16 emulated"
+
+
+def stage_weights(fmt: WeightFormat, device: str) -> WeightFormat:
+    """The format a stage on `device` runs: the asked one where the device has kernels, else dense."""
+    return fmt if fmt.quantized and kernels_on(device)[0] else NONE
+
+
+# --------------------------------------------------------------------------------------------
+# Step 1: read. Codes and per-group scale/offset, w = scale * code + offset.
+
+
+@dataclass
+class Affine:
+    codes: np.ndarray        # int8 or uint8 [N, K]
+    scale: np.ndarray        # float32 [N, K // group]
+    offset: np.ndarray | None  # float32 [N, K // group], or None (symmetric)
+    group: int
+    bits: int                # 4, 5, 6 or 8: which kernel fits
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K], the same arithmetic as the gguf package (scale * code, then + offset)."""
+        n, k = self.codes.shape
+        c = self.codes.astype(np.float32).reshape(n, k // self.group, self.group)
+        w = self.scale[:, :, None] * c
+        if self.offset is not None:
+            w = w + self.offset[:, :, None]
+        return w.reshape(n, k)
+
+    def rows(self, index: np.ndarray) -> "Affine":
+        """Reordered output rows (GGUF stores Llama's q/k rows permuted for its RoPE layout)."""
+        return Affine(self.codes[index], self.scale[index], None if self.offset is None else self.offset[index],
+                      self.group, self.bits)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 codes: element j < 16 is byte j's low nibble, element j + 16 its high one."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4_0(blocks):             # d f16, 16 bytes of nibbles: w = d (q - 8)
+    d = _f16(blocks[:, :, 0:2])
+    q = _nibbles_32(blocks[:, :, 2:18]).astype(np.int8) - 8
+    return q, d, None, 32, 4
+
+
+def _q4_1(blocks):             # d f16, m f16, 16 bytes of nibbles: w = d q + m
+    d, m = _f16(blocks[:, :, 0:2]), _f16(blocks[:, :, 2:4])
+    return _nibbles_32(blocks[:, :, 4:20]), d, m, 32, 4
+
+
+def _q8_0(blocks):             # d f16, 32 int8: w = d q
+    return blocks[:, :, 2:34].copy().view(np.int8), _f16(blocks[:, :, 0:2]), None, 32, 8
+
+
+def _k_scales(packed: np.ndarray):
+    """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit minimums (llama.cpp get_scale_min_k4)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k(blocks):             # super-block of 256 = 8 groups of 32: w = (d sc) q - (dmin m)
+    d, dmin = _f16(blocks[:, :, 0:2]), _f16(blocks[:, :, 2:4])
+    sc, mn = _k_scales(blocks[:, :, 4:16])
+    qs = blocks[:, :, 16:144].reshape(*blocks.shape[:2], 4, 32)    # 4 chunks of 32 bytes: 64 codes each
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(*blocks.shape[:2], 256)
+    scale = (d[..., None] * sc).reshape(blocks.shape[0], -1)
+    offset = -(dmin[..., None] * mn).reshape(blocks.shape[0], -1)
+    return q, scale, offset, 32, 4
+
+
+def _q6_k(blocks):             # super-block of 256 = 16 groups of 16: w = (d sc) (q - 32), 6-bit q
+    ql, qh = blocks[:, :, 0:128], blocks[:, :, 128:192]
+    sc = blocks[:, :, 192:208].copy().view(np.int8).astype(np.float32)
+    d = _f16(blocks[:, :, 208:210])
+    n, nb = blocks.shape[:2]
+    low = np.stack([ql.reshape(n, nb, 2, 64) & 0x0F, ql.reshape(n, nb, 2, 64) >> 4], axis=3)     # [.,.,2,2,64]
+    high = np.stack([(qh.reshape(n, nb, 2, 32) >> s) & 0x03 for s in (0, 2, 4, 6)], axis=3)       # [.,.,2,4,32]
+    q = (low.reshape(n, nb, 2, 4, 32) | (high << 4)).astype(np.int8) - 32
+    return q.reshape(n, nb, 256), (d[..., None] * sc).reshape(n, -1), None, 16, 6
+
+
+# ggml type id -> (name, block elements, block bytes, decoder); floats are dense
+_BLOCKS = {2: ("Q4_0", 32, 18, _q4_0), 3: ("Q4_1", 32, 20, _q4_1), 8: ("Q8_0", 32, 34, _q8_0),
+           12: ("Q4_K", 256, 144, _q4_k), 14: ("Q6_K", 256, 210, _q6_k)}
+_FLOATS = {0: "F32", 1: "F16", 30: "BF16"}
+GGUF_TYPES = tuple(v[0] for v in _BLOCKS.values()) + tuple(_FLOATS.values())
+
+
+def read_gguf_tensor(tensor) -> Affine | np.ndarray:
+    """A `gguf.GGUFReader` tensor -> `Affine` (block types), or float32 [N, K] (float types and block
+    types without a reader here, through the gguf package's own dequantization, re-quantized later)."""
+    ttype = int(tensor.tensor_type)
+    data = np.asarray(tensor.data)
+    if ttype in _FLOATS:
+        if ttype == 30:
+            bits = np.ascontiguousarray(data).view(np.uint16)          # stored as bytes or as uint16
+            return (bits.astype(np.uint32) << 16).view(np.float32).reshape(data.shape[0], -1)
+        return data.astype(np.float32)
+    if ttype not in _BLOCKS:
+        from gguf.quants import dequantize
+
+        return dequantize(data, tensor.tensor_type).astype(np.float32)
+    _, per_block, nbytes, decode = _BLOCKS[ttype]
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, nbytes)
+    codes, scale, offset, group, bits = decode(blocks)
+    return Affine(codes.reshape(n, -1), scale.reshape(n, -1).astype(np.float32),
+                  None if offset is None else offset.reshape(n, -1).astype(np.float32), group, bits)
+
+
+def quantize_int4(w: np.ndarray, group: int) -> Affine:
+    """Asymmetric min/max per group of `group` inputs (as gpt-fast and torchao's int4 weight-only):
+    code in [0, 15], w ~ scale * code + min."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group).astype(np.float32)
+    lo, hi = g.min(-1), g.max(-1)
+    scale = np.maximum(hi - lo, 1e-12) / 15
+    codes = np.clip(np.rint((g - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    return Affine(codes.reshape(n, k), scale.astype(np.float32), lo.astype(np.float32), group, 4)
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per output channel: (int8 [N, K], float32 scales [N])."""
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / 127, 1.0).astype(np.float32)
+    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale
+
+
+# --------------------------------------------------------------------------------------------
+# Step 2: pack into a kernel's layout (plain tensors: cached on disk, mapped back read-only)
+
+
+def int4_fits(shape: tuple[int, int], group: int) -> bool:
+    n, k = shape
+    return group in INT4_GROUPS and k % group == 0 and n % INT4_N_MULTIPLE == 0
+
+
+def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu",
+         as_embedding: bool = False) -> dict[str, "torch.Tensor"]:
+    """One weight -> the plain tensors its module holds (what the disk cache stores):
+    int4: {'int4': packed, 'scales_zeros': bf16 [K / group, N, 2]}, packed in the CPU kernel's own
+    layout (mapped straight back next time), or for CUDA two codes per byte (the GPU packs them);
+    int8: {'int8': int8 [N, K], 'scales': bf16 [N]}."""
+    import torch
+
+    if isinstance(weight, np.ndarray) and fmt.kind == "int4" and not as_embedding and \
+            int4_fits(weight.shape, fmt.group):
+        weight = quantize_int4(weight, fmt.group)
+    if isinstance(weight, Affine) and weight.bits == 4 and not as_embedding and \
+            int4_fits(weight.codes.shape, weight.group):
+        signed = weight.codes.dtype == np.int8                      # Q4_0: codes in [-8, 7]
+        u = torch.from_numpy(weight.codes.astype(np.int32) + (8 if signed else 0))
+        s = weight.scale
+        z = (weight.offset if weight.offset is not None else np.zeros_like(s)) + (0 if signed else 8 * s)
+        sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
+        packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+        return {"int4": packed, "scales_zeros": sz}
+    dense = weight.dequantize() if isinstance(weight, Affine) else weight
+    q, scale = quantize_int8(dense)
+    return {"int8": torch.from_numpy(q), "scales": torch.from_numpy(scale).to(torch.bfloat16)}
+
+
+def packed_bytes(n: int, k: int, fmt: WeightFormat, int8_rows: bool = False) -> int:
+    """Resident bytes of one [N, K] weight once packed (the memory model's unit bytes). A GGUF
+    file's block matrices are counted as 4-bit groups of 32 (its 6- and 8-bit ones pack as int8);
+    `int8_rows`: an embedding table (and a head tied to it), always int8 per row."""
+    group = fmt.group if fmt.kind == "int4" else 32
+    if fmt.kind in ("int4", "gguf") and not int8_rows and int4_fits((n, k), group):
+        return n * k // 2 + 4 * n * (k // group)
+    return n * k + 2 * n
+
+
+# --------------------------------------------------------------------------------------------
+# Step 3: run
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _module_classes():
+    torch = _torch()
+    nn = torch.nn
+
+    class Int4Linear(nn.Module):
+        """y = x W^T (+ b), W in int4 groups: torch's weight-only int4 kernel, bf16 activations."""
+
+        def __init__(self, packed, scales_zeros, bias=None):
+            super().__init__()
+            self.cuda = packed.is_cuda
+            self.in_features = packed.shape[1] * 2
+            self.out_features = scales_zeros.shape[1]
+            self.group = self.in_features // scales_zeros.shape[0]
+            if self.cuda:   # tinygemm's tiles: the widest inner-k tiling the input dimension allows
+                tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
+                packed = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+            self.bias = bias
+
+        def forward(self, x):
+            shape = x.shape
+            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            mm = torch.ops.aten._weight_int4pack_mm if self.cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
+            y = mm(x2, self.packed, self.group, self.scales_zeros).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*shape[:-1], self.out_features)
+
+    class Int8Linear(nn.Module):
+        """y = x W^T (+ b), W int8 with one scale per output row: torch's weight-only int8 kernel."""
+
+        def __init__(self, weight, scales, bias=None):
+            super().__init__()
+            self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+            self.register_buffer("weight", weight, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+            self.bias = bias
+
+        def forward(self, x):
+            shape = x.shape
+            x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*shape[:-1], self.out_features)
+
+    class Int8Embedding(nn.Module):
+        """Rows of an int8 table times their scale; shares its tensors with a tied Int8Linear head."""
+
+        def __init__(self, weight, scales, dtype):
+            super().__init__()
+            self.register_buffer("weight", weight, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+            self.dtype = dtype
+
+        def forward(self, ids):
+            return (self.weight[ids].to(self.dtype) * self.scales[ids, None].to(self.dtype))
+
+    return Int4Linear, Int8Linear, Int8Embedding
+
+
+_CLASSES = None
+
+
+def classes():
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _module_classes()
+    return _CLASSES
+
+
+def __getattr__(name):       # Int4Linear, Int8Linear, Int8Embedding on first use
+    if name in ("Int4Linear", "Int8Linear", "Int8Embedding"):
+        return dict(zip(("Int4Linear", "Int8Linear", "Int8Embedding"), classes()))[name]
+    raise AttributeError(name)
+
+
+def linear_module(tensors: dict, device, bias=None):
+    Int4Linear, Int8Linear, _ = classes()
+    if "int4" in tensors:
+        return Int4Linear(tensors["int4"].to(device), tensors["scales_zeros"].to(device), bias)
+    return Int8Linear(tensors["int8"].to(device), tensors["scales"].to(device), bias)
+
+
+def embedding_module(tensors: dict, device, dtype):
+    _, _, Int8Embedding = classes()
+    return Int8Embedding(tensors["int8"].to(device), tensors["scales"].to(device), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Where the weights come from: a GGUF file's tensors by transformers' parameter names
+
+
+class GGUFTensors:
+    """A GGUF file's tensors under transformers' parameter names (the mapping is transformers' own,
+    `get_gguf_hf_weights_map`, and so is the reordering of Llama's q/k rows)."""
+
+    def __init__(self, path: Path, model):
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map)
+
+        self.reader = gguf.GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = str(bytes(self.reader.fields["general.architecture"].parts[-1]), "utf-8")
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+        self.to_gguf = {hf: g for g, hf in get_gguf_hf_weights_map(model, self.processor).items()}
+
+    def name(self, hf_name: str) -> str | None:
+        g = self.to_gguf.get(hf_name)
+        return g if g in self.tensors else None
+
+    def read(self, hf_name: str):
+        g = self.name(hf_name)
+        tensor = self.tensors[g]
+        out = read_gguf_tensor(tensor)
+        rows = out.codes.shape[0] if isinstance(out, Affine) else out.shape[0]
+        if out.ndim if isinstance(out, np.ndarray) else True:
+            order = self.processor.process(weights=np.arange(rows)[:, None], name=g).weights[:, 0]
+            if not np.array_equal(order, np.arange(rows)):
+                out = out.rows(order) if isinstance(out, Affine) else out[order]
+        return out
+
+    def type_name(self, hf_name: str) -> str:
+        return self.tensors[self.name(hf_name)].tensor_type.name
+
+
+# --------------------------------------------------------------------------------------------
+# Cached packed units: built once per (model, format), mapped read-only after
+
+
+def cached_unit(directory: Path, unit: int, build) -> dict:
+    """The packed tensors of one unit from `directory/unit-<u>.pt`, built once by `build()` (a dict
+    name -> tensor) under a lock. Later loads map the file read-only (`torch.load(mmap=True)`: a
+    private mapping, so the page cache serves every process on the host); torch's format aligns
+    each tensor to 64 bytes, as the kernels' vector loads want (safetensors' 8 are not enough)."""
+    import torch
+
+    path = directory / f"unit-{unit:04d}.pt"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                tmp = path.with_suffix(f".tmp-{os.getpid()}")
+                torch.save({k: v.contiguous() for k, v in build().items()}, tmp)
+                os.replace(tmp, path)
+    return torch.load(path, mmap=True, weights_only=True)

@@ -1,0 +1,219 @@
+"""Weights kept quantized (hpipe.quant): what is read from a GGUF file is the gguf package's own
+dequantization, bit for bit; packing and the kernels stay within bounds that follow from bf16;
+a quantized pipeline gives the logits and tokens of one process running the same modules, and
+every runtime switch, preemption and the batch path agree with the same weights."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from conftest import VOCAB, assert_greedy_equal, reference_greedy, reference_logits
+from hpipe import models, quant
+from hpipe.cli import main
+from hpipe.formats import Slicing
+from hpipe.request import Request
+from hpipe.runtime.inprocess import run_inprocess
+from hpipe.runtime.stage import StageRunner
+
+U = 2.0 ** -8          # bf16's unit roundoff (8 significant bits, round to nearest)
+ROWS, COLS = 32, 512   # a weight [N, K]: two K-quant super-blocks per row, N a multiple of 16
+TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
+
+
+def random_blocks(qtype, rng: np.random.Generator) -> np.ndarray:
+    """Raw bytes of [ROWS, COLS] weights of a K-quant type (gguf cannot quantize to these): random
+    codes and scales, with sane f16 super-block scales (d, dmin) so that no value is inf or nan."""
+    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (ROWS, COLS // elems, nbytes), dtype=np.uint8)
+    f16 = lambda n: rng.uniform(1e-3, 2e-2, (ROWS, COLS // elems, n)).astype(np.float16).view(np.uint8)
+    if qtype == T.Q4_K:
+        raw[..., 0:4] = f16(2)                     # d, dmin
+    else:                                          # Q6_K: d is the last field
+        raw[..., 208:210] = f16(1)
+    return raw.reshape(ROWS, -1)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """One small GGUF file written with the gguf package's own writer: a tensor of every type."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("gguf") / "types.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    for qtype in TYPES:
+        values = rng.normal(0, 0.05, (ROWS, COLS)).astype(np.float32)
+        values[:, :32] += 0.3                      # groups with a shifted range (Q4_1's minimum)
+        if qtype in (T.Q4_K, T.Q6_K):
+            w.add_tensor(qtype.name, random_blocks(qtype, rng), raw_dtype=qtype)
+        elif qtype == T.F32:
+            w.add_tensor(qtype.name, values)
+        else:
+            w.add_tensor(qtype.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_codes_and_scales_are_the_gguf_packages_own_values(gguf_file, qtype):
+    tensor = gguf_file[qtype.name]
+    theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    ours = quant.read_gguf_tensor(tensor)
+    if qtype in (T.F32, T.F16, T.BF16):
+        assert isinstance(ours, np.ndarray)
+    else:
+        assert isinstance(ours, quant.Affine) and ours.codes.shape == (ROWS, COLS)
+        assert ours.bits == {T.Q8_0: 8, T.Q6_K: 6}.get(qtype, 4)
+        ours = ours.dequantize()
+    assert theirs.shape == ours.shape == (ROWS, COLS)
+    assert np.array_equal(ours, theirs), f"{qtype.name}: largest difference {np.abs(ours - theirs).max()}"
+
+
+def int4_codes(a: quant.Affine) -> np.ndarray:
+    """The kernel's unsigned codes u, w = (u - 8) s + z."""
+    return a.codes.astype(np.int64) + (8 if a.codes.dtype == np.int8 else 0)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
+def test_int4_packing_is_within_bf16_rounding_of_its_scales(gguf_file, qtype):
+    """|w_packed - w| <= 2^-8 (|u - 8| |s| + |z|) + 2^-23 |z|: s and z = offset + 8 s rounded to bf16
+    (z's own float32 sum adds the last term)."""
+    a = quant.read_gguf_tensor(gguf_file[qtype.name])
+    packed = quant.pack(a, quant.WeightFormat("gguf"))
+    assert set(packed) == {"int4", "scales_zeros"}
+    sz = packed["scales_zeros"].double().numpy()                     # [K / 32, N, 2]
+    s, z = np.repeat(sz[..., 0].T, 32, axis=1), np.repeat(sz[..., 1].T, 32, axis=1)
+    u = int4_codes(a)
+    w = a.dequantize().astype(np.float64)
+    w_packed = (u - 8) * s + z
+    bound = U * (np.abs(u - 8) * np.abs(s) + np.abs(z)) * (1 + U) + 2.0 ** -23 * np.abs(z)
+    assert (np.abs(w_packed - w) <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_int8_repacking_is_within_half_a_row_step(gguf_file, qtype):
+    """Types without a kernel of their own go to int8 per output row: |w_packed - w| <= s_row / 2,
+    s_row = max |w_row| / 127, plus s_row's bf16 rounding times the code (<= 127 2^-8 s_row)."""
+    w = quant.read_gguf_tensor(gguf_file[qtype.name])
+    w = w.dequantize() if isinstance(w, quant.Affine) else w
+    packed = quant.pack(w if isinstance(w, np.ndarray) else w, quant.WeightFormat("gguf"))
+    assert set(packed) == {"int8", "scales"}
+    s = packed["scales"].double().numpy()[:, None]
+    w_packed = packed["int8"].numpy().astype(np.float64) * s
+    step = np.abs(w).max(axis=1, keepdims=True) / 127
+    assert (np.abs(w_packed - w) <= step / 2 + 127 * U * step * (1 + U)).all()
+
+
+def kernel_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """The kernels round x to bf16 (2^-8 |x|), sum in float32 (K 2^-24 of |x| |w|) and round y to
+    bf16 (2^-8 |y|)."""
+    a = np.abs(x.double().numpy()) @ np.abs(w).T
+    k = w.shape[1]
+    return (U * (1 + U) + k * 2.0 ** -23) * a + U * np.abs(ref)
+
+
+@pytest.mark.parametrize("fmt", ["gguf", "int8"])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt):
+    torch.manual_seed(0)
+    a = quant.read_gguf_tensor(gguf_file[qtype.name])
+    packed = quant.pack(a if fmt == "gguf" else a.dequantize(), quant.WeightFormat(fmt))
+    module = quant.linear_module(packed, "cpu")
+    if "int4" in packed:
+        sz = packed["scales_zeros"].double().numpy()
+        w = (int4_codes(a) - 8) * np.repeat(sz[..., 0].T, 32, axis=1) + np.repeat(sz[..., 1].T, 32, axis=1)
+    else:
+        w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
+    for rows in (1, 7):
+        x = torch.randn(rows, COLS)
+        y = module(x).double().numpy()
+        ref = x.double().numpy() @ w.T
+        assert y.shape == (rows, ROWS)
+        assert (np.abs(y - ref) <= kernel_bound(x, w, ref)).all(), np.abs(y - ref).max()
+
+
+def test_int4_group_and_shape_rules():
+    assert str(quant.WeightFormat.parse("int4")) == "int4:32"
+    assert str(quant.WeightFormat.parse("INT4:128")) == "int4:128"
+    for bad in ("int4:16", "int3", "q4_1", "int8:32"):
+        with pytest.raises(Exception, match="--quantize"):
+            quant.WeightFormat.parse(bad)
+    w = np.random.default_rng(1).normal(size=(24, 64)).astype(np.float32)   # 24 rows: no int4 packing
+    assert set(quant.pack(w, quant.WeightFormat("int4", 32))) == {"int8", "scales"}
+
+
+# ------------------------------------------------------------------------------- whole models
+
+QUANT_TOL = 0.5     # logits: bf16 results come in steps of 2^-8 of their size (see test_default_model)
+
+
+@pytest.mark.parametrize("fmt", ["int4:32", "int8"])
+def test_quantized_pipelines_match_one_process_of_the_same_modules(fmt, tiny_models):
+    """1-4 stages with cuts anywhere (mid-block included), random slicing and batches, against one
+    process running the same quantized modules over the whole sequence."""
+    path = tiny_models["llama"]
+    config = models.load_config(path)
+    weights = quant.WeightFormat.parse(fmt)
+    reference = models.build_full_model(path, config, weights=weights)
+    assert isinstance(reference.model.layers[0].mlp.up_proj, quant.classes()[0 if fmt.startswith("int4") else 1])
+    rng = random.Random(fmt)
+    n_units = models.num_units(config)
+    for trial in range(4):
+        n_stages = 1 + trial
+        bounds = [0, *sorted(rng.sample(range(1, n_units), n_stages - 1)), n_units]
+        runners = [StageRunner(path, config, range(a, b), weights=weights) for a, b in zip(bounds, bounds[1:])]
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 50))] for _ in range(3)]
+        requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=10, eos_ids=frozenset([2]))
+                    for i, p in enumerate(prompts)]
+        slicing = Slicing(lengths=tuple(rng.randint(3, 20) for _ in range(2)))
+        results = run_inprocess(runners, requests, slicing.slices_for, max_batch=2, keep_logits=True)
+        for r in requests:
+            out = results[r.id]["output_ids"]
+            ref = reference_logits(reference, list(r.input_ids), out)
+            diff = (results[r.id]["logits"] - ref).abs()
+            assert float(diff.max()) < QUANT_TOL and float(diff.mean()) < QUANT_TOL / 10, (bounds, float(diff.max()))
+            assert_greedy_equal(reference, list(r.input_ids), out,
+                                reference_greedy(reference, list(r.input_ids), 10, 2), tie=QUANT_TOL)
+
+
+@pytest.mark.slow
+def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_weights(tiny_models, tmp_path):
+    """`hpipe plan --quantize int4` on a float checkpoint; the baseline (all switches off, inline
+    sampling), all switches on with the sampler pool, and a KV pool small enough to preempt, on 3
+    processes: the same tokens, greedy and seeded."""
+    path = tiny_models["llama"]
+    rng = random.Random("quant-switches")
+    lines = []
+    for i in range(5):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))]
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.9, "seed": 7 + i}
+        lines.append({"id": f"p{i}", "input_ids": prompt, "sampling": sampling})
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(path), "--stages", "3", "--quantize", "int4", "--cuts", "3,6",
+                 "--slices", "12,8", "-o", str(plan)]) == 0
+    assert json.loads(plan.read_text())["weights"] == "int4:32"
+    small = -(-(40 + 12) // 4) + 2
+    variants = {"baseline": ["--no-tsem", "--no-sat", "--sampling", "inline"],
+                "all on": ["--sampling", "cpu", "--sampler-procs", "2"],
+                "preempted": ["--kv-pages", str(small), "--page-size", "4"]}
+    runs = {}
+    for name, args in variants.items():
+        out = tmp_path / f"{name.replace(' ', '-')}.jsonl"
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts), "--out", str(out),
+                     "--max-new-tokens", "12", "--max-batch", "4", "--quiet", *args]) == 0
+        runs[name] = {r["id"]: r["output_ids"] for r in map(json.loads, out.read_text().splitlines())}
+        summary = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]
+        assert summary["options"]["weights"] == "int4:32"
+        if name == "preempted":
+            assert summary["preemptions"] > 0
+    assert runs["all on"] == runs["baseline"] and runs["preempted"] == runs["baseline"]
