@@ -181,8 +181,7 @@ def plan(
             raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline, --overlap-sends and --objective "
                              "plan from measured times: add --profile FILE")
         p = planner.make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
-                              granularity, _dtype(dtype))
-        p = _with_weights(p, weights)
+                              granularity, _dtype(dtype), str(weights))
         formats.write_plan(p, out)
         _print_plan(p, out)
         return
@@ -210,7 +209,6 @@ def plan(
         rows = planner.compare(result, granularity)
         _print_comparison(rows, result)
         p = dataclasses.replace(p, predicted={**p.predicted, "compare": rows})
-    p = _with_weights(p, weights)
     if timeline:
         pr = p.predicted
         planner.write_timeline(result.timeline, [f"{st.host}/{st.device} [{st.units[0]}-{st.units[1] - 1}]"
@@ -252,19 +250,6 @@ def _dtype(dtype: str | None) -> str:
     return dtype or "float32"
 
 
-def _with_weights(p, weights):
-    """The plan records the weight format asked for and the one each stage runs: a device without
-    the kernels (checked where it can be from here: this machine's) runs dense."""
-    from hpipe import quant
-
-    def on(stage) -> str:
-        local = stage.host in ("local", "localhost")
-        return str(quant.stage_weights(weights, stage.device)) if local else str(weights)
-
-    return dataclasses.replace(p, weights=str(weights),
-                               stages=tuple(dataclasses.replace(s, weights=on(s)) for s in p.stages))
-
-
 def _plan_devices(stages: int | None, cluster: str | None, profile_path: str | None, device: str):
     """(host, device) per stage, in pipeline order: N local stages, a cluster file's devices, or the
     profile's devices."""
@@ -293,8 +278,15 @@ def _plan_model(model: str):
 
 
 def _print_plan(p, out: str, result=None) -> None:
+    from hpipe import quant
+
     desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
     typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")
+    if p.weights != "none":
+        typer.echo(f"weights {p.weights}, activations {p.dtype}: " + "; ".join(
+            f"stage {r} {s.weights}" + (f" ({quant.kernels_on(s.device)[1]})" if s.host in ("local", "localhost")
+                                         else " (the stage checks its device's kernels when it starts)")
+            for r, s in enumerate(p.stages)))
     if result is None:
         return
 

@@ -1,7 +1,8 @@
 """`hpipe demo`: what hpipe is for, on this machine, in about a minute: a measured profile -> the
 planner's optimal plan (cuts, and a long prompt sliced longer first, shorter later) -> a pipeline
-of local stages on the embedded default model answering a question about a ~1,700-token document
--> the plan's predicted prefill against the measured one, beside the uniform plan's prediction.
+of local stages on the embedded default model (in its GGUF file's own 4/8-bit blocks) answering a
+question about a ~1,700-token document -> the plan's predicted prefill against the measured one,
+beside the uniform plan's prediction.
 
 The profile is the one shipped in the checkout's profiles/ when it was measured on a CPU like this
 one, else one measured here with --quick (about 30 s, kept in hpipe's cache for the next run).
@@ -22,18 +23,20 @@ from hpipe.errors import HpipeError
 from hpipe.profiler.measure import device_identity
 
 DATA = Path(__file__).parent / "data"
+DEMO_WEIGHTS = "gguf"       # the default model runs in its file's blocks
 SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1thread-quick.json"
 
 
 def profile_fits(path: Path, config, threads: int) -> bool:
-    """A profile of the default model on this kind of CPU (name and cores), measured with the
-    threads each stage will get."""
+    """A profile of the default model's quantized units on this kind of CPU (name and cores),
+    measured with the threads each stage will get."""
     try:
         prof = formats.load_profile(path)
     except HpipeError:
         return False
     dev = next((d for d in prof["devices"] if d["id"] == "local/cpu"), None)
-    if dev is None or prof["model"]["fingerprint"] != models.fingerprint(config):
+    if dev is None or prof["model"]["fingerprint"] != models.fingerprint(config) or \
+            prof.get("weights", "none") != DEMO_WEIGHTS:
         return False
     ident, here = dev.get("identity", {}), device_identity("cpu", torch)
     return ident.get("name") == here["name"] and ident.get("cores") == here["cores"] and ident.get("threads") == threads
@@ -47,7 +50,8 @@ def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[di
             return formats.load_profile(path), str(path), origin
     with console.status(f"[bold]no profile of this CPU yet: measuring one (--quick, {threads} thread per stage, "
                         f"about 30 s)"):
-        profiler.profile_local(models.DEFAULT_MODEL, ["cpu"], str(cached), True, None, "float32", threads=threads)
+        profiler.profile_local(models.DEFAULT_MODEL, ["cpu"], str(cached), True, None, "float32", threads=threads,
+                               weights=DEMO_WEIGHTS)
     return formats.load_profile(cached), str(cached), "measured now"
 
 
@@ -56,7 +60,7 @@ def run_demo(stages: int = 2, max_new_tokens: int = 48) -> None:
     work = models.cache_dir() / "demo"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    with console.status("[bold]resolving the default model (first run converts the GGUF file, ~30 s)"):
+    with console.status("[bold]resolving the default model (a first run packs the GGUF file's blocks, ~15 s)"):
         source = models.resolve_model(models.DEFAULT_MODEL)
         config = models.load_config(source.path)
         tokenizer = models.load_tokenizer(source.path)

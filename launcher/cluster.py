@@ -85,7 +85,7 @@ def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None =
     host = conn.host
     check = HostCheck(host.name, f"{host.address}:{host.port}")
     try:
-        p = ssh.probe(conn, model=None if push_model else model_spec)
+        p = ssh.probe(conn, model=None if push_model else model_spec, kernels=True)
     except HpipeError as e:
         check.problems.append(str(e).split(": ", 1)[-1])
         return check
@@ -124,16 +124,17 @@ def check_table(checks: list[HostCheck]):
 
     table = Table(title="hpipe cluster check")
     for col in ("host", "address", "status", "python / hpipe / torch / transformers", "cores", "free memory",
-                "CUDA", "model"):
+                "CUDA", "weight-only kernels", "model"):
         table.add_column(col)
     for c in checks:
         p = c.info
         cuda = ", ".join(f"{d['index']}: {d['name']} ({d['free_bytes'] / 2**30:.1f} GiB free)"
                          for d in p.get("cuda", [])) or "-"
         mem = p.get("mem_available_bytes")
+        kernels = "\n".join(f"{d}: {line}" for d, line in (p.get("kernels") or {}).items()) or "-"
         table.add_row(c.name, c.address, "[green]ok" if c.ok else "[red]" + "\n".join(c.problems),
                       " / ".join(str(p.get(k)) for k in ("python", "hpipe", "torch", "transformers")),
-                      str(p.get("cores", "?")), f"{mem / 2**30:.1f} GiB" if mem else "?", cuda,
+                      str(p.get("cores", "?")), f"{mem / 2**30:.1f} GiB" if mem else "?", cuda, kernels,
                       (p.get("model") or {}).get("note", "-"))
     return table
 

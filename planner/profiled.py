@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpipe import __version__, formats, memory, models
+from hpipe import __version__, formats, memory, models, quant
 from hpipe.errors import HpipeError
 from hpipe.grid import GridModel
 from hpipe.planner.bound import LowerBound, lower_bound
@@ -341,9 +341,11 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                                   by_seq_len={**table, seq_len: tuple(slices)})
     identity = formats.ModelIdentity(name=model_name, family=config.model_type, units=n_units,
                                      blocks=models.num_blocks(config), fingerprint=models.fingerprint(config))
-    stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]))
+    weights = profile.get("weights", "none")           # the units whose times these are
+    stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]),
+                                     weights=quant.planned(weights, h, dv))
                    for j, (h, dv) in enumerate(devices))
-    plan = formats.Plan(model=identity, stages=stages, slicing=slicing, dtype=dtype or profile["dtype"],
+    plan = formats.Plan(model=identity, stages=stages, slicing=slicing, dtype=dtype or profile["dtype"], weights=weights,
                         predicted=predicted, created_by=f"hpipe {__version__} (profile: DP partition"
                                                         f"{'' if fixed else ' and DP slicing'})")
     formats.validate_plan(plan)

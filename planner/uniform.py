@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpipe import __version__, formats, models
+from hpipe import __version__, formats, models, quant
 from hpipe.errors import HpipeError
 
 
@@ -15,8 +15,9 @@ def uniform_cuts(n_units: int, n_stages: int) -> list[int]:
 
 def make_plan(model_name: str, config, devices: list[tuple[str, str]], cuts: list[int] | None = None,
               slices: list[int] | None = None, num_slices: int | None = None, granularity: int = 16,
-              dtype: str = "float32") -> formats.Plan:
-    """devices: (host, device) per stage, in pipeline order."""
+              dtype: str = "float32", weights: str = "none") -> formats.Plan:
+    """devices: (host, device) per stage, in pipeline order; weights: the format asked for (each
+    stage records what it will run, `hpipe.quant.planned`)."""
     n_units = models.num_units(config)
     n_stages = len(devices)
     if cuts is None:
@@ -33,11 +34,11 @@ def make_plan(model_name: str, config, devices: list[tuple[str, str]], cuts: lis
         raise HpipeError(f"--slices {','.join(map(str, slices))}: slice lengths must be positive token counts")
     slicing = formats.Slicing(count=num_slices or max(1, 2 * n_stages), lengths=tuple(slices or ()),
                               granularity=granularity)
-    stages = tuple(formats.StagePlan(host=h, device=d, units=(a, b))
+    stages = tuple(formats.StagePlan(host=h, device=d, units=(a, b), weights=quant.planned(weights, h, d))
                    for (h, d), a, b in zip(devices, bounds, bounds[1:]))
     identity = formats.ModelIdentity(name=model_name, family=config.model_type, units=n_units,
                                      blocks=models.num_blocks(config), fingerprint=models.fingerprint(config))
-    plan = formats.Plan(model=identity, stages=stages, slicing=slicing, dtype=dtype,
+    plan = formats.Plan(model=identity, stages=stages, slicing=slicing, dtype=dtype, weights=weights,
                         created_by=f"hpipe {__version__} (uniform)")
     formats.validate_plan(plan)
     return plan

@@ -191,8 +191,10 @@ def run_python(conn: Connection, source: str, args: list[str], env: dict[str, st
     return (127 if code is None else code), "\n".join(out), "\n".join(err)
 
 
-def probe(conn: Connection, model: str | None = None, sha256: list[str] | None = None) -> dict:
+def probe(conn: Connection, model: str | None = None, sha256: list[str] | None = None, kernels: bool = False) -> dict:
+    """kernels: also which weight-only kernels each device runs (imports torch there, a second or two)."""
     args = (["--cuda"] if any(d.startswith("cuda") for d in conn.host.devices) else []) + \
+        (["--kernels"] if kernels else []) + \
         (["--model", model] if model else []) + (["--sha256", *sha256] if sha256 else [])
     code, out, err = run_python(conn, PROBE_SOURCE, args)
     last = out.strip().splitlines()[-1] if out.strip() else ""

@@ -53,6 +53,14 @@ def main(argv):
                 free, total = torch.cuda.mem_get_info(i)
                 out["cuda"].append({"index": i, "name": torch.cuda.get_device_name(i), "free_bytes": free,
                                     "total_bytes": total})
+    if out["hpipe"] is not None and "--kernels" in argv:   # which weight-only kernels each device runs
+        try:
+            from hpipe import quant
+
+            devices = ["cpu"] + ["cuda:%d" % d["index"] for d in out["cuda"]]
+            out["kernels"] = {d: quant.kernels_on(d)[1] for d in devices}
+        except Exception as e:  # noqa: BLE001 - a finding, not a crash
+            out["kernels"] = {"error": "%s: %s" % (type(e).__name__, str(e)[:200])}
     with socket.socket() as s:
         s.bind(("", 0))
         out["free_port"] = s.getsockname()[1]
