@@ -12,6 +12,7 @@ and context. Reports on stdout as `@@hpipe {json}` lines: `estimate` (seconds, u
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import random
@@ -22,6 +23,9 @@ import traceback
 
 from hpipe.lifeline import tie_to_parent
 from hpipe.reports import emit
+
+
+COLD_BYTES = 64 << 20
 
 
 def grid(max_seq_len: int, quick: bool) -> tuple[list[int], list[int]]:
@@ -113,7 +117,12 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     from hpipe import quant
 
     fmt = quant.stage_weights(quant.WeightFormat.parse(weights), device)   # the units the stage will run
-    body = StageRunner(source, config, range(3), device, dtype, weights=fmt)   # embed, block 0 attn + mlp
+    # A stage runs one block after another, each block's weights coming from memory, not from a cache
+    # warmed by the same unit a moment ago: the blocks are measured in turn, as many as hold
+    # COLD_BYTES (twice a large L3; quantized SmolLM2 blocks are 2.2 MB each).
+    sizes = models.unit_bytes(config, dtype, str(fmt))["weights_per_unit"]
+    cycle = max(1, min(models.num_blocks(config), -(-COLD_BYTES // max(1, sizes[1] + sizes[2]))))
+    body = StageRunner(source, config, range(1 + 2 * cycle), device, dtype, weights=fmt)   # embed, the blocks
     head = StageRunner(source, config, range(n_units - 1, n_units), device, dtype, weights=fmt)
     dev = body.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -131,6 +140,9 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
             x = torch.randint(0, int(config.vocab_size), (rows, per_row), device=dev)
         else:
             x = torch.randn(rows, per_row, hidden, device=dev, dtype=runner.dtype)
+        if runner is body and u > 0:          # the same half of the next block each call
+            units = itertools.cycle(range(u, 1 + 2 * cycle, 2))
+            return lambda: runner._run_unit(next(units), x, inputs)
         return lambda: runner._run_unit(u, x, inputs)
 
     points = [(s, c) for c in c_grid for s in s_grid if s + c <= n]
