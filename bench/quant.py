@@ -121,8 +121,10 @@ def child_llama_cpp(threads: int) -> dict:
 
 # ------------------------------------------------------------------------------- launch runs
 def hpipe(*args, cwd: Path) -> None:
-    subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"hpipe {args[0]} failed: {done.stderr.strip()[-500:]}")
 
 
 def launch_numbers(fmt: str, work: Path, threads: int) -> dict:
@@ -136,7 +138,7 @@ def launch_numbers(fmt: str, work: Path, threads: int) -> dict:
         prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
         results.unlink(missing_ok=True)
         hpipe("launch", plan, "--local", "--prompts", prompts, "--out", results, "--max-new-tokens", new,
-              "--threads", threads, "--quiet", cwd=work)
+              "--quiet", cwd=work)             # one local stage takes every core (2 here)
         r = json.loads(results.read_text().splitlines()[0])
         out["decode_ms" if name == "decode" else "prefill_s"] = 1000 * r["tpot_s"] if name == "decode" else r["ttft_s"]
     return out

@@ -526,10 +526,13 @@ class _SafetensorsTensors:
 
 
 def _packed_dir(source: ModelSource, weights, device_type: str) -> Path:
+    from hpipe import quant
+
     files = [source.gguf] if source.gguf is not None else sorted(source.path.glob("*.safetensors"))
     key = hashlib.sha256("|".join(_file_key(f) for f in files).encode()).hexdigest()[:16]
     stem = source.gguf.stem if source.gguf is not None else source.path.name
-    return cache_dir() / "packed" / f"{stem}-{key}" / f"{str(weights).replace(':', '-')}-{device_type}"
+    return cache_dir() / "packed" / f"{stem}-{key}" / \
+        f"{str(weights).replace(':', '-')}-{device_type}-v{quant.PACK_VERSION}"
 
 
 def _load_quantized(model, source: ModelSource, config, units: range, device: str, tdtype, weights) -> None:
@@ -579,8 +582,15 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                         out[key] = torch.from_numpy(np.asarray(_as_float(reader().read(key)))).reshape(-1).clone()
         return out
 
+    mapped: dict[int, dict] = {}
+
+    def unit_tensors(u: int) -> dict:    # mapped once: a tied head shares the embedding's tensors
+        if u not in mapped:
+            mapped[u] = quant.cached_unit(directory, u, lambda: pack_unit(u))
+        return mapped[u]
+
     for u in units:
-        tensors = quant.cached_unit(directory, u, lambda: pack_unit(u))
+        tensors = unit_tensors(u)
         for mod_path in unit_modules(config, u):
             for name, sub in list(model.get_submodule(mod_path).named_modules()):
                 full = f"{mod_path}.{name}" if name else mod_path
@@ -588,7 +598,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                 if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
                     mine = tensors if not tied(f"{full}.weight") else \
                         {k.replace(unit_modules(config, 0)[0], full): v
-                         for k, v in quant.cached_unit(directory, 0, lambda: pack_unit(0)).items()}
+                         for k, v in unit_tensors(0).items()}
                     parts = {k[len(full) + 1:]: v for k, v in mine.items() if k.startswith(full + ".")}
                     bias = parts.pop("bias", None)
                     bias = None if bias is None else bias.to(device, tdtype)

@@ -44,6 +44,7 @@ __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quant
            "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes",
            "GGUF_TYPES"]
 
+PACK_VERSION = 1        # the packed cache's layout: a new one never reads an old one
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
 INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
 
@@ -269,6 +270,10 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
     int8: {'int8': int8 [N, K], 'scales': bf16 [N]}."""
     import torch
 
+    if fmt.kind == "int8" and isinstance(weight, Affine):
+        weight = weight.dequantize()                  # every matrix int8 per row, asked for
+    if fmt.kind == "int4" and isinstance(weight, Affine) and not (weight.bits == 4 and weight.group == fmt.group):
+        weight = weight.dequantize()                  # other blocks: quantized again to groups of G
     if isinstance(weight, np.ndarray) and fmt.kind == "int4" and not as_embedding and \
             int4_fits(weight.shape, fmt.group):
         weight = quantize_int4(weight, fmt.group)
