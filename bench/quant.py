@@ -43,6 +43,18 @@ def rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def rss_parts() -> dict:
+    """Resident bytes by kind: file-backed (mapped files: the packed weights, llama.cpp's mapped
+    GGUF) and anonymous (everything allocated)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
 def prompt_ids(n: int) -> list[int]:
     return [3 + (j * 31) % 30000 for j in range(n)]
 
@@ -61,14 +73,17 @@ def child_hpipe_memory(fmt: str, threads: int) -> dict:
     config = models.load_config(source.path)
     weights = quant.WeightFormat.parse(fmt)
     StageRunner(source, config, range(2, 3), weights=weights)       # imports and the packed cache, once
-    before = rss()
+    before, parts = rss(), rss_parts()
     runner = StageRunner(source, config, range(models.num_units(config)), weights=weights)
     runner.kv.allocate(2)
     with torch.inference_mode():
         runner.forward(runner.prepare_inputs([Segment(0, 0, 0, 8, True)]), torch.arange(3, 11))
     tensors = {t.data_ptr(): t.nbytes for m in runner.model.modules()
                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)] if not t.is_meta}
-    return {"rss_growth_bytes": rss() - before, "tensor_bytes": sum(tensors.values())}   # KV: 2 pages
+    after = rss_parts()
+    return {"rss_growth_bytes": rss() - before, "tensor_bytes": sum(tensors.values()),   # KV: 2 pages
+            "rss_file_growth_bytes": after["RssFile"] - parts["RssFile"],
+            "rss_anon_growth_bytes": after["RssAnon"] - parts["RssAnon"]}
 
 
 def child_hpipe_forward(fmt: str, threads: int) -> dict:
@@ -100,7 +115,7 @@ def child_llama_cpp(threads: int) -> dict:
 
     from hpipe import models
 
-    before = rss()
+    before, parts = rss(), rss_parts()
     llm = llama_cpp.Llama(str(models.smollm2_gguf_path()), n_ctx=PREFILL + 64, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
     llm.eval(prompt_ids(PROMPT))
@@ -111,12 +126,14 @@ def child_llama_cpp(threads: int) -> dict:
         llm.eval([token])
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))      # sampling included, as in hpipe's TPOT
         times.append(time.perf_counter() - t)
-    grown = rss() - before
+    grown, after = rss() - before, rss_parts()
     llm.reset()
     t = time.perf_counter()
     llm.eval(prompt_ids(PREFILL))
     prefill = time.perf_counter() - t
-    return {"decode_ms": 1000 * sum(times) / len(times), "prefill_s": prefill, "rss_growth_bytes": grown}
+    return {"decode_ms": 1000 * sum(times) / len(times), "prefill_s": prefill, "rss_growth_bytes": grown,
+            "rss_file_growth_bytes": after["RssFile"] - parts["RssFile"],
+            "rss_anon_growth_bytes": after["RssAnon"] - parts["RssAnon"]}
 
 
 # ------------------------------------------------------------------------------- launch runs
@@ -219,6 +236,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quality-tokens", type=int, default=4096)
     ap.add_argument("--child", default=None)
+    ap.add_argument("--memory-only", action="store_true", help="measure resident bytes again, keep the rest")
     args = ap.parse_args()
     if args.child:
         fn = {"memory": lambda: child_hpipe_memory(args.formats, args.threads),
@@ -229,6 +247,18 @@ def main() -> None:
     from hpipe import models
 
     formats = [f for f in args.formats.split(",") if f]
+    out = ROOT / "bench" / "results" / "quant.json"
+    if args.memory_only:
+        report = json.loads(out.read_text())
+        for v in formats + ["none"]:
+            row = report["variants"][v]
+            row.update(child("memory", v, args.threads))
+            row["weights_vs_file"] = round(row["tensor_bytes"] / report["file_bytes"], 3)
+            row["rss_vs_file"] = round(row["rss_growth_bytes"] / report["file_bytes"], 3)
+            row["rss_file_vs_file"] = round(row["rss_file_growth_bytes"] / report["file_bytes"], 3)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["variants"], indent=2))
+        return
     gguf = models.smollm2_gguf_path()
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "threads": args.threads,
               "file": gguf.name, "file_bytes": gguf.stat().st_size, "prompt": PROMPT, "new_tokens": NEW,
@@ -254,9 +284,9 @@ def main() -> None:
         if "tensor_bytes" in row:
             row["weights_vs_file"] = round(row["tensor_bytes"] / report["file_bytes"], 3)
         row["rss_vs_file"] = round(row["rss_growth_bytes"] / report["file_bytes"], 3)
+        row["rss_file_vs_file"] = round(row["rss_file_growth_bytes"] / report["file_bytes"], 3)
         report["variants"][v] = {k: round(x, 4) if isinstance(x, float) else x for k, x in row.items()}
     report["quality"] = quality(formats, args.quality_tokens, args.threads)
-    out = ROOT / "bench" / "results" / "quant.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
