@@ -302,6 +302,8 @@ def main() -> None:
     ap.add_argument("--kv-pages", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="")
+    ap.add_argument("--quantize", default="gguf", help="the plans' weights (hpipe plan --quantize): gguf, the "
+                    "default model's own blocks, or none (float32)")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     from hpipe import models
@@ -316,10 +318,11 @@ def main() -> None:
         print(f"setup {setup}", flush=True)
         plan = work / f"plan-{setup}.json"
         if setup == "local":
-            subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--stages", "2", "-o",
-                            str(plan)], check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--stages", "2",
+                            "--quantize", args.quantize, "-o", str(plan)], check=True, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
             pols = {p: run_policy(plan, p, requests, args, work, None) for p in args.policies.split(",")}
-            results["setups"][setup] = {"setup": "SmolLM2-135M, 2 local CPU stages", "policies": pols,
+            results["setups"][setup] = {"setup": f"SmolLM2-135M ({args.quantize} weights), 2 local CPU stages",
+                                        "policies": pols,
                                         "compare": compare(pols)}
         elif setup == "hosts":
             from netns_hosts import HostSpec, start_cluster, stop_cluster, unavailable_reason
@@ -330,7 +333,7 @@ def main() -> None:
             cluster = start_cluster(work / "hosts", [HostSpec("h0", 1000), HostSpec("h1", 1000), HostSpec("h2", 100)])
             try:
                 subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--cluster",
-                                str(cluster.inventory_path), "-o", str(plan)], check=True, capture_output=True,
+                                str(cluster.inventory_path), "--quantize", args.quantize, "-o", str(plan)], check=True, capture_output=True,
                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
                 pols = {p: run_policy(plan, p, requests, args, work, cluster.inventory_path)
                         for p in args.policies.split(",")}
