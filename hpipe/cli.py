@@ -225,7 +225,7 @@ def _weights(model: str, quantize: str | None, prof: dict | None = None, profile
     model's own (a GGUF file in its blocks, a float checkpoint dense)."""
     from hpipe import quant
 
-    is_gguf = model == models.DEFAULT_MODEL or model.endswith(".gguf")
+    is_gguf = models.is_gguf(model)
     if quantize is not None:
         fmt = quant.WeightFormat.parse(quantize)
     elif prof is not None:

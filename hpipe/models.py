@@ -75,6 +75,18 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def _single_gguf(path: Path) -> Path | None:
+    """A directory holding one .gguf file and no safetensors (as --push-model leaves one): that file."""
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return ggufs[0] if len(ggufs) == 1 and not list(path.glob("*.safetensors")) else None
+
+
+def is_gguf(spec: str) -> bool:
+    """Whether MODEL names GGUF weights (run in their own blocks by default)."""
+    path = Path(spec).expanduser()
+    return spec == DEFAULT_MODEL or path.suffix == ".gguf" or _single_gguf(path) is not None
+
+
 def resolve_model(spec: str, progress=None) -> ModelSource:
     """MODEL as the user gives it (`smollm2`, a Hugging Face directory or a .gguf file) -> where its
     config, tokenizer and weights are (a GGUF file's config and tokenizer are written out once)."""
@@ -89,9 +101,9 @@ def resolve_model(spec: str, progress=None) -> ModelSource:
         if not path.is_file():
             raise HpipeError(f"{spec}: GGUF file not found")
         return ModelSource(spec, gguf_metadata(path, progress=progress), path.resolve())
-    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if path.is_dir() and len(ggufs) == 1 and not list(path.glob("*.safetensors")):   # e.g. pushed by --push-model
-        return ModelSource(spec, gguf_metadata(ggufs[0], progress=progress), ggufs[0].resolve())
+    single = _single_gguf(path)
+    if single is not None:
+        return ModelSource(spec, gguf_metadata(single, progress=progress), single.resolve())
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise HpipeError(f"{spec}: not a Hugging Face model directory (no config.json)")

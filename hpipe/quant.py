@@ -25,8 +25,8 @@ Bounds (tests/test_quant.py checks them):
 - re-quantizing to int8 per channel: |w_packed - w| <= s_row / 2 with s_row = max|w_row| / 127 (plus
   the bf16 rounding of s_row, 2^-8 relative, times 127);
 - a quantized linear against a float64 matmul of the packed weights: activations rounded to bf16
-  (2^-8 relative each) and the output rounded to bf16: |y - y64| <= 2^-8 (|x| . |w|) (2 + K 2^-8 ...),
-  taken in the tests as 2^-7 * (|x| @ |w|.T) + 2^-8 |y64|.
+  (2^-8 relative each), float32 sums (K 2^-24 relative) and the output rounded to bf16:
+  |y - y64| <= (2^-8 (1 + 2^-8) + K 2^-23) (|x| @ |w|.T) + 2^-8 |y64|.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ import numpy as np
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack",
-           "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes",
-           "GGUF_TYPES"]
+           "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes"]
 
 PACK_VERSION = 1        # the packed cache's layout: a new one never reads an old one
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
@@ -210,7 +209,6 @@ def _q6_k(blocks):             # super-block of 256 = 16 groups of 16: w = (d sc
 _BLOCKS = {2: ("Q4_0", 32, 18, _q4_0), 3: ("Q4_1", 32, 20, _q4_1), 8: ("Q8_0", 32, 34, _q8_0),
            12: ("Q4_K", 256, 144, _q4_k), 14: ("Q6_K", 256, 210, _q6_k)}
 _FLOATS = {0: "F32", 1: "F16", 30: "BF16"}
-GGUF_TYPES = tuple(v[0] for v in _BLOCKS.values()) + tuple(_FLOATS.values())
 
 
 def read_gguf_tensor(tensor) -> Affine | np.ndarray:
@@ -227,7 +225,7 @@ def read_gguf_tensor(tensor) -> Affine | np.ndarray:
         from gguf.quants import dequantize
 
         return dequantize(data, tensor.tensor_type).astype(np.float32)
-    _, per_block, nbytes, decode = _BLOCKS[ttype]
+    _, _, nbytes, decode = _BLOCKS[ttype]
     n = data.shape[0]
     blocks = data.reshape(n, -1, nbytes)
     codes, scale, offset, group, bits = decode(blocks)
@@ -306,62 +304,57 @@ def packed_bytes(n: int, k: int, fmt: WeightFormat, int8_rows: bool = False) -> 
 # Step 3: run
 
 
-def _torch():
+def _module_classes():
     import torch
 
-    return torch
-
-
-def _module_classes():
-    torch = _torch()
     nn = torch.nn
 
-    class Int4Linear(nn.Module):
-        """y = x W^T (+ b), W in int4 groups: torch's weight-only int4 kernel, bf16 activations."""
+    class WeightOnly(nn.Module):
+        """y = x W^T (+ b) through a weight-only kernel, chosen once for the device: x goes in as the
+        kernel's activation dtype (bf16) and y comes back in x's."""
 
-        def __init__(self, packed, scales_zeros, bias=None):
+        def __init__(self, in_features: int, out_features: int, bias):
             super().__init__()
-            self.cuda = packed.is_cuda
-            self.in_features = packed.shape[1] * 2
-            self.out_features = scales_zeros.shape[1]
-            self.group = self.in_features // scales_zeros.shape[0]
-            if self.cuda:   # tinygemm's tiles: the widest inner-k tiling the input dimension allows
-                tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
-                packed = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
-            self.register_buffer("packed", packed, persistent=False)
-            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-            self.bias = bias
+            self.in_features, self.out_features, self.bias = in_features, out_features, bias
 
         def forward(self, x):
             shape = x.shape
-            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            mm = torch.ops.aten._weight_int4pack_mm if self.cuda else torch.ops.aten._weight_int4pack_mm_for_cpu
-            y = mm(x2, self.packed, self.group, self.scales_zeros).to(x.dtype)
+            y = self.mm(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)
 
-    class Int8Linear(nn.Module):
-        """y = x W^T (+ b), W int8 with one scale per output row: torch's weight-only int8 kernel.
+    class Int4Linear(WeightOnly):
+        """W in int4 groups: `_weight_int4pack_mm_for_cpu`, or tinygemm's `_weight_int4pack_mm` on CUDA."""
+
+        def __init__(self, packed, scales_zeros, bias=None):
+            super().__init__(packed.shape[1] * 2, scales_zeros.shape[1], bias)
+            self.group = self.in_features // scales_zeros.shape[0]
+            if packed.is_cuda:   # tinygemm's tiles: the widest inner-k tiling the input dimension allows
+                tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
+                packed = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
+            self._kernel = torch.ops.aten._weight_int4pack_mm if packed.is_cuda else \
+                torch.ops.aten._weight_int4pack_mm_for_cpu
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+
+        def mm(self, x2):
+            return self._kernel(x2, self.packed, self.group, self.scales_zeros)
+
+    class Int8Linear(WeightOnly):
+        """W int8 with one scale per output row: `_weight_int8pack_mm`.
         Its results come rounded to bf16: logits on a grid of 2^-8 of their size. (Exact int32 sums
         through torch._int_mm with int8 activations, one scale per row, are faster for SmolLM2's
         head, 1.6 against 2.1 ms, but per-row activation steps are coarse: logits moved by up to 1.6
         where bf16 moves them by 0.25. llama.cpp scales activations per block of 32.)"""
 
         def __init__(self, weight, scales, bias=None):
-            super().__init__()
-            self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+            super().__init__(weight.shape[1], weight.shape[0], bias)
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
-            self.bias = bias
 
-        def forward(self, x):
-            shape = x.shape
-            x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales).to(x.dtype)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*shape[:-1], self.out_features)
+        def mm(self, x2):
+            return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
 
     class Int8Embedding(nn.Module):
         """Rows of an int8 table times their scale; shares its tensors with a tied Int8Linear head."""
@@ -434,14 +427,11 @@ class GGUFTensors:
         tensor = self.tensors[g]
         out = read_gguf_tensor(tensor)
         rows = out.codes.shape[0] if isinstance(out, Affine) else out.shape[0]
-        if out.ndim if isinstance(out, np.ndarray) else True:
-            order = self.processor.process(weights=np.arange(rows)[:, None], name=g).weights[:, 0]
-            if not np.array_equal(order, np.arange(rows)):
-                out = out.rows(order) if isinstance(out, Affine) else out[order]
+        # transformers' processor reorders rows (Llama's q/k): apply its order, found on the indices
+        order = self.processor.process(weights=np.arange(rows)[:, None], name=g).weights[:, 0]
+        if not np.array_equal(order, np.arange(rows)):
+            out = out.rows(order) if isinstance(out, Affine) else out[order]
         return out
-
-    def type_name(self, hf_name: str) -> str:
-        return self.tensors[self.name(hf_name)].tensor_type.name
 
 
 # --------------------------------------------------------------------------------------------
