@@ -5,7 +5,8 @@ for float32 (`none`, the dequantized file):
 - resident weight bytes: the growth of RSS from building the stage to after a forward (every
   page of the weights touched), and the bytes of the tensors it holds, against the file's size;
 - decode ms/token: `hpipe launch` on one CPU stage, one stream, a 256-token prompt, 128 greedy
-  tokens (the product's TPOT, runtime and sampling included), and the stage's forward alone;
+  tokens (the product's TPOT, runtime and sampling included), eager and with `--compile on`
+  (compiled before the clock starts), and the stage's forward alone;
 - 2,048-token prefill: `hpipe launch`'s time to first token for one 2,048-token prompt;
 llama.cpp (llama-cpp-python, a bench dependency) measured the same way, the variants interleaved
 and each the best of --repeats (this machine is shared and noisy);
@@ -150,14 +151,15 @@ def launch_numbers(fmt: str, work: Path, threads: int) -> dict:
         hpipe("plan", "--model", "smollm2", "--stages", "1", "--quantize", fmt, "--slices", str(PREFILL),
               "-o", plan, cwd=work)
     out = {}
-    for name, n, new in (("decode", PROMPT, NEW), ("prefill", PREFILL, 1)):
+    for name, n, new, extra in (("decode_ms", PROMPT, NEW, []), ("decode_compiled_ms", PROMPT, NEW, ["--compile", "on"]),
+                                ("prefill_s", PREFILL, 1, [])):
         prompts, results = work / f"{name}.jsonl", work / f"{name}-{fmt.replace(':', '-')}-out.jsonl"
         prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
         results.unlink(missing_ok=True)
         hpipe("launch", plan, "--local", "--prompts", prompts, "--out", results, "--max-new-tokens", new,
-              "--quiet", cwd=work)             # one local stage takes every core (2 here)
+              "--quiet", *extra, cwd=work)             # one local stage takes every core (2 here)
         r = json.loads(results.read_text().splitlines()[0])
-        out["decode_ms" if name == "decode" else "prefill_s"] = 1000 * r["tpot_s"] if name == "decode" else r["ttft_s"]
+        out[name] = r["ttft_s"] if name == "prefill_s" else 1000 * r["tpot_s"]
     return out
 
 
@@ -280,6 +282,8 @@ def main() -> None:
     for v in variants:
         row = best[v]
         row["decode_vs_llama_cpp"] = round(row["decode_ms"] / lc["decode_ms"], 3)
+        if "decode_compiled_ms" in row:
+            row["decode_compiled_vs_llama_cpp"] = round(row["decode_compiled_ms"] / lc["decode_ms"], 3)
         row["prefill_vs_llama_cpp"] = round(row["prefill_s"] / lc["prefill_s"], 3)
         if "tensor_bytes" in row:
             row["weights_vs_file"] = round(row["tensor_bytes"] / report["file_bytes"], 3)

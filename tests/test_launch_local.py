@@ -128,9 +128,11 @@ SWITCHES = [(tsem, sat, sampling) for tsem in (False, True) for sat in (False, T
 
 def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
     """With TSEM the CPU executor runs as a thread (as on CUDA stages); all on also takes the static
-    decode path (the CUDA-graph path, eager on a CPU)."""
+    decode path (the CUDA-graph path, eager on a CPU), and with the sampler pool through
+    torch.compile (`--compile on`)."""
+    static = [] if not (tsem and sat) else ["--compile", "on"] if sampling == "cpu" else ["--static-decode", "on"]
     return (["--sampling", sampling] + (["--prepare-thread", "on"] if tsem else ["--no-tsem"])
-            + ([] if sat else ["--no-sat"]) + ["--no-cuda-graphs"] + (["--static-decode", "on"] if tsem and sat else []))
+            + ([] if sat else ["--no-sat"]) + ["--no-cuda-graphs"] + static)
 
 
 def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, reference_models, tmp_path):
@@ -168,6 +170,8 @@ def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, 
                      "--max-new-tokens", "12", "--max-batch", "3", "--quiet",
                      *switch_args(tsem, sat, sampling)]) == 0
         runs[(tsem, sat, sampling)] = {k2: v["output_ids"] for k2, v in read_results(out).items()}
+        options = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]["options"]
+        assert options["compiled"] == ("--compile" in switch_args(tsem, sat, sampling))
     baseline = runs[(False, False, "inline")]
     assert len(baseline) == len(lines)
     stopped = [pid for pid, out in baseline.items() if int(pid[1:]) % 2 and len(out) < 12]

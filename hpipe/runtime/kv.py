@@ -44,12 +44,13 @@ class KVStore:
             return
         if self.frozen:
             raise RuntimeError(f"the KV pool was sized to {self.pages} pages before the run; asked for {pages}")
-        for store in (self.keys, self.values):
-            for layer, old in store.items():
-                new = old.new_zeros((pages, *old.shape[1:]))
-                n = min(pages, old.shape[0])
-                new[:n] = old[:n]
-                store[layer] = new
+        with torch.inference_mode(False):
+            for store in (self.keys, self.values):
+                for layer, old in store.items():
+                    new = old.new_zeros((pages, *old.shape[1:]))
+                    n = min(pages, old.shape[0])
+                    new[:n] = old[:n]
+                    store[layer] = new
         self.pages = pages
 
     def pages_of(self, seg: Segment) -> list[int] | tuple[int, ...]:
@@ -71,8 +72,9 @@ class KVStore:
     def _layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
             shape = (self.pages, self.page_size, like.shape[1], like.shape[3])
-            self.keys[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.values[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            with torch.inference_mode(False):    # plain tensors, which a compiled decode step may write
+                self.keys[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.values[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self.keys[layer], self.values[layer]
 
     def bytes(self) -> int:

@@ -117,6 +117,11 @@ class StageRunner:
     def forward(self, inputs: StageInputs, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. Returns hidden
         states [T, H], or on the last stage the logits [rows sampled, V] (float32)."""
+        return self.compute(inputs, x)
+
+    def compute(self, inputs: StageInputs, x: torch.Tensor) -> torch.Tensor:
+        """`forward` without its inference mode: what torch.compile traces (it cannot trace
+        inference tensors' version counters), called under `torch.no_grad`."""
         rows, per_row = inputs.shape
         if inputs.rotary is None and self.rotary is not None and self.blocks:   # static decode: inside the graph
             inputs = replace(inputs, rotary=self.rotary(torch.empty(0, dtype=self.dtype, device=self.device),

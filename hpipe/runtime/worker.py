@@ -296,8 +296,8 @@ class StageWorker:
         self.pages = self._agree_kv_pages()
         runner.kv.allocate(self.pages)
         warm_up(runner, self.requests.max_len)
-        static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs, self.requests.max_len) \
-            if static else None
+        static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs, self.requests.max_len,
+                                     compiled=config.compile == "on") if static else None
         self.graphs = static_decode.capture() if static_decode is not None else 0
         runner.kv.frozen = True             # sized once: a growth mid-run would be a bug (and move the graphs' KV)
         max_segments = config.max_batch + 1
@@ -320,9 +320,10 @@ class StageWorker:
         modes = Modes(tsem=config.tsem, sat=config.sat, prepare_thread=prepare_thread,
                       sampling=choose_sampling(config.sampling, self.stage_plan.device, self.world),
                       cuda_graphs=config.cuda_graphs and device.type == "cuda")
-        static = config.static_decode == "on" or (config.static_decode == "auto" and modes.cuda_graphs)
+        static = config.static_decode == "on" or config.compile == "on" or \
+            (config.static_decode == "auto" and modes.cuda_graphs)
         if static and (why := unsupported(self.runner)):
-            log(f"stage {self.rank}: decode runs eagerly, not on the static path (CUDA graphs): {why}")
+            log(f"stage {self.rank}: decode runs eagerly, not on the static path (CUDA graphs, --compile): {why}")
             static = False
             modes = dataclasses.replace(modes, cuda_graphs=False)
         return modes, static
@@ -401,6 +402,7 @@ class StageWorker:
         return protocol.Summary(**run, requests=len(requests.requests), prompt_tokens=sum(
             len(r.input_ids) for r in requests.requests),
             options={**dataclasses.asdict(self.modes), "static_decode": self.ex.static is not None,
+                     "compiled": self.ex.static is not None and self.ex.static.compiled,
                      "weights": str(self.weights)},
             policy=dataclasses.asdict(self.policy), kv_pages=self.pages - 1, page_size=config.page_size,
             config=dataclasses.asdict(config))
