@@ -23,7 +23,7 @@ from hpipe import __version__, formats, launcher, memory, models, planner, profi
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
 from hpipe.planner import gap
-from hpipe.config import SETTINGS, RuntimeConfig, cli_option, from_cli
+from hpipe.config import DEFAULTS, SETTINGS, RuntimeConfig, cli_option, from_cli
 from hpipe.request import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -159,6 +159,15 @@ def plan(
                                   "tables) or mixed (their sum per stage, as when prefill and decode share micro-batches)"),
     new_tokens: int = typer.Option(128, "--new-tokens", help="with --objective decode or mixed: tokens generated per "
                                    "sequence"),
+    mode: str = typer.Option("pipeline", "--mode", help="pipeline: cut the model between the devices (HPipe); "
+                             "sidp: one whole replica per device, each host's FFN weights shared among its "
+                             "replicas (SiDP, offline jobs; needs --profile)"),
+    sidp_source: str = typer.Option("auto", "--sidp-source", help="with --mode sidp: where replicas read FFN "
+                                    "weights they do not own: peer (the owner GPU over P2P), host-pool (one pinned "
+                                    "copy in host memory), shared-mapping (CPU: one mapped copy); auto: "
+                                    "shared-mapping on CPU hosts, host-pool on GPUs"),
+    max_batch: int = typer.Option(DEFAULTS.max_batch, "--max-batch", help="with --mode sidp: the most sequences a "
+                                  "replica batches (the runtime's --max-batch)"),
     out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
 ):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
@@ -175,6 +184,12 @@ def plan(
         _dtype(dtype)
     devices = _plan_devices(stages, cluster, profile_path, device)
     config, name = _plan_model(model)
+    if mode == "sidp":
+        _plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens, max_batch, margin, dtype,
+                   str(weights), sidp_source, out)
+        return
+    if mode != "pipeline":
+        raise HpipeError(f"--mode {mode!r}: use 'pipeline' or 'sidp'")
     if profile_path is None:
         if (seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline or overlap_sends
                 or objective != "prefill"):
@@ -218,6 +233,60 @@ def plan(
         typer.echo(f"wrote {timeline}")
     formats.write_plan(p, out)
     _print_plan(p, out, result)
+
+
+def _plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens, max_batch, margin, dtype, weights,
+               source, out) -> None:
+    if prof is None or seq_len is None:
+        raise HpipeError("--mode sidp plans from measured (or estimated) times: add --profile FILE and --seq-len N "
+                         "(a request's prompt length; --new-tokens its output)")
+    if source not in ("auto", *formats.SIDP_SOURCES):
+        raise HpipeError(f"--sidp-source {source!r}: use auto, {', '.join(formats.SIDP_SOURCES)}")
+    if max_batch < 1:
+        raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
+    p, groups, pipelines = planner.plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens,
+                                             max_batch, margin, dtype or prof["dtype"], weights, source)
+    formats.write_plan(p, out)
+    typer.echo(f"wrote {out}: SiDP, {len(p.stages)} replicas in {len(p.sidp)} group(s), "
+               f"requests of {seq_len} + {new_tokens} tokens")
+    for g, group in zip(p.sidp, groups):
+        _print_sidp_group(g, group, pipelines[g.host])
+
+
+def _print_sidp_group(g, group, pipeline: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = group.rows
+    typer.echo(f"host {g.host}: {len(g.replicas)} replicas, WaS from {g.source}, {g.slots} cache slot(s) each; "
+               f"FFN owners: " + "; ".join(f"{m.id} {sum(1 for o in g.owners if o == i)} blocks"
+                                           for i, m in enumerate(group.members)))
+    table = Table(title=f"host {g.host}: a job of {rows['dp']['batch'] or '-'} / {rows['sidp']['batch'] or '-'} "
+                        f"sequences per replica (plain DP / SiDP)")
+    for col in ("", "plain DP", "SiDP", "pipeline"):
+        table.add_column(col, justify="left" if not col else "right")
+    gb = 1e9
+    table.add_row("weights per replica", f"{rows['dp']['weight_bytes'] / gb:.2f} GB",
+                  f"{rows['sidp']['weight_bytes'] / gb:.2f} GB" + (" (shared)" if g.source == "shared-mapping" else ""),
+                  f"{rows['dp']['weight_bytes'] / len(g.replicas) / gb:.2f} GB")
+    fmt = (lambda r: f"{r['kv_tokens']:,.0f}" if r["fits"] else "does not fit")
+    table.add_row("KV tokens (group)", fmt(rows["dp"]), fmt(rows["sidp"]), fmt(pipeline))
+    table.add_row("batch", str(rows["dp"]["batch"]), str(rows["sidp"]["batch"]), str(pipeline["batch"]))
+    table.add_row("decode tokens/s", f"{rows['dp']['tokens_per_s']:.0f}",
+                  f"{rows['sidp']['tokens_per_s']:.0f} ({rows['sidp']['mode'].upper()})",
+                  f"{pipeline['tokens_per_s']:.0f}")
+    Console().print(table)
+    it = rows["iterations"]
+    typer.echo("T(B) per iteration against fetching the FFNs a replica does not own ("
+               f"{rows['fetch_s'] * 1e3:.1f} ms): " + ", ".join(
+                   f"B={r['batch']} {r['T_s'] * 1e3:.1f} ms (WaS {r['was_s'] * 1e3:.1f}, CaS {r['cas_s'] * 1e3:.1f})"
+                   for r in it))
+    b_th = rows["b_threshold"]
+    typer.echo(f"B_th = {b_th}: WaS from {b_th} sequences per replica, CaS below" if b_th else
+               "WaS never hides the fetch here: run CaS (or plain DP where it fits)")
+    best = max((("SiDP", rows["sidp"]["tokens_per_s"]), ("plain DP", rows["dp"]["tokens_per_s"]),
+                ("the pipeline plan (--mode pipeline)", pipeline["tokens_per_s"])), key=lambda x: x[1])
+    typer.echo(f"run: {best[0]} ({best[1]:.0f} tokens/s predicted)")
 
 
 def _weights(model: str, quantize: str | None, prof: dict | None = None, profile_path: str | None = None):

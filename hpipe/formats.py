@@ -317,6 +317,21 @@ def _truncate(lengths: list[int], n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class SidpGroupPlan:
+    """One host's SiDP group: its replicas are the plan's stages at `replicas` (each a whole-model
+    stage), `owners[b]` the index into `replicas` of the one that holds block b's FFN."""
+
+    host: str
+    replicas: tuple[int, ...]
+    owners: tuple[int, ...]
+    slots: int                 # WaS cache slots per replica, each the largest FFN
+    source: str                # where WaS reads: "peer", "host-pool" or "shared-mapping"
+
+
+SIDP_SOURCES = ("peer", "host-pool", "shared-mapping")
+
+
+@dataclass(frozen=True)
 class Plan:
     model: ModelIdentity
     stages: tuple[StagePlan, ...]
@@ -326,9 +341,15 @@ class Plan:
     created_by: str = ""
     version: int = PLAN_VERSION
     weights: str = "none"   # asked for: none, gguf, int8 or int4:G (each stage says what it runs)
+    mode: str = "pipeline"  # "pipeline": the stages cut the model; "sidp": each stage is a whole replica
+    sidp: tuple[SidpGroupPlan, ...] = ()   # mode "sidp": one group per host
 
     def to_json(self) -> dict:
-        return {
+        extra = {} if self.mode == "pipeline" else {
+            "mode": self.mode,
+            "sidp": [{"host": g.host, "replicas": list(g.replicas), "owners": list(g.owners), "slots": g.slots,
+                      "source": g.source} for g in self.sidp]}
+        return {**extra,
             "version": self.version,
             "created_by": self.created_by,
             "model": asdict(self.model),
@@ -380,8 +401,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     _expect(path, "top level", data, dict, "a JSON object")
-    _no_unknown_keys(path, "top level", data,
-                     {"version", "created_by", "model", "dtype", "weights", "stages", "slicing", "predicted"})
+    _no_unknown_keys(path, "top level", data, {"version", "created_by", "model", "dtype", "weights", "stages",
+                                                "slicing", "predicted", "mode", "sidp"})
     if "version" not in data:
         raise _fail(path, "version", f"missing; this hpipe writes plan version {PLAN_VERSION}")
     _check_version(path, data, PLAN_VERSION, "plans")
@@ -426,8 +447,22 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     if predicted is not None:
         _expect(path, "predicted", predicted, dict, "an object or null")
     weights = _expect(path, "weights", data.get("weights", "none"), str, "a weight format")
+    mode = _expect(path, "mode", data.get("mode", "pipeline"), str, "'pipeline' or 'sidp'")
+    groups = []
+    for i, g in enumerate(_expect(path, "sidp", data.get("sidp", []), list, "a list of groups")):
+        where = f"sidp[{i}]"
+        _expect(path, where, g, dict, "an object")
+        _no_unknown_keys(path, where, g, {"host", "replicas", "owners", "slots", "source"})
+        for key, typ, what in (("host", str, "a host name"), ("replicas", list, "stage indices"),
+                               ("owners", list, "one replica index per block"), ("slots", int, "a count"),
+                               ("source", str, "a WaS source")):
+            if key not in g:
+                raise _fail(path, where, f"missing required key {key!r}")
+            _expect(path, f"{where}.{key}", g[key], typ, what)
+        groups.append(SidpGroupPlan(g["host"], tuple(g["replicas"]), tuple(g["owners"]), g["slots"], g["source"]))
     plan = Plan(model=model, stages=tuple(stages), slicing=slicing, dtype=dtype, predicted=predicted,
-                created_by=str(data.get("created_by", "")), version=data["version"], weights=weights)
+                created_by=str(data.get("created_by", "")), version=data["version"], weights=weights,
+                mode=mode, sidp=tuple(groups))
     validate_plan(plan, path)
     return plan
 
@@ -439,6 +474,43 @@ def validate_plan(plan: Plan, path: str = "<plan>") -> None:
                                          f"(expected 2 x blocks + 2)")
     if not plan.stages:
         raise _fail(path, "stages", "a plan needs at least one stage")
+    if plan.mode == "sidp":
+        _validate_sidp(plan, path)
+    elif plan.mode != "pipeline":
+        raise _fail(path, "mode", f"{plan.mode!r} is not 'pipeline' or 'sidp'")
+    else:
+        _validate_cuts(plan, path)
+    _validate_rest(plan, path)
+
+
+def _validate_sidp(plan: Plan, path: str) -> None:
+    """Every stage a whole replica; every replica in one group, on its host; owners cover the blocks."""
+    if not plan.sidp:
+        raise _fail(path, "sidp", "a SiDP plan needs at least one group")
+    for i, s in enumerate(plan.stages):
+        if s.units != (0, plan.model.units):
+            raise _fail(path, f"stages[{i}].units", f"a SiDP replica holds the whole model: [0, {plan.model.units}]")
+    seen: list[int] = []
+    for i, g in enumerate(plan.sidp):
+        where = f"sidp[{i}]"
+        if not g.replicas or any(not isinstance(r, int) or not 0 <= r < len(plan.stages) for r in g.replicas):
+            raise _fail(path, f"{where}.replicas",
+                        f"indices into stages (0..{len(plan.stages) - 1}), got {list(g.replicas)}")
+        if any(plan.stages[r].host != g.host for r in g.replicas):
+            raise _fail(path, f"{where}.replicas", f"every replica of the group runs on host {g.host!r}")
+        seen += list(g.replicas)
+        if len(g.owners) != plan.model.blocks or any(o not in range(len(g.replicas)) for o in g.owners):
+            raise _fail(path, f"{where}.owners", f"one owner per block ({plan.model.blocks}), each an index into "
+                                                 f"replicas (0..{len(g.replicas) - 1})")
+        if g.slots < 0:
+            raise _fail(path, f"{where}.slots", f"must be at least 0, got {g.slots}")
+        if g.source not in SIDP_SOURCES:
+            raise _fail(path, f"{where}.source", f"{g.source!r} is not one of {', '.join(SIDP_SOURCES)}")
+    if sorted(seen) != list(range(len(plan.stages))):
+        raise _fail(path, "sidp", "every stage (replica) belongs to exactly one group")
+
+
+def _validate_cuts(plan: Plan, path: str) -> None:
     expected_start = 0
     for i, s in enumerate(plan.stages):
         start, end = s.units
@@ -451,6 +523,9 @@ def validate_plan(plan: Plan, path: str = "<plan>") -> None:
     if expected_start != plan.model.units:
         raise _fail(path, f"stages[{len(plan.stages) - 1}].units",
                     f"ends at unit {expected_start}, but the model has {plan.model.units} units")
+
+
+def _validate_rest(plan: Plan, path: str) -> None:
     sl = plan.slicing
     if sl.count < 1:
         raise _fail(path, "slicing.count", f"must be at least 1, got {sl.count}")

@@ -223,6 +223,19 @@ ARCHITECTURES = {
     "llama2-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120, intermediate_size=13824,
                        num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
                        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # SiDP's models (their published configs; bf16 checkpoints)
+    "llama3.1-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                         num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                         tie_word_embeddings=False),
+    "qwen3-32b": dict(model_type="qwen2", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                      num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                      tie_word_embeddings=False),
+    "qwen2.5-72b": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                        tie_word_embeddings=False),
 }
 
 

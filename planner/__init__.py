@@ -7,6 +7,7 @@ The algorithms are pure functions (numpy in, result objects out); see planner/RE
     result.plan                     # the plan file's object (hpipe.formats.Plan)
     result.timeline, result.bound   # the simulated pipeline and the lower bound it is held against
     compare(result, granularity)    # the paper's baselines under the same cost model
+    plan_sidp(profile, path, name, config, devices, seq_len, ...)   # SiDP: one replica per device (sidp.py)
 """
 
 from hpipe.planner.bound import LowerBound, gap, lower_bound
@@ -16,12 +17,13 @@ from hpipe.planner.profiled import (OBJECTIVES, CostModel, PlanResult, check_pro
                                     decode_workload, objective_seconds, plan_from_profile, predict, slice_time_table,
                                     workload)
 from hpipe.planner.search import search_plan
+from hpipe.planner.sidp import SidpGroup, plan_sidp
 from hpipe.planner.simulate import Timeline, simulate
 from hpipe.planner.slicing import slice_sequence
 from hpipe.planner.timeline import PALETTE, plot_gantt, pyplot, svg_gantt, timeline_bars, write_timeline
 from hpipe.planner.uniform import make_plan, uniform_cuts
 
-__all__ = ["OBJECTIVES", "PALETTE", "CostModel", "decode_prediction", "decode_workload", "objective_seconds", "Infeasible", "LowerBound", "Partition", "PlanResult", "Timeline",
+__all__ = ["OBJECTIVES", "PALETTE", "CostModel", "decode_prediction", "decode_workload", "objective_seconds", "Infeasible", "LowerBound", "Partition", "PlanResult", "SidpGroup", "Timeline",
            "check_profile_matches", "compare", "gap", "lower_bound", "make_plan", "partition_layers",
-           "plan_from_profile", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
+           "plan_from_profile", "plan_sidp", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
            "slice_time_table", "svg_gantt", "timeline_bars", "uniform_cuts", "workload", "write_timeline"]

@@ -24,6 +24,7 @@ from hpipe.planner.bound import LowerBound, lower_bound
 from hpipe.planner.partition import Partition, partition_layers
 from hpipe.planner.simulate import Timeline, simulate
 from hpipe.planner.slicing import slice_sequence
+from hpipe.planner.uniform import model_identity
 from hpipe.planner.uniform import uniform_cuts
 
 
@@ -134,8 +135,8 @@ def decode_unit_times(cost: CostModel, j: int, rows: int, context: float) -> np.
     stage j's device, from the profile's decode table (the embedding's lookup counts as free)."""
     table = cost.entries[j].get("decode")
     if not table:
-        raise HpipeError(f"{cost.path}: device {cost.entries[j]['id']} has no decode measurements; re-run "
-                         f"`hpipe profile` (not --estimate) to plan for --objective decode or mixed")
+        raise HpipeError(f"{cost.path}: device {cost.entries[j]['id']} has no decode table; profile it again "
+                         f"(`hpipe profile`, or --estimate) to plan for decode")
     per_kind = {"embed": 0.0}
     for kind in ("attn", "mlp", "head"):
         per_kind[kind] = _decode_table_time(table, kind, rows, context)
@@ -339,13 +340,12 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         table = slicings_by_length(cost, cuts, seq_len, granularity, d, overlap)
         slicing = formats.Slicing(count=len(slices), granularity=granularity,
                                   by_seq_len={**table, seq_len: tuple(slices)})
-    identity = formats.ModelIdentity(name=model_name, family=config.model_type, units=n_units,
-                                     blocks=models.num_blocks(config), fingerprint=models.fingerprint(config))
     weights = profile.get("weights", "none")           # the units whose times these are
     stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]),
                                      weights=quant.planned(weights, h, dv))
                    for j, (h, dv) in enumerate(devices))
-    plan = formats.Plan(model=identity, stages=stages, slicing=slicing, dtype=dtype or profile["dtype"], weights=weights,
+    plan = formats.Plan(model=model_identity(model_name, config), stages=stages, slicing=slicing,
+                        dtype=dtype or profile["dtype"], weights=weights,
                         predicted=predicted, created_by=f"hpipe {__version__} (profile: DP partition"
                                                         f"{'' if fixed else ' and DP slicing'})")
     formats.validate_plan(plan)

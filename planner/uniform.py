@@ -36,9 +36,13 @@ def make_plan(model_name: str, config, devices: list[tuple[str, str]], cuts: lis
                               granularity=granularity)
     stages = tuple(formats.StagePlan(host=h, device=d, units=(a, b), weights=quant.planned(weights, h, d))
                    for (h, d), a, b in zip(devices, bounds, bounds[1:]))
-    identity = formats.ModelIdentity(name=model_name, family=config.model_type, units=n_units,
-                                     blocks=models.num_blocks(config), fingerprint=models.fingerprint(config))
-    plan = formats.Plan(model=identity, stages=stages, slicing=slicing, dtype=dtype, weights=weights,
+    plan = formats.Plan(model=model_identity(model_name, config), stages=stages, slicing=slicing, dtype=dtype, weights=weights,
                         created_by=f"hpipe {__version__} (uniform)")
     formats.validate_plan(plan)
     return plan
+
+
+def model_identity(name: str, config) -> formats.ModelIdentity:
+    """What a plan records of its model (checked against the model the launch loads)."""
+    return formats.ModelIdentity(name=name, family=config.model_type, units=models.num_units(config),
+                                 blocks=models.num_blocks(config), fingerprint=models.fingerprint(config))

@@ -37,8 +37,15 @@ CATALOG = {
     "L4": DeviceSpec("NVIDIA L4", 30.3, 121.0, 300, 24),
     "A100": DeviceSpec("NVIDIA A100 SXM4 80GB", 19.5, 312.0, 2039, 80),
     "H100": DeviceSpec("NVIDIA H100 SXM5 80GB", 67.0, 989.0, 3350, 80),
+    "H20": DeviceSpec("NVIDIA H20 96GB", 44.0, 148.0, 4000, 96),
+    "H200": DeviceSpec("NVIDIA H200 SXM 141GB", 67.0, 989.0, 4800, 141),
+    "B200": DeviceSpec("NVIDIA B200 180GB", 80.0, 2250.0, 8000, 180),
     "CPU": DeviceSpec("generic 8-core x86-64 CPU (AVX2)", 0.6, 0.3, 50, 32, overhead_us=20.0),
 }
+# Links between devices of one host, one direction, GB/s (published; achieved is LINK_EFFICIENCY of it).
+# PCIe is what a GPU reads a pinned host buffer at; NVLink what it reads a peer's memory at.
+LINKS_GBS = {"pcie3": 16.0, "pcie4": 32.0, "pcie5": 64.0, "nvlink3": 300.0, "nvlink4": 450.0, "nvlink5": 900.0}
+LINK_EFFICIENCY = 0.8
 COMPUTE_EFFICIENCY = 0.55
 MEMORY_EFFICIENCY = 0.75
 
@@ -83,15 +90,54 @@ def unit_cost(config, kind: str, s, c, elem: int, welem: float | None = None):
     raise ValueError(kind)
 
 
-def unit_time(config, kind: str, s, c, device: DeviceSpec, dtype: str, weights: str = "none"):
-    """Roofline estimate in seconds (s, c may be numpy arrays); quantized weights move fewer bytes
-    (their packed size, `hpipe.quant.packed_bytes`) and compute at the activations' rate."""
+def link_gbs(name: str) -> float:
+    """A catalog link's achievable one-direction bandwidth in GB/s."""
+    key = name.lower().replace(" ", "").replace("-", "")
+    if key not in LINKS_GBS:
+        raise HpipeError(f"unknown link type {name!r}; the catalog has {', '.join(LINKS_GBS)}")
+    return LINKS_GBS[key] * LINK_EFFICIENCY
+
+
+def decode_unit_time(config, kind: str, rows, context, device: DeviceSpec, dtype: str, weights: str = "none"):
+    """Roofline estimate of one unit of `kind` in a decode step of `rows` sequences, each one new
+    token after `context` tokens: the weights are read once for all rows, each row reads its own KV."""
+    flops, nbytes = unit_cost(config, kind, rows, 0, _elem(dtype), _welem(weights))
+    if kind == "attn":
+        hidden, heads, head_dim, kv_heads, *_ = _dims(config)
+        flops = flops + 4 * rows * heads * head_dim * context
+        nbytes = nbytes + rows * context * 2 * kv_heads * head_dim * _elem(dtype)
+    return _roofline(flops, nbytes, device, dtype)
+
+
+DECODE_BATCHES = (1, 4, 16, 64, 256, 1024)
+
+
+def estimated_decode_table(config, device: DeviceSpec, dtype: str, max_seq_len: int, weights: str = "none") -> dict:
+    """The profile's decode table (seconds per unit kind at [batch][context]) from the roofline."""
+    contexts = sorted({128, max_seq_len // 2, max_seq_len})
+    return {"batch": list(DECODE_BATCHES), "context": contexts,
+            "t": {kind: [[float(decode_unit_time(config, kind, b, c, device, dtype, weights)) for c in contexts]
+                         for b in DECODE_BATCHES] for kind in ("attn", "mlp", "head")}}
+
+
+def _elem(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def _welem(weights: str) -> float | None:
     from hpipe import quant
 
-    elem = 4 if dtype == "float32" else 2
     fmt = quant.WeightFormat.parse(weights, where="weights")
-    welem = quant.packed_bytes(4096, 4096, fmt) / 4096 ** 2 if fmt.quantized else None
-    flops, nbytes = unit_cost(config, kind, s, c, elem, welem)
+    return quant.packed_bytes(4096, 4096, fmt) / 4096 ** 2 if fmt.quantized else None
+
+
+def _roofline(flops, nbytes, device: DeviceSpec, dtype: str):
     peak = (device.fp32_tflops if dtype == "float32" else device.fp16_tflops) * 1e12 * COMPUTE_EFFICIENCY
     bandwidth = device.bandwidth_gbs * 1e9 * MEMORY_EFFICIENCY
     return np.maximum(flops / peak, nbytes / bandwidth) + device.overhead_us * 1e-6
+
+
+def unit_time(config, kind: str, s, c, device: DeviceSpec, dtype: str, weights: str = "none"):
+    """Roofline estimate in seconds (s, c may be numpy arrays); quantized weights move fewer bytes
+    (their packed size, `hpipe.quant.packed_bytes`) and compute at the activations' rate."""
+    return _roofline(*unit_cost(config, kind, s, c, _elem(dtype), _welem(weights)), device, dtype)

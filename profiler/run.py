@@ -399,7 +399,8 @@ def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dt
             if dtype_name not in by_type:
                 tables = estimated_tables(config, spec, dtype, n, weights)
                 by_type[dtype_name] = {"compute": tables, "fit_error": {k: heldout_error(v["s"], v["c"], v["t"])
-                                                                        for k, v in tables.items()}}
+                                                                        for k, v in tables.items()},
+                                       "decode": catalog.estimated_decode_table(config, spec, dtype, n, weights)}
             profile["devices"].append({
                 "id": f"{host.name}/{device}", "host": host.name, "device": device, "type": dtype_name,
                 "source": "estimated", "identity": {"name": spec.name, "catalog": dtype_name},
