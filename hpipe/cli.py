@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -282,8 +283,11 @@ def _print_sidp_group(g, group, pipeline: dict) -> None:
                    f"B={r['batch']} {r['T_s'] * 1e3:.1f} ms (WaS {r['was_s'] * 1e3:.1f}, CaS {r['cas_s'] * 1e3:.1f})"
                    for r in it))
     b_th = rows["b_threshold"]
-    typer.echo(f"B_th = {b_th}: WaS from {b_th} sequences per replica, CaS below" if b_th else
-               "WaS never hides the fetch here: run CaS (or plain DP where it fits)")
+    if g.source == "shared-mapping":
+        typer.echo("the replicas map one copy of the weights: nothing to fetch, no switch")
+    else:
+        typer.echo(f"B_th = {b_th}: WaS from {b_th} sequences per replica, CaS below" if b_th else
+                   "WaS never hides the fetch here: run CaS (or plain DP where it fits)")
     best = max((("SiDP", rows["sidp"]["tokens_per_s"]), ("plain DP", rows["dp"]["tokens_per_s"]),
                 ("the pipeline plan (--mode pipeline)", pipeline["tokens_per_s"])), key=lambda x: x[1])
     typer.echo(f"run: {best[0]} ({best[1]:.0f} tokens/s predicted)")
@@ -442,6 +446,10 @@ def launch(
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
+    if job.plan.mode == "sidp":
+        launcher.check_replicas(job.plan, plan_path, inventory is None)
+        _print_replicas(launcher.launch_replicas(job, plan_path, out, settings, log=_note, quiet=quiet), out)
+        return
     if inventory is not None:
         report = launcher.launch_cluster(job, plan_path, inventory, out, settings,
                                          accept_new_keys=accept_new_host_keys, push=push_model,
@@ -534,6 +542,23 @@ def _check_listen(host: str, port: int) -> None:
             sock.bind(addr)
         except OSError as e:
             raise HpipeError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+
+
+def _print_replicas(report, out: str) -> None:
+    """A SiDP job's end: its throughput, and per replica its share and resident bytes (Pss: shared
+    pages count 1/n to each of the n processes mapping them)."""
+    tokens = sum(r["output_tokens"] for r in report.replicas)
+    summary = {"version": 1, "mode": "sidp", "results": len(report.results), "wall_s": report.wall_s,
+               "output_tokens": tokens, "tokens_per_s": tokens / report.wall_s if report.wall_s else None,
+               "replicas": report.replicas}
+    Path(out + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if report.wall_s:
+        typer.echo(f"{len(report.results)} prompts done -> {out}; {tokens} tokens in {report.wall_s:.2f} s "
+                   f"({summary['tokens_per_s']:.1f} tok/s) on {len(report.replicas)} replicas: " + "; ".join(
+                       f"{r['device']} {r['requests']} prompts" + (
+                           f", weights mapped {r['weights_rss_bytes'] / 1e6:.0f} MB (Pss "
+                           f"{r['weights_pss_bytes'] / 1e6:.0f} MB)" if r.get("weights_rss_bytes") else "")
+                       for r in report.replicas))
 
 
 def _print_launch(summary: dict, out: str) -> None:

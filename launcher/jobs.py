@@ -69,10 +69,6 @@ def prepare_model(plan_path: str, settings: LaunchSettings, model: str | None = 
     """The plan checked against its model, the tokenizer loaded, no requests yet (serving)."""
     check_settings(settings)
     plan = formats.load_plan(plan_path)
-    if plan.mode == "sidp":
-        raise HpipeError(f"{plan_path}: a SiDP plan (hpipe plan --mode sidp) says what SiDP would give on these "
-                         f"devices; its runtime is not in this version of hpipe: launch a plan made with "
-                         f"--mode pipeline")
     source = models.resolve_model(model or plan.model.name, progress=progress)
     config = models.load_config(source.path)
     models.check_plan_matches(plan, config, source.name)

@@ -66,12 +66,14 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
 
 
 def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, output: StageReports, log=None,
-                quiet: bool = False) -> Launch:
+                quiet: bool = False, threads: int | None = None) -> Launch:
     """Starts every stage as a local process; the returned Launch drives them. Serving
-    (`settings.serve`) stage 0 takes requests on its stdin (`Launch.send`)."""
+    (`settings.serve`) stage 0 takes requests on its stdin (`Launch.send`). threads: every CPU
+    stage's (default: the cores shared among the job's CPU stages)."""
     log = log or _stderr
     world = len(job.plan.stages)
-    threads = threads_per_stage([s.device for s in job.plan.stages])
+    threads = [threads or t if s.device == "cpu" else t
+               for s, t in zip(job.plan.stages, threads_per_stage([s.device for s in job.plan.stages]))]
     port = free_port()
     env = dict(os.environ, HPIPE_JOB_TOKEN=secrets.token_hex(16), PYTHONUNBUFFERED="1")
     env[PARENT_ENV] = str(os.getpid())       # the workers die with us (hpipe.lifeline)

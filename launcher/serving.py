@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -44,9 +45,11 @@ class Handle:
     queue: asyncio.Queue
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    result: protocol.Result | None = None       # stage 0's report of its end (timings)
 
     def put(self, event: tuple) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        if not self.loop.is_closed():         # its reader is gone (a batch job that already stopped)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
 class Histogram:
@@ -107,11 +110,12 @@ class ServeOutput(StageReports):
 class PipelineClient:
     def __init__(self, job: PreparedJob, plan_path: str, settings: LaunchSettings, inventory=None,
                  accept_new_keys: bool = False, push: bool = False, host_timeout_s: float = 15.0,
-                 max_queue: int = 256, log=None, quiet: bool = True):
+                 max_queue: int = 256, log=None, quiet: bool = True, threads: int | None = None):
         self.job, self.plan_path, self.settings, self.inventory = job, plan_path, settings, inventory
         self.launch_kwargs = dict(accept_new_keys=accept_new_keys, push=push, host_timeout_s=host_timeout_s)
         self.max_queue = max_queue
         self.log, self.quiet = log, quiet
+        self.threads = threads                 # CPU threads of a local stage (None: the cores shared by its stages)
         self.eos = frozenset()
         self.lock = threading.Lock()
         self.open: dict[int, Handle] = {}      # by request index
@@ -150,7 +154,7 @@ class PipelineClient:
                                             log=self.log, quiet=self.quiet, **self.launch_kwargs)
             else:
                 self.launch = start_local(self.job, self.plan_path, self.settings, self.output, log=self.log,
-                                          quiet=self.quiet)
+                                          quiet=self.quiet, threads=self.threads)
             if self.closing:         # closed while the stages were starting
                 self.launch.stop()
             self.launch.wait()
@@ -217,9 +221,15 @@ class PipelineClient:
                ignore_eos: bool, loop: asyncio.AbstractEventLoop) -> Handle:
         """Queues one request; raises HpipeError when the pipeline failed. The caller has checked
         the lengths against `max_model_len` and the queue against `max_queue`."""
+        request = Request(0, "", tuple(input_ids), params, max_tokens, frozenset() if ignore_eos else self.eos,
+                          stop_ids)
+        return self.submit_request(request, loop)
+
+    def submit_request(self, request: Request, loop: asyncio.AbstractEventLoop) -> Handle:
+        """Queues a request as it is (sampling, seed, stops), under this pipeline's next index."""
         index = next(self.next_index)
-        request = Request(index, f"req-{index}", tuple(input_ids), params, max_tokens,
-                          frozenset() if ignore_eos else self.eos, stop_ids)
+        request = dataclasses.replace(request, index=index, id=request.id or f"req-{index}")
+        input_ids = request.input_ids
         handle = Handle(request, loop, asyncio.Queue())
         with self.lock:
             if self.failure is not None:
@@ -267,7 +277,7 @@ class PipelineClient:
         if h is None:
             return
         reason = result.finish_reason or "stop"
-        h.finish_reason = reason
+        h.finish_reason, h.result = reason, result
         self.metrics.finished[reason] += 1
         h.put(("end", reason))
 

@@ -231,7 +231,8 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
             others = [k for k in js if k != j]
             link = cost.links.get((cost.entries[j]["id"], cost.entries[others[0]]["id"])) if others else None
             peer = link if link is not None else (0.0, float("inf"))
-            free = cost.entries[j]["memory"]["free_bytes"] * (1 - margin) - reserve
+            sharing = sum(1 for k in js if devices[k] == devices[j])      # replicas on one device split it
+            free = cost.entries[j]["memory"]["free_bytes"] * (1 - margin) / sharing - reserve
             members.append(member_from_profile(cost, j, free, src, peer))
         group = plan_group(config, members, unit_bytes, src, seq_len, new_tokens, max_batch)
         groups.append(group)

@@ -1,0 +1,106 @@
+"""`hpipe launch` of a SiDP plan on this machine: CPU replicas mapping one copy of the weights, the
+job handed out among them. Same tokens as a one-stage pipeline, shared pages, and a replica lost
+mid-job stops the job with its name while finished results stay for --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import VOCAB, assert_greedy_equal, reference_greedy
+from hpipe import formats
+from hpipe.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def sidp_plan(path, tmp_path, replicas: int):
+    """A pipeline plan of one stage, and the SiDP plan of `replicas` CPU replicas of it."""
+    single = tmp_path / "single.json"
+    assert main(["plan", "--model", str(path), "--stages", "1", "--slices", "16", "-o", str(single)]) == 0
+    plan = formats.load_plan(single)
+    sidp = formats.Plan(model=plan.model, stages=plan.stages * replicas, slicing=plan.slicing, dtype=plan.dtype,
+                        weights=plan.weights, mode="sidp",
+                        sidp=(formats.SidpGroupPlan("local", tuple(range(replicas)),
+                                                    tuple(b % replicas for b in range(plan.model.blocks)), 0,
+                                                    "shared-mapping"),))
+    out = tmp_path / "sidp.json"
+    formats.write_plan(sidp, out)
+    return single, out
+
+
+def prompts_file(tmp_path, n: int, seed: str):
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 40))]
+        sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 50 + i}
+        lines.append({"id": f"p{i}", "input_ids": prompt, "sampling": sampling})
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path, lines
+
+
+def results(path) -> dict:
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_replicas_give_the_pipelines_tokens_and_share_the_weights(tiny_models, reference_models, tmp_path):
+    path = tiny_models["llama"]
+    single, sidp = sidp_plan(path, tmp_path, 2)
+    prompts, lines = prompts_file(tmp_path, 8, "sidp")
+    out_sidp, out_single = tmp_path / "sidp.jsonl", tmp_path / "single.jsonl"
+    assert main(["launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out_sidp),
+                 "--max-new-tokens", "12", "--max-batch", "2", "--quiet"]) == 0
+    assert main(["launch", str(single), "--local", "--prompts", str(prompts), "--out", str(out_single),
+                 "--max-new-tokens", "12", "--max-batch", "2", "--quiet"]) == 0
+    ours, theirs = results(out_sidp), results(out_single)
+    assert {r["replica"] for r in ours.values()} == {0, 1}, "both replicas take requests"
+    ref = reference_models["llama"]
+    for line in lines:
+        pid = line["id"]
+        if line["sampling"]["temperature"] == 0:
+            assert_greedy_equal(ref, line["input_ids"], ours[pid]["output_ids"],
+                                reference_greedy(ref, line["input_ids"], 12, 2))
+        assert ours[pid]["output_ids"] == theirs[pid]["output_ids"], pid
+    summary = json.loads((tmp_path / "sidp.jsonl.summary.json").read_text())
+    assert summary["mode"] == "sidp" and summary["results"] == len(lines)
+    for replica in summary["replicas"]:
+        # the weights are one file mapped by both (no private copies): each one's share of its pages
+        # is at most half (less where this test's own process maps the file too)
+        assert replica["weights_rss_bytes"] > 0
+        assert replica["weights_pss_bytes"] <= 0.55 * replica["weights_rss_bytes"]
+
+
+def test_a_replica_lost_mid_job_stops_the_job_and_resume_finishes_it(tiny_models, tmp_path):
+    path = tiny_models["llama"]
+    _, sidp = sidp_plan(path, tmp_path, 2)
+    prompts, lines = prompts_file(tmp_path, 40, "sidp-kill")
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "hpipe", "launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out),
+           "--max-new-tokens", "200", "--max-batch", "1", "--quiet"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out.exists() and out.read_text().count("\n") >= 2):
+        assert job.poll() is None and time.time() < deadline, job.communicate()
+        time.sleep(0.2)
+    ps = subprocess.run(["pgrep", "-f", "replica-1.json"], capture_output=True, text=True).stdout.split()
+    assert ps, "replica 1's worker is running"
+    os.kill(int(ps[0]), signal.SIGKILL)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode != 0
+    assert "replica 1" in err and "Traceback" not in err, err
+    kept = results(out)
+    assert 0 < len(kept) < len(lines)
+    assert main(["launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "200", "--max-batch", "1", "--quiet", "--resume"]) == 0
+    done = results(out)
+    assert sorted(done) == sorted(x["id"] for x in lines)
+    assert all(done[k]["output_ids"] == kept[k]["output_ids"] for k in kept)
