@@ -550,7 +550,7 @@ def _print_replicas(report, out: str) -> None:
     tokens = sum(r["output_tokens"] for r in report.replicas)
     summary = {"version": 1, "mode": "sidp", "results": len(report.results), "wall_s": report.wall_s,
                "output_tokens": tokens, "tokens_per_s": tokens / report.wall_s if report.wall_s else None,
-               "replicas": report.replicas}
+               "replicas": report.replicas, "traces": report.traces}
     Path(out + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if report.wall_s:
         typer.echo(f"{len(report.results)} prompts done -> {out}; {tokens} tokens in {report.wall_s:.2f} s "

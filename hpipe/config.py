@@ -113,6 +113,11 @@ class RuntimeConfig:
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "
                                   "previous micro-batch computes; auto: on CUDA stages (a CPU stage's forward "
                                   "already keeps its cores busy, see README)", choices=SWITCH)
+    sidp_mode: str = setting("auto", "--sidp-mode", "SiDP plans: how a replica runs the MLP halves it does not own: "
+                             "was (fetch the weights into its cache slots), cas (send its rows to the owner, which "
+                             "runs everyone's in one GEMM) or auto (WaS while the group's largest batch stays at the "
+                             "plan's threshold or above, CaS in the tail); a shared-mapping group's WaS fetches "
+                             "nothing", choices=("auto", "was", "cas"))
     attn: str = setting("sdpa", "--attn", "transformers' attention implementation", choices=("sdpa", "eager"))
     rendezvous_timeout_s: float = setting(300.0, "--rendezvous-timeout", "seconds a stage waits for the others to join",
                                unit="s", lo=1.0)

@@ -326,6 +326,25 @@ class SidpGroupPlan:
     owners: tuple[int, ...]
     slots: int                 # WaS cache slots per replica, each the largest FFN
     source: str                # where WaS reads: "peer", "host-pool" or "shared-mapping"
+    threshold: int = 0         # B_th: CaS while the group's largest batch stays below it (0: never)
+
+    def prefetch_order(self, member: int) -> list[int]:
+        """The blocks member `member` (an index into `replicas`) fetches, in SiDP's peak-shifting
+        order: cycles of d blocks; in the cycle starting at block c it begins at c + member and
+        wraps around inside the cycle, skipping the blocks it owns, so that at any moment the d
+        members read d different owners' blocks."""
+        d, order = len(self.replicas), []
+        for c in range(0, len(self.owners), d):
+            cycle = [c + (member + k) % d for k in range(d)]
+            order += [b for b in cycle if b < len(self.owners) and self.owners[b] != member]
+        return order
+
+    def slots_needed(self, member: int) -> int:
+        """The fewest WaS slots that let the fetches run in `prefetch_order` while the forward takes
+        the blocks in their own order: the most remote blocks of one cycle."""
+        d = len(self.replicas)
+        return max((sum(1 for b in range(c, min(c + d, len(self.owners))) if self.owners[b] != member)
+                    for c in range(0, len(self.owners), d)), default=0)
 
 
 SIDP_SOURCES = ("peer", "host-pool", "shared-mapping")
@@ -348,7 +367,7 @@ class Plan:
         extra = {} if self.mode == "pipeline" else {
             "mode": self.mode,
             "sidp": [{"host": g.host, "replicas": list(g.replicas), "owners": list(g.owners), "slots": g.slots,
-                      "source": g.source} for g in self.sidp]}
+                      "source": g.source, "threshold": g.threshold} for g in self.sidp]}
         return {**extra,
             "version": self.version,
             "created_by": self.created_by,
@@ -452,14 +471,16 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     for i, g in enumerate(_expect(path, "sidp", data.get("sidp", []), list, "a list of groups")):
         where = f"sidp[{i}]"
         _expect(path, where, g, dict, "an object")
-        _no_unknown_keys(path, where, g, {"host", "replicas", "owners", "slots", "source"})
+        _no_unknown_keys(path, where, g, {"host", "replicas", "owners", "slots", "source", "threshold"})
         for key, typ, what in (("host", str, "a host name"), ("replicas", list, "stage indices"),
                                ("owners", list, "one replica index per block"), ("slots", int, "a count"),
                                ("source", str, "a WaS source")):
             if key not in g:
                 raise _fail(path, where, f"missing required key {key!r}")
             _expect(path, f"{where}.{key}", g[key], typ, what)
-        groups.append(SidpGroupPlan(g["host"], tuple(g["replicas"]), tuple(g["owners"]), g["slots"], g["source"]))
+        threshold = _expect(path, f"{where}.threshold", g.get("threshold", 0), int, "a batch size")
+        groups.append(SidpGroupPlan(g["host"], tuple(g["replicas"]), tuple(g["owners"]), g["slots"], g["source"],
+                                    threshold))
     plan = Plan(model=model, stages=tuple(stages), slicing=slicing, dtype=dtype, predicted=predicted,
                 created_by=str(data.get("created_by", "")), version=data["version"], weights=weights,
                 mode=mode, sidp=tuple(groups))
@@ -506,6 +527,13 @@ def _validate_sidp(plan: Plan, path: str) -> None:
             raise _fail(path, f"{where}.slots", f"must be at least 0, got {g.slots}")
         if g.source not in SIDP_SOURCES:
             raise _fail(path, f"{where}.source", f"{g.source!r} is not one of {', '.join(SIDP_SOURCES)}")
+        if g.threshold < 0:
+            raise _fail(path, f"{where}.threshold", f"must be at least 0, got {g.threshold}")
+        if g.source != "shared-mapping":
+            needed = max(g.slots_needed(m) for m in range(len(g.replicas)))
+            if g.slots < needed:
+                raise _fail(path, f"{where}.slots", f"{g.slots} slots cannot hold one cycle's remote MLP halves "
+                                                    f"(the peak-shifting order needs {needed}); raise slots to {needed}")
     if sorted(seen) != list(range(len(plan.stages))):
         raise _fail(path, "sidp", "every stage (replica) belongs to exactly one group")
 

@@ -163,6 +163,7 @@ class Summary:
     kv_pages: int
     page_size: int
     config: dict                # the RuntimeConfig the stages ran with
+    sidp: dict | None = None    # a SiDP replica's figures: steps per mode, fetches, CaS rows, the step trace
 
 
 REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Error, Timeline, Summary)}

@@ -227,9 +227,18 @@ def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeli
     return {**summary, "prompts_done": len(output.results)}
 
 
+@dataclass(frozen=True)
+class GroupSeat:
+    """A SiDP replica's place: its stage in the plan, and its group's rendezvous (port and token)."""
+
+    replica: int
+    port: int
+    token: str
+
+
 def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str, port: int, model: str,
                    requests_path: str | None, settings: LaunchSettings, threads: int,
-                   logits_out: str | None) -> list[str]:
+                   logits_out: str | None, seat: GroupSeat | None = None) -> list[str]:
     """The runtime's worker command line, the same for local processes and remote hosts: the
     runtime config travels whole, as one JSON argument. What is per request (sampling parameters,
     seeds, limits, EOS ids) travels in the requests file, or (serving, requests_path None) on
@@ -240,6 +249,8 @@ def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str
     cmd += ["--serve"] if requests_path is None else ["--requests", requests_path]
     if logits_out:
         cmd += ["--logits-out", logits_out]
+    if seat is not None:
+        cmd += ["--replica", str(seat.replica), "--group-port", str(seat.port)]
     return cmd
 
 

@@ -27,6 +27,7 @@ from hpipe.net import free_port
 from hpipe.request import write_requests
 from hpipe.launcher.jobs import (
     JobOutput,
+    GroupSeat,
     Launch,
     LaunchSettings,
     PreparedJob,
@@ -66,10 +67,11 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
 
 
 def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, output: StageReports, log=None,
-                quiet: bool = False, threads: int | None = None) -> Launch:
+                quiet: bool = False, threads: int | None = None, seat: GroupSeat | None = None) -> Launch:
     """Starts every stage as a local process; the returned Launch drives them. Serving
     (`settings.serve`) stage 0 takes requests on its stdin (`Launch.send`). threads: every CPU
-    stage's (default: the cores shared among the job's CPU stages)."""
+    stage's (default: the cores shared among the job's CPU stages). seat: a SiDP replica's (the
+    plan at plan_path is the whole SiDP plan; job.plan the replica's one stage)."""
     log = log or _stderr
     world = len(job.plan.stages)
     threads = [threads or t if s.device == "cpu" else t
@@ -77,6 +79,8 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
     port = free_port()
     env = dict(os.environ, HPIPE_JOB_TOKEN=secrets.token_hex(16), PYTHONUNBUFFERED="1")
     env[PARENT_ENV] = str(os.getpid())       # the workers die with us (hpipe.lifeline)
+    if seat is not None:
+        env["HPIPE_GROUP_TOKEN"] = seat.token
     # so that `python -m hpipe.runtime.worker` finds this checkout even when it is not installed
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -97,7 +101,7 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
         for rank, stage in enumerate(job.plan.stages):
             cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
                                  str(job.source.location), requests_path, settings, threads[rank],
-                                 logits if rank == world - 1 else None)
+                                 logits if rank == world - 1 else None, seat)
             workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0))
     except BaseException:
         cleanup()

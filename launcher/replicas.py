@@ -1,13 +1,15 @@
 """A SiDP plan's replicas on this machine: data parallelism over one job.
 
-Every replica is a one-stage pipeline (the plan's stage for it) started as `hpipe serve` starts
-its stages, taking requests on stage 0's stdin; one dispatcher hands the job's requests out so that
-no replica idles while another has a queue (a request goes to the least loaded replica with room
-under its --max-batch, the rest wait), and every result is appended to the results file as it
-finishes (`--resume` skips them). On a CPU host the replicas map one copy of the weights (the
-packed cache or the safetensors file, read-only): SiDP's shared-mapping source, nothing fetched,
-and each replica's resident weights are shared pages (Pss = 1/d of them). The CPU's cores are
-split among the replicas.
+Every replica is a one-stage pipeline (the plan's stage for it, `--replica`) started as `hpipe
+serve` starts its stages, taking requests on stage 0's stdin; one dispatcher hands the job's
+requests out so that no replica idles while another has a queue (a request goes to the least
+loaded replica with room under its --max-batch, the rest wait), and every result is appended to
+the results file as it finishes (`--resume` skips them). On a CPU host the replicas map one copy
+of the weights (the packed cache or the safetensors file, read-only), and each replica's resident
+weights are shared pages (Pss = 1/d of them); the CPU's cores are split among the replicas. The
+MLP halves a replica does not own run as the group's mode says (`hpipe.runtime.sidp`: WaS from the
+mapping, CaS through the owner, or the switch between them); the replicas of one group meet on
+their own gloo group, whose port and token the launcher hands out.
 """
 
 from __future__ import annotations
@@ -16,17 +18,18 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import os
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpipe import formats, models, protocol
 from hpipe.errors import HpipeError
-from hpipe.launcher.jobs import LaunchSettings, PreparedJob
+from hpipe.launcher.jobs import GroupSeat, LaunchSettings, PreparedJob
 from hpipe.launcher.serving import PipelineClient
+from hpipe.net import free_port
 
-__all__ = ["ReplicaReport", "check_replicas", "launch_replicas", "mapped_bytes"]
+__all__ = ["ReplicaReport", "check_replicas", "launch_replicas", "mapped_bytes", "replica_job"]
 
 
 @dataclass
@@ -34,25 +37,31 @@ class ReplicaReport:
     results: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     replicas: list[dict] = field(default_factory=list)      # per replica: device, requests, tokens, mapped bytes
+    traces: list[dict] = field(default_factory=list)        # per replica in a group: [t, batch, group batch, mode]
 
 
 def check_replicas(plan: formats.Plan, plan_path: str, local: bool) -> None:
-    """What this version runs of a SiDP plan: replicas on this machine that share one mapped copy."""
+    """What this version runs of a SiDP plan: CPU replicas on this machine, whose WaS source is the
+    weights' one mapping (shared-mapping, or host-pool: the mapping as the pool the slots copy from)."""
     if not local:
         raise HpipeError(f"{plan_path}: a SiDP plan runs its replicas on this machine (--local); over SSH "
                          f"each host would run its own group: launch the plan on each host")
-    other = [g for g in plan.sidp if g.source != "shared-mapping"]
-    if other:
-        raise HpipeError(f"{plan_path}: sidp[{plan.sidp.index(other[0])}] reads weights from {other[0].source!r}: "
-                         f"WaS and CaS between GPUs are not in this version of hpipe; plan CPU replicas "
-                         f"(--sidp-source shared-mapping) or launch a plan made with --mode pipeline")
+    gpu = [i for i, s in enumerate(plan.stages) if s.device != "cpu"]
+    if gpu:
+        raise HpipeError(f"{plan_path}: stages[{gpu[0]}] is a SiDP replica on {plan.stages[gpu[0]].device}: replicas "
+                         f"on GPUs (the pinned host pool, copy streams, P2P) are not in this version of hpipe; plan "
+                         f"CPU replicas or launch a plan made with --mode pipeline")
+    peer = [i for i, g in enumerate(plan.sidp) if g.source == "peer"]
+    if peer:
+        raise HpipeError(f"{plan_path}: sidp[{peer[0]}] reads WaS weights from a peer GPU, but its replicas are "
+                         f"CPUs: set its source to host-pool or shared-mapping (--sidp-source)")
 
 
-def _replica_plan(plan: formats.Plan, r: int, directory: Path) -> str:
-    one = dataclasses.replace(plan, stages=(plan.stages[r],), mode="pipeline", sidp=(), predicted=None)
-    path = directory / f"replica-{r}.json"
-    formats.write_plan(one, path)
-    return str(path)
+def replica_job(job: PreparedJob, r: int) -> PreparedJob:
+    """Replica r as its client sees it: a one-stage pipeline (its worker reads the whole SiDP plan)."""
+    plan = job.plan
+    return dataclasses.replace(job, plan=dataclasses.replace(plan, stages=(plan.stages[r],), mode="pipeline",
+                                                             sidp=(), predicted=None))
 
 
 def mapped_bytes(pid: int, roots: list[str]) -> dict | None:
@@ -94,24 +103,28 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
     runtime = dataclasses.replace(settings.runtime, max_model_len=settings.runtime.max_model_len or longest)
     serve = dataclasses.replace(settings, serve=True, runtime=runtime)
     roots = [str(models.cache_dir()), str(job.source.path), str(job.source.location)]
-    with tempfile.TemporaryDirectory(prefix="hpipe-replicas-") as tmp:
-        clients = []
+    seats = {}
+    for g in plan.sidp:
+        port, token = free_port(), secrets.token_hex(16)
+        seats.update({r: GroupSeat(r, port, token) for r in g.replicas})
+    clients = [PipelineClient(replica_job(job, r), plan_path, serve, log=log, quiet=quiet,
+                              threads=threads if cpu[r] else None, seat=seats[r]) for r in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
         try:
-            for r in range(n):
-                path = _replica_plan(plan, r, Path(tmp))
-                clients.append(PipelineClient(dataclasses.replace(job, plan=formats.load_plan(path)), path, serve,
-                                              log=log, quiet=quiet, threads=threads if cpu[r] else None))
-            with concurrent.futures.ThreadPoolExecutor(n) as pool:      # the replicas load at once
-                for started in [pool.submit(c.start) for c in clients]:
-                    started.result()
+            for started in [pool.submit(c.start) for c in clients]:    # the replicas load at once
+                started.result()
             t0 = time.time()
             asyncio.run(_dispatch(clients, job, out_path, report, log, t0))
             report.wall_s = time.time() - t0
             for r, client in enumerate(clients):
                 report.replicas[r].update(mapped_bytes(client.launch.workers[0].proc.pid, roots) or {})
-        finally:
-            for client in clients:
-                client.close()
+        finally:    # at once: a group's replicas end together (each waits for the others' stop)
+            list(pool.map(lambda c: c.close(), clients))
+    for r, client in enumerate(clients):
+        sidp = (client.output.summary or {}).get("sidp")
+        if sidp is not None and r < len(report.replicas):
+            report.traces.append({"replica": r, "trace": sidp.pop("trace")})
+            report.replicas[r]["sidp"] = sidp
     return report
 
 

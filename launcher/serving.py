@@ -110,12 +110,13 @@ class ServeOutput(StageReports):
 class PipelineClient:
     def __init__(self, job: PreparedJob, plan_path: str, settings: LaunchSettings, inventory=None,
                  accept_new_keys: bool = False, push: bool = False, host_timeout_s: float = 15.0,
-                 max_queue: int = 256, log=None, quiet: bool = True, threads: int | None = None):
+                 max_queue: int = 256, log=None, quiet: bool = True, threads: int | None = None, seat=None):
         self.job, self.plan_path, self.settings, self.inventory = job, plan_path, settings, inventory
         self.launch_kwargs = dict(accept_new_keys=accept_new_keys, push=push, host_timeout_s=host_timeout_s)
         self.max_queue = max_queue
         self.log, self.quiet = log, quiet
         self.threads = threads                 # CPU threads of a local stage (None: the cores shared by its stages)
+        self.seat = seat                       # a SiDP replica's hpipe.launcher.jobs.GroupSeat, or None
         self.eos = frozenset()
         self.lock = threading.Lock()
         self.open: dict[int, Handle] = {}      # by request index
@@ -154,7 +155,7 @@ class PipelineClient:
                                             log=self.log, quiet=self.quiet, **self.launch_kwargs)
             else:
                 self.launch = start_local(self.job, self.plan_path, self.settings, self.output, log=self.log,
-                                          quiet=self.quiet, threads=self.threads)
+                                          quiet=self.quiet, threads=self.threads, seat=self.seat)
             if self.closing:         # closed while the stages were starting
                 self.launch.stop()
             self.launch.wait()

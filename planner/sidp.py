@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpipe import models
+from hpipe import formats, models
 
 __all__ = ["Member", "SidpGroup", "assign_owners", "kv_tokens", "member_from_profile", "pipeline_estimate",
-           "plan_group", "plan_sidp", "prefetch_order"]
+           "plan_group", "plan_sidp"]
 
 SOURCES = ("peer", "host-pool", "shared-mapping")
 
@@ -75,17 +75,6 @@ def assign_owners(ffn_bytes: list[float], free_bytes: list[float]) -> list[int]:
     return owners
 
 
-def prefetch_order(owners: list[int], rank: int, d: int) -> list[int]:
-    """The blocks rank `rank` fetches, in SiDP's peak-shifting order: cycles of d blocks; in the cycle
-    starting at block c the rank begins at c + rank and wraps around inside the cycle, skipping the
-    blocks it owns."""
-    order = []
-    for c in range(0, len(owners), d):
-        cycle = [c + (rank + k) % d for k in range(d)]
-        order += [b for b in cycle if b < len(owners) and owners[b] != rank]
-    return order
-
-
 def kv_tokens(free: float, weights: float, kv_per_token: float) -> float:
     return (free - weights) / kv_per_token
 
@@ -103,8 +92,9 @@ def plan_group(config, members: list[Member], dtype_bytes: dict, source: str, se
     rest = float(sum(per_unit)) - sum(ffn)
     kv_per_token = float(sum(dtype_bytes["kv_per_token_per_unit"]))
     owners = assign_owners(ffn, [m.free_bytes for m in members])
-    if slots is None:       # SiDP keeps d - 1 (a whole cycle's remote layers); a shared mapping needs none
-        slots = 0 if source == "shared-mapping" else d - 1
+    if slots is None:       # a whole cycle's remote layers (d - 1 on equal devices); a shared mapping needs none
+        layout = formats.SidpGroupPlan("", tuple(range(d)), tuple(owners), 0, source)
+        slots = 0 if source == "shared-mapping" else max(layout.slots_needed(m) for m in range(d))
     weight_bytes, kv, dp_kv, fetch = [], [], [], []
     for i, m in enumerate(members):
         owned = sum(b for b, o in zip(ffn, owners) if o == i)
@@ -211,7 +201,6 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
               new_tokens: int, max_batch: int, margin: float, dtype: str, weights: str, source: str = "auto"):
     """`hpipe plan --mode sidp`: one group per host over `devices`, each device a whole replica.
     Returns (the plan file's object, [SidpGroup], {host: pipeline estimate})."""
-    from hpipe import formats
     from hpipe.memory import activation_bytes
     from hpipe.planner.profiled import CostModel, check_profile_matches
 
@@ -237,7 +226,9 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
         group = plan_group(config, members, unit_bytes, src, seq_len, new_tokens, max_batch)
         groups.append(group)
         pipelines[host] = pipeline_estimate(members, config, unit_bytes, seq_len, new_tokens, max_batch)
-        group_plans.append(formats.SidpGroupPlan(host, tuple(js), tuple(group.owners), group.slots, src))
+        # B_th: CaS below the first batch at which WaS hides its fetch (above the grid: always CaS)
+        threshold = group.b_threshold if group.b_threshold is not None else max_batch + 1
+        group_plans.append(formats.SidpGroupPlan(host, tuple(js), tuple(group.owners), group.slots, src, threshold))
     from hpipe import quant
     from hpipe.planner.uniform import model_identity
 

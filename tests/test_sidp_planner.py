@@ -38,7 +38,9 @@ def test_owners_are_interleaved_on_equal_devices_and_near_the_optimum_otherwise(
 def test_peak_shifting_fetches_every_remote_block_once_and_spreads_the_owners(d):
     blocks = 4 * d + 1
     owners = sidp.assign_owners([1.0] * blocks, [1.0] * d)
-    orders = [sidp.prefetch_order(owners, r, d) for r in range(d)]
+    group = formats.SidpGroupPlan("h", tuple(range(d)), tuple(owners), d - 1, "host-pool")
+    orders = [group.prefetch_order(r) for r in range(d)]
+    assert all(group.slots_needed(r) == d - 1 for r in range(d))
     for r, order in enumerate(orders):
         assert sorted(order) == [b for b in range(blocks) if owners[b] != r]
     # the k-th fetch of every rank inside a full cycle reads a different owner: no incast

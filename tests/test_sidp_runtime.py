@@ -4,6 +4,7 @@ mid-job stops the job with its name while finished results stay for --resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -34,6 +35,17 @@ def sidp_plan(path, tmp_path, replicas: int):
     out = tmp_path / "sidp.json"
     formats.write_plan(sidp, out)
     return single, out
+
+
+def fetching_plan(path, tmp_path, threshold: int):
+    """The SiDP plan of 2 CPU replicas whose WaS copies the MLPs it does not own from the weights'
+    mapping (host-pool) into its slots, and whose switch to CaS is at `threshold` sequences."""
+    _, out = sidp_plan(path, tmp_path, 2)
+    plan = formats.load_plan(out)
+    group = plan.sidp[0]
+    formats.write_plan(dataclasses.replace(plan, sidp=(dataclasses.replace(
+        group, source="host-pool", slots=group.slots_needed(0), threshold=threshold),)), out)
+    return out
 
 
 def prompts_file(tmp_path, n: int, seed: str):
@@ -80,21 +92,21 @@ def test_replicas_give_the_pipelines_tokens_and_share_the_weights(tiny_models, r
 
 
 def test_a_replica_lost_mid_job_stops_the_job_and_resume_finishes_it(tiny_models, tmp_path):
-    path = tiny_models["llama"]
-    _, sidp = sidp_plan(path, tmp_path, 2)
+    """Under CaS, where the replicas meet at every MLP half: the survivor stops at once too."""
+    sidp = fetching_plan(tiny_models["llama"], tmp_path, 0)
     prompts, lines = prompts_file(tmp_path, 40, "sidp-kill")
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "hpipe", "launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out),
-           "--max-new-tokens", "200", "--max-batch", "1", "--quiet"]
+           "--max-new-tokens", "200", "--max-batch", "1", "--quiet", "--sidp-mode", "cas"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not (out.exists() and out.read_text().count("\n") >= 2):
         assert job.poll() is None and time.time() < deadline, job.communicate()
         time.sleep(0.2)
-    ps = subprocess.run(["pgrep", "-f", "replica-1.json"], capture_output=True, text=True).stdout.split()
+    ps = subprocess.run(["pgrep", "-f", "--", "--replica 1 "], capture_output=True, text=True).stdout.split()
     assert ps, "replica 1's worker is running"
     os.kill(int(ps[0]), signal.SIGKILL)
-    _, err = job.communicate(timeout=120)
+    _, err = job.communicate(timeout=60)
     assert job.returncode != 0
     assert "replica 1" in err and "Traceback" not in err, err
     kept = results(out)
@@ -104,3 +116,45 @@ def test_a_replica_lost_mid_job_stops_the_job_and_resume_finishes_it(tiny_models
     done = results(out)
     assert sorted(done) == sorted(x["id"] for x in lines)
     assert all(done[k]["output_ids"] == kept[k]["output_ids"] for k in kept)
+
+
+@pytest.fixture(scope="module")
+def one_stage_run(tiny_models, tmp_path_factory):
+    """The reference of the WaS / CaS runs: the same prompts through a one-stage pipeline."""
+    tmp = tmp_path_factory.mktemp("sidp-modes")
+    single, _ = sidp_plan(tiny_models["llama"], tmp, 2)
+    prompts, lines = prompts_file(tmp, 10, "sidp-modes")
+    out = tmp / "single.jsonl"
+    assert main(["launch", str(single), "--local", "--prompts", str(prompts), "--out", str(out),
+                 "--max-new-tokens", "16", "--max-batch", "4", "--quiet"]) == 0
+    return prompts, lines, results(out)
+
+
+@pytest.mark.parametrize("mode,threshold", [("was", 0), ("cas", 0), ("auto", 3)])
+def test_was_cas_and_the_switch_give_the_pipelines_tokens(tiny_models, one_stage_run, tmp_path, mode, threshold):
+    """WaS copying the MLPs it does not own into its slots, CaS sending its rows to the owner, and
+    auto switching from WaS to CaS when the job's tail leaves fewer than 3 sequences per replica:
+    every greedy and seeded output equals the one-stage pipeline's, and both replicas took every
+    decision at the same step."""
+    prompts, lines, theirs = one_stage_run
+    path = fetching_plan(tiny_models["llama"], tmp_path, threshold)
+    blocks = formats.load_plan(path).model.blocks
+    out = tmp_path / "sidp.jsonl"
+    assert main(["launch", str(path), "--local", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens",
+                 "16", "--max-batch", "4", "--quiet", "--sidp-mode", mode]) == 0
+    ours = results(out)
+    for line in lines:
+        assert ours[line["id"]]["output_ids"] == theirs[line["id"]]["output_ids"], line["id"]
+    summary = json.loads((tmp_path / "sidp.jsonl.summary.json").read_text())
+    replicas = summary["replicas"]
+    steps = [r["sidp"]["steps"] for r in replicas]
+    modes = [[m for *_, m in t["trace"]] for t in summary["traces"]]
+    assert modes[0] == modes[1], "one decision per step for the whole group"
+    if mode == "was":
+        assert all(s["cas"] == 0 and s["was"] > 0 for s in steps)
+        assert all(r["sidp"]["was"]["fetches"] >= blocks // 2 for r in replicas)
+    elif mode == "cas":
+        assert all(s["was"] == 0 for s in steps) and all(r["sidp"]["cas"]["rows_sent"] > 0 for r in replicas)
+    else:
+        switch = modes[0].index("cas")
+        assert 0 < switch and set(modes[0][:switch]) == {"was"}, "WaS in the bulk, then CaS in the tail"

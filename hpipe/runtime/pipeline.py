@@ -40,7 +40,7 @@ from hpipe.runtime.schedule import Schedule
 from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.static_decode import VERSIONS   # one number of input versions for both paths
 
-__all__ = ["Driver", "Executors", "Modes", "Timeline", "run_first_stage", "run_later_stage"]
+__all__ = ["Driver", "Executors", "Modes", "Timeline", "run_first_stage", "run_later_stage", "run_summary"]
 
 
 @dataclass(frozen=True)
@@ -508,6 +508,11 @@ def run_first_stage(ex: Executors, driver: Driver, sampling: Sampling | None) ->
     if errors:
         raise errors[0]
     driver.pending.wait()
+    return run_summary(sched, wall0)
+
+
+def run_summary(sched: Scheduler, wall0: float) -> dict:
+    """Stage 0's figures of the run, from the compute loop's start."""
     wall = time.time() - wall0
     n = sched.generated
     return {"wall_s": round(wall, 6), "generated_tokens": n, "tokens_per_s": round(n / wall, 3) if wall else None,

@@ -169,6 +169,11 @@ class Scheduler:
     def done(self) -> bool:
         return self.closed and not self.queue and not self.active and not self.inflight
 
+    @property
+    def busy(self) -> bool:
+        """Requests waiting, running or in flight: a micro-batch is coming."""
+        return bool(self.queue or self.active or self.inflight)
+
     def stats(self) -> dict:
         return {"waiting": len(self.queue), "running": len(self.active), "pages_used": self.pool.usable -
                 len(self.pool.free), "pages_free": len(self.pool.free), "preemptions": self.preemptions,

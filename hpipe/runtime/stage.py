@@ -63,6 +63,15 @@ class StageRunner:
     def last(self) -> bool:
         return self.units.stop == self.n_units
 
+    def mlp_modules(self) -> dict[int, torch.nn.Module]:
+        """Block -> its MLP module (the MLP half's second module, after its norm), for the blocks held."""
+        return {b: self._mods[2 + 2 * b][1] for b in self.blocks if 2 + 2 * b in self._mods}
+
+    def replace_mlps(self, modules: dict[int, torch.nn.Module]) -> None:
+        """Runs `modules[b]` in place of block b's MLP module (SiDP's owned and remote MLP halves)."""
+        for b, module in modules.items():
+            self._mods[2 + 2 * b][1] = module
+
     # ---------------------------------------------------------------- step 1: input preparation
     def prepare_inputs(self, segments: list[Segment]) -> StageInputs:
         layout = layout_of(segments)

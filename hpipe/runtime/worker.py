@@ -43,6 +43,7 @@ from hpipe.runtime.sampler_pool import SamplerPool
 from hpipe.runtime.schedule import body_capacity
 from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.sequence import Sequence
+from hpipe.runtime.sidp import Replica, Seat, needs_group, run_replica
 from hpipe.runtime.stage import StageRunner
 from hpipe.runtime.static_decode import StaticDecode, unsupported
 from hpipe.sampling import RequestSampler
@@ -67,9 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--serve", action="store_true", help="take requests on stage 0's stdin until it closes")
     p.add_argument("--logits-out", help="last stage: write an .npz of logits per request id")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--replica", type=int, help="a SiDP plan: the stage (replica) this worker runs, as a one-stage "
+                                               "pipeline in its group (token: HPIPE_GROUP_TOKEN)")
+    p.add_argument("--group-port", type=int, help="with --replica: the group's rendezvous port on --master-addr")
     args = p.parse_args(argv)
     if not args.serve and not args.requests:
         p.error("give --requests FILE (a batch job) or --serve (requests on stdin)")
+    if (args.replica is None) != (args.group_port is None):
+        p.error("give --replica and --group-port together")
     return args
 
 
@@ -276,9 +282,12 @@ class StageWorker:
             torch.set_num_threads(args.threads)
         t_load = time.time()
         plan = self.plan = formats.load_plan(args.plan)
-        if self.world != len(plan.stages):
-            raise HpipeError(f"--world-size {self.world} but the plan has {len(plan.stages)} stages")
-        self.stage_plan = plan.stages[self.rank]
+        self.seat = seat_of(plan, args.replica, self.world)
+        self.index = self.rank if self.seat is None else args.replica      # this stage in plan.stages
+        self.stages = plan.stages if self.seat is None else (plan.stages[self.index],)    # this pipeline's
+        if self.world != len(self.stages):
+            raise HpipeError(f"--world-size {self.world} but the plan has {len(self.stages)} stages")
+        self.stage_plan = plan.stages[self.index]
         source = models.resolve_model(args.model or plan.model.name)
         self.model_config = models.load_config(source.path)
         models.check_plan_matches(plan, self.model_config, source.name)
@@ -287,11 +296,11 @@ class StageWorker:
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights)
         self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
-        self.policy = Policy.resolve(config, [s.device for s in plan.stages])
+        self.policy = Policy.resolve(config, [s.device for s in self.stages])
         self.modes, static = self._modes()
         self.max_tokens = longest_microbatch(self.requests.lengths, plan, config.max_batch, self.policy)
         self.groups = comm.init(self.rank, self.world, args.master_addr, args.master_port,
-                                os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in plan.stages],
+                                os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in self.stages],
                                 config.rendezvous_timeout_s)
         self.pages = self._agree_kv_pages()
         runner.kv.allocate(self.pages)
@@ -307,6 +316,9 @@ class StageWorker:
         self.ex = Executors(self.rank, self.world, runner, self.groups, self.modes, Timeline(bounded=args.serve),
                             link, self.max_tokens, static=static_decode)
         self.ex.allocate_buffers()
+        self.replica = Replica(self.seat, runner, config.sidp_mode, args.master_addr, args.group_port,
+                               os.environ.get("HPIPE_GROUP_TOKEN", "local"), config.rendezvous_timeout_s,
+                               self.ex.errors) if self.grouped else None
         self.keep = KeepLogits(args.logits_out) if args.logits_out and self.last else KeepNothing()
         self.load_s = time.time() - t_load
 
@@ -322,7 +334,9 @@ class StageWorker:
                       cuda_graphs=config.cuda_graphs and device.type == "cuda")
         static = config.static_decode == "on" or config.compile == "on" or \
             (config.static_decode == "auto" and modes.cuda_graphs)
-        if static and (why := unsupported(self.runner)):
+        self.grouped = self.seat is not None and needs_group(self.seat.group, config.sidp_mode)
+        why = "a SiDP replica's MLP halves run through WaS or CaS" if self.grouped else unsupported(self.runner)
+        if static and why:
             log(f"stage {self.rank}: decode runs eagerly, not on the static path (CUDA graphs, --compile): {why}")
             static = False
             modes = dataclasses.replace(modes, cuda_graphs=False)
@@ -332,7 +346,7 @@ class StageWorker:
         """This stage's KV pool, then the smallest over the stages (stage 0 hands out what every stage holds)."""
         config, requests = self.config, self.requests
         wanted = requests.sequences * pages_needed(requests.max_len, config.page_size) + 1
-        pages = kv_pool_pages(config, self.plan, self.model_config, self.rank, self.runner, self.max_tokens, wanted)
+        pages = kv_pool_pages(config, self.plan, self.model_config, self.index, self.runner, self.max_tokens, wanted)
         agreed = torch.tensor([pages], dtype=torch.long)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.groups.ctrl)
         pages = int(agreed.item())
@@ -395,7 +409,8 @@ class StageWorker:
         requests.start(driver, protocol.Ready(self.pages - 1, config.page_size, requests.max_len, config.max_batch,
                                               dataclasses.asdict(self.policy)))
         try:
-            run = run_first_stage(self.ex, driver, sampling)
+            run = run_first_stage(self.ex, driver, sampling) if self.replica is None else \
+                run_replica(self.ex, driver, sampling, self.replica)
         finally:
             if sampling is not None:
                 sampling.close()
@@ -405,7 +420,20 @@ class StageWorker:
                      "compiled": self.ex.static is not None and self.ex.static.compiled,
                      "weights": str(self.weights)},
             policy=dataclasses.asdict(self.policy), kv_pages=self.pages - 1, page_size=config.page_size,
-            config=dataclasses.asdict(config))
+            config=dataclasses.asdict(config), sidp=self.replica.report() if self.replica is not None else None)
+
+
+def seat_of(plan, replica: int | None, world: int) -> Seat | None:
+    """A SiDP plan's worker runs one replica (--replica) as a one-stage pipeline; other plans, none."""
+    if plan.mode != "sidp":
+        if replica is not None:
+            raise HpipeError(f"--replica {replica}: the plan is not a SiDP plan")
+        return None
+    if replica is None or not 0 <= replica < len(plan.stages) or world != 1:
+        raise HpipeError(f"a SiDP plan runs one replica per worker: give --replica 0..{len(plan.stages) - 1}, "
+                         f"--world-size 1 and --group-port")
+    group = next(g for g in plan.sidp if replica in g.replicas)
+    return Seat(group, group.replicas.index(replica))
 
 
 def choose_sampling(asked: str, device: str, world: int) -> str:
