@@ -7,12 +7,19 @@ of its own plan, interleaved over --repeats (this machine is shared and noisy):
   the cores split among them), with the planner's prediction;
 - `pipeline`: `hpipe plan --stages N` (the model cut in N, one process per stage);
 - `one stage`: one process with every core.
-Per variant: the job's output tokens/s (the run's own clock, model loading excluded), and for SiDP
-each replica's mapped weight bytes against their Pss.
+- `sidp was` / `sidp cas` / `sidp auto@T`: the same replicas with source host-pool, each copying
+  the MLP halves it does not own from the mapping into its cache slots (WaS), or sending its rows
+  to their owner (CaS), or switching from WaS to CaS when the group's largest batch stays below T
+  (auto, T = --switch-at: the planner's own B_th on this CPU is 1, i.e. never CaS, so the switch is
+  forced into the job's tail to measure what it costs or gains here).
+Per variant: the job's output tokens/s (the run's own clock, model loading excluded), for SiDP
+each replica's mapped weight bytes against their Pss, and for WaS the housekeeper's fetch time
+per step against the step's time (the paper's Fig. 9 question: does the fetch hide?).
 
-    python bench/sidp.py [--requests 24] [--max-new-tokens 64] [--replicas 2] [--repeats 2]
+    python bench/sidp.py [--requests 24] [--max-new-tokens 64] [--replicas 2] [--repeats 2] [--switch-at 4]
 
-Writes bench/results/sidp.json.
+Writes bench/results/sidp.json and the auto run's batch and mode per step (the SiDP paper's Fig. 15)
+as bench/results/sidp_modes.png.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--switch-at", type=int, default=4)
     args = ap.parse_args()
     source = models.resolve_model("smollm2")
     tokenizer = models.load_tokenizer(source.path)
@@ -65,20 +73,35 @@ def main() -> None:
                         ROOT / "profiles" / "smollm2-cpu-1thread-quick.json", "--seq-len", seq_len,
                         "--new-tokens", args.max_new_tokens, "--max-batch", 8, "-o", work / "sidp.json", cwd=work)
         predicted = json.loads((work / "sidp.json").read_text())["predicted"]["groups"][0]
+        hpipe("plan", "--mode", "sidp", "--stages", args.replicas, "--profile",
+              ROOT / "profiles" / "smollm2-cpu-1thread-quick.json", "--seq-len", seq_len, "--new-tokens",
+              args.max_new_tokens, "--max-batch", 8, "--sidp-source", "host-pool", "-o", work / "fetch.json", cwd=work)
+        fetch = json.loads((work / "fetch.json").read_text())
+        report["planner_threshold_host_pool"] = fetch["sidp"][0]["threshold"]
+        fetch["sidp"][0]["threshold"] = args.switch_at
+        (work / "switch.json").write_text(json.dumps(fetch))
         hpipe("plan", "--stages", args.replicas, "-o", work / "pipeline.json", cwd=work)
         hpipe("plan", "--stages", 1, "-o", work / "one.json", cwd=work)
-        runs: dict[str, list] = {"sidp": [], "pipeline": [], "one stage": []}
+        variants = {"sidp": ("sidp.json", []), "sidp was": ("fetch.json", ["--sidp-mode", "was"]),
+                    "sidp cas": ("fetch.json", ["--sidp-mode", "cas"]),
+                    f"sidp auto@{args.switch_at}": ("switch.json", ["--sidp-mode", "auto"]),
+                    "pipeline": ("pipeline.json", []), "one stage": ("one.json", [])}
+        runs: dict[str, list] = {name: [] for name in variants}
         for rep in range(args.repeats):
-            for name, plan in (("sidp", "sidp.json"), ("pipeline", "pipeline.json"), ("one stage", "one.json")):
+            for name, (plan, extra) in variants.items():
                 out = work / f"{name.replace(' ', '-')}-{rep}.jsonl"
+                sidp = name.startswith("sidp")
+                picture = ["--timeline-out", ROOT / "bench" / "results" / "sidp_modes.png"] \
+                    if name.startswith("sidp auto") and rep == args.repeats - 1 else []
                 hpipe("launch", plan, "--local", "--prompts", prompts, "--out", out, "--max-new-tokens",
-                      args.max_new_tokens, "--max-batch", 8, "--quiet", cwd=work)
+                      args.max_new_tokens, "--max-batch", 8, "--quiet", *extra, *picture, cwd=work)
                 summary = json.loads(out.with_name(out.name + ".summary.json").read_text())
-                run = summary if name == "sidp" else summary["run"]
-                tokens = run["output_tokens"] if name == "sidp" else run["generated_tokens"]
+                run = summary if sidp else summary["run"]
+                tokens = run["output_tokens"] if sidp else run["generated_tokens"]
                 row = {"tokens_per_s": tokens / run["wall_s"], "wall_s": run["wall_s"], "output_tokens": tokens}
-                if name == "sidp":
+                if sidp:
                     row["replicas"] = summary["replicas"]
+                    row.update(fetch_figures(summary, run["wall_s"]))
                 runs[name].append(row)
                 print(f"  repeat {rep} {name}: {row['tokens_per_s']:.1f} tokens/s", flush=True)
     for name, rows in runs.items():
@@ -95,6 +118,23 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "sidp.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
+
+
+def fetch_figures(summary: dict, wall_s: float) -> dict:
+    """Per replica of a grouped run: steps per mode, the housekeeper's fetch time per WaS step
+    against the mean step (the wall over the steps with work), the forward's waits for a slot."""
+    out = []
+    for r in summary["replicas"]:
+        s = r.get("sidp")
+        if not s:
+            continue
+        steps = sum(s["steps"].values())
+        was = s["steps"]["was"]
+        out.append({"steps": s["steps"], "step_ms": round(1e3 * wall_s / max(steps, 1), 2),
+                    "fetch_ms_per_was_step": round(1e3 * s["was"]["fetch_s"] / max(was, 1), 2),
+                    "slot_wait_ms_per_was_step": round(1e3 * s["was"]["wait_s"] / max(was, 1), 2),
+                    "cas_rows_sent": s["cas"]["rows_sent"], "cas_rows_served": s["cas"]["rows_served"]})
+    return {"group": out} if out else {}
 
 
 if __name__ == "__main__":

@@ -447,8 +447,11 @@ def launch(
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
     if job.plan.mode == "sidp":
-        launcher.check_replicas(job.plan, plan_path, inventory is None)
-        _print_replicas(launcher.launch_replicas(job, plan_path, out, settings, log=_note, quiet=quiet), out)
+        launcher.check_replicas(job.plan, plan_path, inventory is None, timeline_out)
+        report = launcher.launch_replicas(job, plan_path, out, settings, log=_note, quiet=quiet)
+        _print_replicas(report, out)
+        if timeline_out:
+            launcher.write_mode_trace(timeline_out, report.traces)
         return
     if inventory is not None:
         report = launcher.launch_cluster(job, plan_path, inventory, out, settings,

@@ -738,7 +738,7 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
     _expect(path, "top level", data, dict, "a JSON object")
     _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "weights",
                                               "max_seq_len",
-                                              "quick", "bytes", "devices", "links", "errors"})
+                                              "quick", "bytes", "devices", "links", "peers", "errors"})
     if data.get("version") != PROFILE_VERSION:
         raise _fail(path, "version", f"this hpipe reads profile version {PROFILE_VERSION}, "
                                      f"the file says {data.get('version')!r}")

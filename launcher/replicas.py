@@ -15,6 +15,7 @@ their own gloo group, whose port and token the launcher hands out.
 from __future__ import annotations
 
 import asyncio
+import json
 import concurrent.futures
 import dataclasses
 import os
@@ -29,7 +30,7 @@ from hpipe.launcher.jobs import GroupSeat, LaunchSettings, PreparedJob
 from hpipe.launcher.serving import PipelineClient
 from hpipe.net import free_port
 
-__all__ = ["ReplicaReport", "check_replicas", "launch_replicas", "mapped_bytes", "replica_job"]
+__all__ = ["ReplicaReport", "check_replicas", "launch_replicas", "mapped_bytes", "replica_job", "write_mode_trace"]
 
 
 @dataclass
@@ -37,12 +38,15 @@ class ReplicaReport:
     results: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
     replicas: list[dict] = field(default_factory=list)      # per replica: device, requests, tokens, mapped bytes
-    traces: list[dict] = field(default_factory=list)        # per replica in a group: [t, batch, group batch, mode]
+    traces: list[dict] = field(default_factory=list)        # per replica with WaS/CaS: [[t, batch, mode], ...]
 
 
-def check_replicas(plan: formats.Plan, plan_path: str, local: bool) -> None:
+def check_replicas(plan: formats.Plan, plan_path: str, local: bool, timeline_out: str | None = None) -> None:
     """What this version runs of a SiDP plan: CPU replicas on this machine, whose WaS source is the
     weights' one mapping (shared-mapping, or host-pool: the mapping as the pool the slots copy from)."""
+    if timeline_out and Path(timeline_out).suffix.lower() not in (".png", ".json"):
+        raise HpipeError(f"--timeline-out {timeline_out}: a SiDP job draws its batch and mode per step: give a "
+                         f"file name ending in .png or .json")
     if not local:
         raise HpipeError(f"{plan_path}: a SiDP plan runs its replicas on this machine (--local); over SSH "
                          f"each host would run its own group: launch the plan on each host")
@@ -181,3 +185,39 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
         for t in tasks:
             t.cancel()
         raise
+
+
+def write_mode_trace(path: str, traces: list[dict], title: str = "") -> None:
+    """`--timeline-out` of a SiDP job (the SiDP paper's Fig. 15): every replica's steps with work,
+    their batch (the group's largest in CaS steps) and mode; .json (the traces) or .png."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".json":
+        Path(path).write_text(json.dumps({"version": 1, "traces": traces}) + "\n")
+        return
+    if suffix != ".png":
+        raise HpipeError(f"--timeline-out {path}: a SiDP job draws its batch and mode per step as .png or .json")
+    from hpipe.planner import PALETTE, pyplot
+
+    plt = pyplot("--timeline-out", (".json",))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    colours = {"was": PALETTE[0], "cas": PALETTE[1]}
+    t0 = min((t["trace"][0][0] for t in traces if t["trace"]), default=0.0)
+    for t in traces:
+        steps = t["trace"]
+        if not steps:
+            continue
+        times = [s[0] - t0 for s in steps]
+        ax.step(times, [s[1] for s in steps], where="post", lw=1, color="#777777")
+        ax.scatter(times, [s[1] for s in steps], s=6, c=[colours[s[2]] for s in steps], zorder=3)
+    steps = [s for t in traces for s in t["trace"]]
+    for mode, colour in colours.items():
+        n = sum(1 for s in steps if s[2] == mode)
+        ax.scatter([], [], color=colour, s=20, label=f"{mode.upper()} ({n / max(len(steps), 1):.0%} of steps)")
+    ax.set_ylim(0, max((s[1] for s in steps), default=0) + 1)
+    ax.set_xlabel("seconds into the job")
+    ax.set_ylabel("batch (running sequences)")
+    ax.set_title(title or "SiDP: every replica's steps, their batch and mode (the paper's Fig. 15)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

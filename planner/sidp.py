@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpipe import formats, models
+from hpipe.errors import HpipeError
 
 __all__ = ["Member", "SidpGroup", "assign_owners", "kv_tokens", "member_from_profile", "pipeline_estimate",
            "plan_group", "plan_sidp"]
@@ -197,6 +198,45 @@ def pipeline_estimate(members: list[Member], config, unit_bytes: dict, seq_len: 
     return {"kv_tokens": tokens, "batch": batch, "tokens_per_s": batch / round_s, "fits": True}
 
 
+def _peers(profile: dict, entries: list[dict]) -> list[dict]:
+    """The profile's probed copies between these devices (`hpipe profile` on a host with GPUs)."""
+    ids = {e["id"] for e in entries}
+    return [p for p in profile.get("peers", []) if p["src"] in ids and p["dst"] in ids]
+
+
+def choose_source(asked: str, profile: dict, entries: list[dict]) -> str:
+    """auto: a CPU host's replicas share one mapping; GPUs read their owners' weights over P2P where
+    the profile saw every pair's real copy arrive, faster than each one's pinned host reads, and
+    from the pinned host pool otherwise (consumer cards have no P2P)."""
+    if asked != "auto":
+        return asked
+    if all(e["device"] == "cpu" for e in entries):
+        return "shared-mapping"
+    peers = _peers(profile, entries)
+    pairs = len(entries) * (len(entries) - 1)
+    host = min((e.get("fetch", {}).get("bytes_per_s", 0.0) for e in entries), default=0.0)
+    if pairs and len(peers) == pairs and all(p.get("works") for p in peers) and \
+            min(p["bytes_per_s"] for p in peers) > host:
+        return "peer"
+    return "host-pool"
+
+
+def read_bytes_per_s(source: str, profile: dict, entry: dict, others: list[dict], link: float) -> float:
+    """WaS's read bandwidth for one member, measured where the profile has it: the pinned host
+    pool's (per device), the slowest real peer copy from the others; else the link between them."""
+    if source == "host-pool" and "fetch" in entry:
+        return float(entry["fetch"]["bytes_per_s"])
+    if source == "peer":
+        into = [p for p in _peers(profile, [entry, *others]) if p["dst"] == entry["id"]]
+        if any(not p.get("works") for p in into):
+            bad = next(p for p in into if not p.get("works"))
+            raise HpipeError(f"--sidp-source peer: the profile's copy {bad['src']} -> {bad['dst']} did not arrive "
+                             f"(no working P2P between them); use --sidp-source host-pool")
+        if into:
+            return min(float(p["bytes_per_s"]) for p in into)
+    return link
+
+
 def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list[tuple[str, str]], seq_len: int,
               new_tokens: int, max_batch: int, margin: float, dtype: str, weights: str, source: str = "auto"):
     """`hpipe plan --mode sidp`: one group per host over `devices`, each device a whole replica.
@@ -213,13 +253,14 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
         hosts.setdefault(host, []).append(j)
     groups, pipelines, group_plans = [], {}, []
     for host, js in hosts.items():
-        cpu = all(devices[j][1] == "cpu" for j in js)
-        src = source if source != "auto" else ("shared-mapping" if cpu else "host-pool")
+        src = choose_source(source, profile, [cost.entries[j] for j in js])
         members = []
         for j in js:
             others = [k for k in js if k != j]
             link = cost.links.get((cost.entries[j]["id"], cost.entries[others[0]]["id"])) if others else None
             peer = link if link is not None else (0.0, float("inf"))
+            peer = (peer[0], read_bytes_per_s(src, profile, cost.entries[j], [cost.entries[k] for k in others],
+                                              peer[1]))
             sharing = sum(1 for k in js if devices[k] == devices[j])      # replicas on one device split it
             free = cost.entries[j]["memory"]["free_bytes"] * (1 - margin) / sharing - reserve
             members.append(member_from_profile(cost, j, free, src, peer))

@@ -99,6 +99,69 @@ def free_memory(device: str, torch) -> dict:
     return {"free_bytes": info.get("MemAvailable", info.get("MemFree", 0)), "total_bytes": info.get("MemTotal", 0)}
 
 
+FETCH_BYTES = 64 << 20
+
+
+def fetch_bandwidth(device: str, torch, repeats: int = 5) -> dict:
+    """What SiDP's WaS reads from its host pool, in bytes/s: on a GPU a copy from pinned host
+    memory into the device (the housekeeper's copy stream), on a CPU a copy from a file's shared
+    mapping into private memory (the slots' fill). The best of `repeats` copies of FETCH_BYTES."""
+    import tempfile
+
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        src = torch.empty(FETCH_BYTES, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(FETCH_BYTES, dtype=torch.uint8, device=dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        return {"source": "host-pool", "what": "pinned host -> device", "bytes_per_s": FETCH_BYTES / best}
+    with tempfile.NamedTemporaryFile() as f:
+        f.truncate(FETCH_BYTES)
+        src = torch.from_file(f.name, shared=True, size=FETCH_BYTES, dtype=torch.uint8)
+        src.fill_(1)                                   # the pages in the page cache, as a mapped weight file's are
+        dst = torch.empty(FETCH_BYTES, dtype=torch.uint8)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+    return {"source": "host-pool", "what": "shared mapping -> private memory", "bytes_per_s": FETCH_BYTES / best}
+
+
+def peer_copies(devices: list[str], torch, repeats: int = 5) -> list[dict]:
+    """Every ordered pair of CUDA devices: does a device-to-device copy really arrive (the driver
+    may say it can access the peer while a real copy fails or is staged through the host: vLLM's
+    `can_actually_p2p` probes the same way), and its bandwidth."""
+    out = []
+    for a, b in itertools.permutations(devices, 2):
+        da, db = torch.device(a), torch.device(b)
+        entry = {"src": a, "dst": b, "peer_access": bool(torch.cuda.can_device_access_peer(da, db))}
+        try:
+            src = torch.arange(FETCH_BYTES // 4, dtype=torch.int32, device=da)
+            dst = torch.empty_like(src, device=db)
+            dst.copy_(src)
+            torch.cuda.synchronize(db)
+            entry["works"] = bool(torch.equal(dst.cpu(), src.cpu()))
+            best = float("inf")
+            for _ in range(repeats):
+                torch.cuda.synchronize(da)
+                t = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize(db)
+                best = min(best, time.perf_counter() - t)
+            entry["bytes_per_s"] = FETCH_BYTES / best
+        except RuntimeError as e:
+            entry.update(works=False, error=str(e).splitlines()[0])
+        out.append(entry)
+    return out
+
+
 def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype: str, repeats: int | None,
             weights: str = "none") -> dict:
     import torch
@@ -206,6 +269,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     fit_error["all"] = float(np.median(pooled)) if pooled.size else None  # every held-out point of every kind
     return {"device": device, "source": "measured", "identity": device_identity(device, torch),
             "memory": free_memory(device, torch), "compute": tables, "decode": decode, "fit_error": fit_error,
+            "fetch": fetch_bandwidth(device, torch),
             "max_seq_len": n, "quick": quick, "repeats": repeats, "dtype": dtype,
             "weights": str(fmt)}
 
@@ -213,7 +277,7 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
 def main(argv=None) -> int:
     tie_to_parent("profiler worker")
     p = argparse.ArgumentParser(prog="python -m hpipe.profiler.measure", description=__doc__)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--max-seq-len", type=int)
@@ -221,9 +285,16 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="none")
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--peers", help="instead: probe copies between these CUDA devices (comma-separated)")
     args = p.parse_args(argv)
     try:
         import torch
+
+        if args.peers:
+            emit("peer_profile", peers=peer_copies(args.peers.split(","), torch))
+            return 0
+        if not args.model:
+            p.error("give --model (or --peers)")
 
         if args.threads:
             torch.set_num_threads(args.threads)

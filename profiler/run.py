@@ -172,8 +172,23 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     if not profile["devices"]:
         raise HpipeError("no device could be profiled: " + "; ".join(f"{e['device']}: {e['message']}"
                                                                     for e in profile["errors"]))
+    gpus = [d["device"] for d in profile["devices"] if d["device"].startswith("cuda")]
+    if len(gpus) > 1:
+        profile["peers"] = measure_peers(gpus, host, profile["errors"])
     formats.write_profile(profile, out)
     return profile
+
+
+def measure_peers(gpus: list[str], host: str, errors: list) -> list[dict]:
+    """Real copies between every ordered pair of this host's GPUs (SiDP's WaS source from a peer)."""
+    proc = subprocess.run([sys.executable, "-m", "hpipe.profiler.measure", "--peers", ",".join(gpus)],
+                          capture_output=True, text=True, env=_env(), stdin=subprocess.DEVNULL)
+    for msg in filter(None, map(parse, proc.stdout.splitlines())):
+        if msg.get("type") == "peer_profile":
+            return [{**p, "src": f"{host}/{p['src']}", "dst": f"{host}/{p['dst']}"} for p in msg["peers"]]
+    errors.append({"host": host, "device": ",".join(gpus), "message": "the peer copy probe failed: "
+                   + " | ".join(proc.stderr.strip().splitlines()[-2:])})
+    return []
 
 
 def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:

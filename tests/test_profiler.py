@@ -93,6 +93,8 @@ def test_local_profile_validates_and_reports_a_failing_device(tiny_models, tmp_p
     assert dev["source"] == "measured" and dev["identity"]["threads"] >= 1
     assert set(dev["compute"]) == set(formats.UNIT_KINDS) and set(dev["fit_error"]) == {*formats.UNIT_KINDS, "all"}
     assert dev["decode"]["t"]["attn"][0][0] > 0
+    # SiDP's WaS read on a CPU: a file's shared mapping into private memory, at memory speed
+    assert dev["fetch"]["source"] == "host-pool" and dev["fetch"]["bytes_per_s"] > 1e8
     (link,) = profile["links"]
     assert link["src"] == link["dst"] == "local/cpu" and link["beta_bytes_per_s"] > 1e7
     assert [p[0] for p in link["points"]][-1] >= 16 * 2 ** 20

@@ -123,3 +123,35 @@ def test_plan_mode_sidp_writes_a_plan_that_says_what_to_run(estimated_box, tmp_p
 def test_plan_mode_sidp_without_a_profile_says_what_to_add(tmp_path, capsys):
     assert main(["plan", "--mode", "sidp", "--stages", "2", "-o", str(tmp_path / "p.json")]) != 0
     assert "--profile" in capsys.readouterr().err
+
+
+def test_the_source_follows_the_profiles_fetch_and_peer_copies(estimated_box, tmp_path, capsys):
+    """A measured pinned host read sets WaS's fetch time; auto reads from the peer GPU only where
+    every pair's real copy arrived, faster; a copy that did not arrive refuses --sidp-source peer."""
+    data = json.loads(estimated_box.read_text())
+    ids = [d["id"] for d in data["devices"]]
+    for d in data["devices"]:
+        d["fetch"] = {"source": "host-pool", "what": "pinned host -> device", "bytes_per_s": 20e9}
+    data["peers"] = [{"src": a, "dst": b, "peer_access": True, "works": True, "bytes_per_s": 25e9}
+                     for a in ids for b in ids if a != b]
+    args = ["plan", "--mode", "sidp", "--model", "llama-7b", "--seq-len", "2048", "--new-tokens", "256"]
+
+    def plan_with(profile: dict, *extra):
+        path = tmp_path / "measured.json"
+        path.write_text(json.dumps(profile))
+        out = tmp_path / "sidp.json"
+        code = main(args + ["--profile", str(path), "-o", str(out), *extra])
+        return code, (formats.load_plan(out) if code == 0 else None)
+
+    code, plan = plan_with(data)
+    assert code == 0 and plan.sidp[0].source == "peer"
+    remote = sum(models.unit_bytes(models.config_for("llama-7b"), "float16")["weights_per_unit"][2::2]) / 2
+    assert plan.predicted["groups"][0]["fetch_s"][0] == pytest.approx(remote / 25e9, rel=0.01)
+    data["peers"][0]["works"] = False            # the driver said yes, the copy did not arrive
+    code, plan = plan_with(data)
+    assert code == 0 and plan.sidp[0].source == "host-pool"
+    assert plan.predicted["groups"][0]["fetch_s"][0] == pytest.approx(remote / 20e9, rel=0.01)
+    capsys.readouterr()
+    code, _ = plan_with(data, "--sidp-source", "peer")
+    err = capsys.readouterr().err
+    assert code == 2 and "did not arrive" in err and "host-pool" in err and "Traceback" not in err

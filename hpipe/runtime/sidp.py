@@ -14,13 +14,20 @@ replica runs the MLP halves it does not own is the step's mode, one object:
   and the owner does not wait for it: it knows every replica's rows from the step's all-gather. An
   owner with no rows of its own still serves the others.
 
-Every step begins with one all-gather on the group's own gloo group (apart from each replica's
-pipeline): each replica's rows, its batch (running sequences) and whether it has stopped. From the
-same numbers every replica takes the same decision (`Switch`, with hysteresis around the plan's
-B_th, or `Fixed` under --sidp-mode was|cas), so all of them change mode at the same step, and the
-job ends when every replica has stopped. Unlike the paper, whose WaS replicas run independently
-until the orchestrator broadcasts a switch, ours meet at every step: one small all-gather (about
-0.1 ms on gloo beside a 30 ms CPU step) buys a switch without a coordinator.
+How the replicas keep in step is one object, chosen at start (`--sidp-mode`):
+- `was`: `Alone`. Every replica runs as plain DP does, its own steps at its own pace (the paper's
+  "full DP independence" of the WaS bulk); the replicas never meet.
+- `cas`: `InStep`. Every step begins with one all-gather on the group's own gloo group (apart from
+  each replica's pipeline): each replica's rows, its batch (running sequences) and whether it has
+  stopped; the owner of a block then knows whose rows to wait for, and the job ends when every
+  replica has stopped.
+- `auto`: `Epochs`, the paper's orchestrator. In WaS every replica runs alone and publishes its
+  batch in the group's store; replica 0 watches the largest and, once it has stayed below the
+  plan's B_th (`Switch`: PATIENCE steps, with hysteresis), advances the store's epoch. Every
+  replica looks at the epoch between its steps and, on a new one, joins the others in step (the
+  first all-gather is the meeting point); in step, all of them take the decision back to WaS from
+  the same numbers at the same step, and part again. A replica that has stopped keeps looking
+  until all have (an owner may still have to serve).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from hpipe.errors import HpipeError
 from hpipe.runtime.pipeline import (Driver, Executors, Sampling, Work, _forward, _join, _prepare, _start_prepare,
                                     _thread, run_summary)
 
-__all__ = ["PATIENCE", "Seat", "Replica", "needs_group", "run_replica"]
+__all__ = ["PATIENCE", "Seat", "Replica", "needs_group", "run_replica", "runs_plain"]
 
 PATIENCE = 4            # steps in a row on the other side of the threshold before the switch
 BUSY_WAIT_S = 0.05      # a replica with sequences waits this long for its next micro-batch before an empty step
@@ -66,36 +73,42 @@ class Seat:
 
 
 def needs_group(group: formats.SidpGroupPlan, mode: str) -> bool:
-    """False when the replicas have nothing to exchange: a shared mapping under WaS (every replica
-    runs the mapped weights), and `auto` with a threshold that never switches to CaS."""
-    if group.source != "shared-mapping" or len(group.replicas) < 2:
-        return len(group.replicas) > 1
-    return mode == "cas" or (mode == "auto" and group.threshold > 1)
+    """Whether the replicas ever meet: only CaS needs it (forced, or `auto` with a threshold that
+    can be crossed); WaS fills each replica's slots on its own."""
+    return len(group.replicas) > 1 and (mode == "cas" or (mode == "auto" and group.threshold > 1))
+
+
+def runs_plain(group: formats.SidpGroupPlan, mode: str) -> bool:
+    """A shared mapping that never switches to CaS: each replica is a plain one-stage pipeline."""
+    return group.source == "shared-mapping" and not needs_group(group, mode)
 
 
 # ---------------------------------------------------------------------------------- the group's link
 @dataclass
 class Step:
-    """What the all-gather at a step's start says, the same on every replica."""
+    """One step as the group sees it (in step: the all-gather's numbers, the same on every
+    replica; alone: this replica's own)."""
 
     rows: list[int]             # each replica's tokens in this step (the MLP's input rows)
     batch: int                  # the largest replica's running sequences
-    finished: bool              # every replica has stopped
-    mode: object = None         # WasMode or CasMode, decided from the above
+    finished: bool = False      # every replica has stopped
+    mode: object = None         # WasMode or CasMode
 
 
 class GroupLink:
-    """The replicas' own gloo group: a rendezvous on the launcher-chosen port, keys under the
-    group's token (a replica of another launch never joins)."""
+    """The replicas' own gloo group and store: a rendezvous on the launcher-chosen port, keys under
+    the group's token (a replica of another launch never joins). The store also carries what the
+    replicas tell each other between meetings (batches, the epoch, the stops)."""
 
     def __init__(self, seat: Seat, addr: str, port: int, token: str, timeout_s: float):
         self.rank, self.size = seat.member, seat.size
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(addr, port, self.size, is_master=self.rank == 0, timeout=timeout,
-                              wait_for_workers=False)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"hpipe-sidp/{token}/", store), self.rank, self.size,
-                                        timeout)
-        self.store = store              # kept alive: replica 0's is the server
+        self.tcp = dist.TCPStore(addr, port, self.size, is_master=self.rank == 0, timeout=timeout,
+                                 wait_for_workers=False)           # kept alive: replica 0's is the server
+        self.store = dist.PrefixStore(f"hpipe-sidp/{token}/", self.tcp)
+        self.store.set(f"batch/{self.rank}", "0")        # before the rendezvous: every key exists after it
+        self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.size, timeout)
+        self.published = 0
 
     def gather(self, values: list[int]) -> list[list[int]]:
         mine = torch.tensor(values, dtype=torch.long)
@@ -115,8 +128,33 @@ class GroupLink:
         try:
             work.wait()
         except RuntimeError as e:
-            cause = str(e).split("] ", 1)[-1].split(". ")[0]
-            raise HpipeError(f"the SiDP group lost a replica ({cause})") from None
+            raise HpipeError(f"the SiDP group lost a replica ({_cause(e)})") from None
+
+    # the store, between meetings
+    def publish(self, batch: int) -> None:
+        if batch != self.published:
+            self._store(self.store.set, f"batch/{self.rank}", str(batch))
+            self.published = batch
+
+    def largest_batch(self) -> int:
+        return max(int(v) for v in self._store(self.store.multi_get, [f"batch/{r}" for r in range(self.size)]))
+
+    def epoch(self, advance: int = 0) -> int:
+        return int(self._store(self.store.add, "epoch", advance))
+
+    def stopped(self, add: int = 0) -> int:
+        return int(self._store(self.store.add, "stopped", add))
+
+    @staticmethod
+    def _store(op, *args):
+        try:
+            return op(*args)
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise HpipeError(f"the SiDP group lost a replica ({_cause(e)})") from None
+
+
+def _cause(e: Exception) -> str:
+    return str(e).split("] ", 1)[-1].split(". ")[0]
 
 
 # ---------------------------------------------------------------------------------- WaS's weight cache
@@ -258,20 +296,10 @@ class CasMode:
 
 
 # ---------------------------------------------------------------------------------- the switch
-class Fixed:
-    """--sidp-mode was|cas: one mode for the whole job."""
-
-    def __init__(self, mode):
-        self.mode = mode
-
-    def decide(self, batch: int, busy: bool):
-        return self.mode
-
-
 class Switch:
-    """--sidp-mode auto: WaS while the group's largest batch stays at B_th or above; CaS after
-    PATIENCE steps with work below it; back to WaS after PATIENCE steps at B_th + margin or above.
-    Steps where no replica has work do not count (a job's start is not its tail)."""
+    """WaS while the group's largest batch stays at B_th or above; CaS after PATIENCE steps with
+    work below it; back to WaS after PATIENCE steps at B_th + max(1, B_th / 4) or above. Steps where
+    no replica has work do not count (a job's start is not its tail)."""
 
     def __init__(self, was, cas, threshold: int):
         self.was, self.cas, self.mode = was, cas, was
@@ -285,6 +313,67 @@ class Switch:
             if self.count >= PATIENCE:
                 self.mode, self.count = (self.cas if self.mode is self.was else self.was), 0
         return self.mode
+
+    def enter(self, mode) -> None:
+        self.mode, self.count = mode, 0
+
+
+# ---------------------------------------------------------------------------------- keeping in step
+class Alone:
+    """--sidp-mode was: plain DP's pace; the MLP halves from the WaS cache."""
+
+    def __init__(self, replica: Replica):
+        self.replica = replica
+
+    def next_step(self, rows: int, batch: int, stopped: bool) -> Step | None:
+        return None if stopped else self.replica.alone(rows, batch)
+
+
+class InStep:
+    """--sidp-mode cas: the group meets at every step."""
+
+    def __init__(self, replica: Replica):
+        self.replica = replica
+
+    def next_step(self, rows: int, batch: int, stopped: bool) -> Step | None:
+        step = self.replica.meet(rows, batch, stopped)
+        return None if step.finished else self.replica.record(step, self.replica.cas)
+
+
+class Epochs:
+    """--sidp-mode auto: alone under WaS, in step under CaS; replica 0 decides when to meet (the
+    store's epoch), the meeting decides when to part, from the same numbers on every replica."""
+
+    def __init__(self, replica: Replica, link: GroupLink, switch: Switch):
+        self.replica, self.link, self.switch = replica, link, switch
+        self.epoch = 0                  # the epochs this replica has entered and left: odd = CaS
+        self.stop_told = False
+
+    def next_step(self, rows: int, batch: int, stopped: bool) -> Step | None:
+        replica, link = self.replica, self.link
+        if self.switch.mode is replica.was:
+            link.publish(batch)
+            if stopped and not self.stop_told:
+                link.stopped(1)
+                self.stop_told = True
+            if link.rank == 0:
+                largest = link.largest_batch()
+                if self.switch.decide(largest, largest > 0) is replica.cas:
+                    link.epoch(1)
+            if link.epoch() <= self.epoch and link.stopped() < link.size:
+                if stopped:             # an owner may still have to serve: look again shortly
+                    time.sleep(IDLE_WAIT_S)
+                return replica.alone(rows, batch)
+            self.epoch += 1             # meet: a new epoch, or every replica has stopped
+            self.switch.enter(replica.cas)
+        step = replica.meet(rows, batch, stopped)
+        if step.finished:
+            return None
+        if self.switch.decide(step.batch, any(step.rows)) is replica.was:
+            self.epoch += 1             # part, all at this step
+            if link.rank == 0:
+                link.epoch(1)
+        return replica.record(step, self.switch.mode)
 
 
 # ---------------------------------------------------------------------------------- the MLP halves
@@ -313,37 +402,47 @@ class RemoteMLP(nn.Module):
 
 
 class Replica:
-    """One replica's SiDP machinery: the group link, the WaS cache, the CaS mode, the switch, and
-    the step trace (the paper's Fig. 15), built once before the clock starts."""
+    """One replica's SiDP machinery, built once before the clock starts: the WaS cache, the CaS
+    mode, how it keeps in step with the others, and the step trace (the paper's Fig. 15)."""
 
     def __init__(self, seat: Seat, runner, mode: str, addr: str, port: int, token: str, timeout_s: float,
                  errors: list):
         self.seat = seat
         group = seat.group
         mlps = runner.mlp_modules()                      # block -> the mapped MLP module
-        self.link = GroupLink(seat, addr, port, token, timeout_s)
         remote = group.prefetch_order(seat.member)
         cache = MappedWeights(mlps) if group.source == "shared-mapping" or not remote else \
             FetchedWeights(mlps, remote, group.slots, errors)
         self.was = WasMode(cache)
-        self.cas = CasMode(self.link, seat, {b: mlps[b] for b in seat.owned}, runner.hidden_size, runner.dtype)
-        self.switch = {"was": Fixed(self.was), "cas": Fixed(self.cas)}.get(mode) or \
-            Switch(self.was, self.cas, group.threshold)
-        self.mode, self.step = self.was, None
+        link = GroupLink(seat, addr, port, token, timeout_s) if needs_group(group, mode) else None
+        self.link = link
+        self.cas = CasMode(link, seat, {b: mlps[b] for b in seat.owned}, runner.hidden_size, runner.dtype)
+        self.pace = Alone(self) if link is None else InStep(self) if mode == "cas" else \
+            Epochs(self, link, Switch(self.was, self.cas, group.threshold))
+        self.mode = self.was
+        self.step = Step([], 0, mode=self.was)
         runner.replace_mlps({b: OwnedMLP(b, mlps[b], self) if b in seat.owned else RemoteMLP(b, self)
                              for b in mlps})
-        self.trace: list[list] = []                     # [t, own batch, group batch, mode] per step with work
+        self.trace: list[list] = []                     # [t, batch, mode] per step with work
         self.steps = {"was": 0, "cas": 0}
 
-    def agree(self, rows: int, batch: int, stopped: bool) -> Step:
+    def next_step(self, rows: int, batch: int, stopped: bool) -> Step | None:
+        """This step's mode (the MLP halves read it), or None when the replica's loop ends."""
+        return self.pace.next_step(rows, batch, stopped)
+
+    def alone(self, rows: int, batch: int) -> Step:
+        return self.record(Step([rows], batch), self.was)
+
+    def meet(self, rows: int, batch: int, stopped: bool) -> Step:
         gathered = self.link.gather([rows, batch, int(stopped)])
-        step = Step([g[0] for g in gathered], max(g[1] for g in gathered), all(g[2] for g in gathered))
-        busy = any(step.rows)
-        step.mode = self.mode = self.switch.decide(step.batch, busy)
+        return Step([g[0] for g in gathered], max(g[1] for g in gathered), all(g[2] for g in gathered))
+
+    def record(self, step: Step, mode) -> Step:
+        step.mode = self.mode = mode
         self.step = step
-        if busy:
-            self.steps[step.mode.name] += 1
-            self.trace.append([round(time.time(), 4), batch, step.batch, step.mode.name])
+        if any(step.rows):
+            self.steps[mode.name] += 1
+            self.trace.append([round(time.time(), 4), step.batch, mode.name])
         return step
 
     def report(self) -> dict:
@@ -354,9 +453,9 @@ class Replica:
 
 # ---------------------------------------------------------------------------------- the loop
 def run_replica(ex: Executors, driver: Driver, sampling: Sampling, replica: Replica) -> dict:
-    """A replica's compute loop, in step with its group: every step starts with the all-gather; a
-    replica with a micro-batch runs it (its MLP halves through the step's mode), one without serves
-    (CaS) or waits for the next step; the loop ends when every replica has stopped."""
+    """A replica's compute loop: before every step the replica learns its mode (alone, or meeting
+    the group); with a micro-batch it runs it (its MLP halves through the mode), without one it
+    serves (CaS) or looks again; the loop ends when the replica's pace says so."""
     errors, sched = ex.errors, driver.sched
     threads = [_thread(driver.commit_loop, "hpipe-scheduler", errors)]
     ready = _start_prepare(ex, driver.committed)
@@ -373,8 +472,8 @@ def run_replica(ex: Executors, driver: Driver, sampling: Sampling, replica: Repl
         if errors:
             raise errors[0]
         rows = work.schedule.n_tokens if isinstance(work, Work) else 0
-        step = replica.agree(rows, 0 if stopped else len(sched.active), stopped)
-        if step.finished:
+        step = replica.next_step(rows, 0 if stopped else len(sched.active), stopped)
+        if step is None:
             break
         if not rows:
             step.mode.serve(step)

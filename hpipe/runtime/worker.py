@@ -43,7 +43,7 @@ from hpipe.runtime.sampler_pool import SamplerPool
 from hpipe.runtime.schedule import body_capacity
 from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.sequence import Sequence
-from hpipe.runtime.sidp import Replica, Seat, needs_group, run_replica
+from hpipe.runtime.sidp import Replica, Seat, run_replica, runs_plain
 from hpipe.runtime.stage import StageRunner
 from hpipe.runtime.static_decode import StaticDecode, unsupported
 from hpipe.sampling import RequestSampler
@@ -334,7 +334,7 @@ class StageWorker:
                       cuda_graphs=config.cuda_graphs and device.type == "cuda")
         static = config.static_decode == "on" or config.compile == "on" or \
             (config.static_decode == "auto" and modes.cuda_graphs)
-        self.grouped = self.seat is not None and needs_group(self.seat.group, config.sidp_mode)
+        self.grouped = self.seat is not None and not runs_plain(self.seat.group, config.sidp_mode)
         why = "a SiDP replica's MLP halves run through WaS or CaS" if self.grouped else unsupported(self.runner)
         if static and why:
             log(f"stage {self.rank}: decode runs eagerly, not on the static path (CUDA graphs, --compile): {why}")
