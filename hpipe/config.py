@@ -92,6 +92,9 @@ class RuntimeConfig:
     page_size: int = setting(16, "--page-size", "tokens per KV page (vLLM's block size)", unit="tokens", lo=1)
     kv_pages: int = setting(0, "--kv-pages", "KV pages per stage (0: what the sequences need, within free "
                             "memory); fewer pages preempt and recompute sequences", unit="pages", lo=0)
+    prefix_caching: str = setting("on", "--prefix-caching", "keep the KV pages of prompts (and outputs) after their "
+                                  "requests end and start a new request after its longest cached prefix (one "
+                                  "decision on stage 0 that every stage follows)", choices=("on", "off"))
     # -- the asynchronous runtime (SiPipe)
     sampling: str = setting("auto", "--sampling", "inline: the last stage samples (on a sampler thread under TSEM); "
                             "cpu: a pool of sampler processes takes the logits off the last stage (SiPipe); auto: "

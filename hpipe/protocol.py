@@ -121,6 +121,9 @@ class Stats:
     pages_free: int
     preemptions: int
     inflight: int
+    pages_cached: int = 0              # pages holding a cached prefix (in use or evictable)
+    prefix_hit_tokens: int = 0         # prompt tokens found in the prefix cache, since the start
+    prefix_query_tokens: int = 0       # prompt tokens looked up (a hit rate's denominator)
     microbatches: list = field(default_factory=list)   # (time, decode tokens, prefill tokens) since the last
 
 
@@ -164,6 +167,8 @@ class Summary:
     page_size: int
     config: dict                # the RuntimeConfig the stages ran with
     sidp: dict | None = None    # a SiDP replica's figures: steps per mode, fetches, CaS rows, the step trace
+    prefix_hit_tokens: int = 0  # prompt tokens that started after a cached prefix, of
+    prefix_query_tokens: int = 0   # the prompt tokens looked up
 
 
 REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Error, Timeline, Summary)}

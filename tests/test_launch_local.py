@@ -245,3 +245,34 @@ def test_policies_and_preemption_give_transformers_tokens(policy, tiny_models, r
             assert run["kv_pages"] == small - 1 and run["preemptions"] > 0, run
         else:
             assert run["preemptions"] == 0
+
+
+@pytest.mark.parametrize("kv_pages", [0, 14])
+def test_prompts_sharing_a_document_reuse_its_cached_pages_exactly(kv_pages, tiny_models, reference_models, tmp_path):
+    """Ten questions on one 70-token document through 3 stages, 2 at a time (and with a pool so
+    small that sequences are preempted and recomputed): the later ones start after the document's
+    cached pages, every logit equals a transformers forward of the whole prompt (1e-4), and the
+    tokens equal those of the same job with the cache off."""
+    rng = random.Random("prefix")
+    path = tiny_models["llama"]
+    doc = [rng.randrange(3, VOCAB) for _ in range(70)]
+    prompts = [doc + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(10)]
+    plan, prompts_file = tmp_path / "plan.json", tmp_path / "prompts.jsonl"
+    write_prompts(prompts_file, prompts)
+    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "16,8", "-o", str(plan)]) == 0
+    runs = {}
+    for caching in ("on", "off"):
+        out, logits = tmp_path / f"{caching}.jsonl", tmp_path / f"{caching}.npz"
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
+                     "--max-new-tokens", str(NEW_TOKENS), "--logits-out", str(logits), "--max-batch", "2",
+                     "--page-size", "8", "--kv-pages", str(kv_pages), "--prefix-caching", caching, "--quiet"]) == 0
+        runs[caching] = (read_results(out), np.load(logits), json.loads((tmp_path / f"{caching}.jsonl.summary.json")
+                                                                         .read_text())["run"])
+    (on, on_logits, on_run), (off, _, off_run) = runs["on"], runs["off"]
+    assert on_run["prefix_hit_tokens"] >= 8 * 64 and off_run["prefix_hit_tokens"] == 0
+    assert (on_run["preemptions"] > 0) == (kv_pages > 0)
+    ref_model = reference_models["llama"]
+    for i, p in enumerate(prompts):
+        ref = reference_logits(ref_model, p, on[f"p{i}"]["output_ids"])
+        assert float((torch.from_numpy(on_logits[f"p{i}"]) - ref).abs().max()) < 1e-4
+        assert on[f"p{i}"]["output_ids"] == off[f"p{i}"]["output_ids"]

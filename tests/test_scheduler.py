@@ -33,7 +33,7 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
     requests = [Request(i, f"r{i}", tuple(range(1, n + 1)), max_new_tokens=new_tokens, eos_ids=stop)
                 for i, n in enumerate(lengths)]
     slicing = Slicing(lengths=(slice_len,) * 3)
-    sched = Scheduler(requests, slicing.slices_for, n_stages, max_batch, lookahead=lookahead)
+    sched = Scheduler(requests, slicing.slices_for, n_stages, max_batch, lookahead=lookahead, prefix_caching="off")
     committed: deque = deque()
     pipe: deque = deque()
     cached = {}            # seq -> tokens the stages hold
@@ -138,7 +138,7 @@ def test_paged_policies_preempt_and_abort(lengths, n_stages, max_batch, new_toke
     pages = math.ceil(longest / page_size) + 1 + spare_pages
     pol = Policy(policy, min_prefill=1, max_prefill=max(1, budget), budget=budget)
     sched = Scheduler(requests, Slicing(lengths=(slice_len,) * 3).slices_for, n_stages, max_batch,
-                      lookahead=lookahead, policy=pol, pages=pages, page_size=page_size)
+                      lookahead=lookahead, policy=pol, pages=pages, page_size=page_size, prefix_caching="off")
     pipe: deque = deque()
     committed: deque = deque()
     cache: dict[int, dict[int, int]] = {}
@@ -195,3 +195,104 @@ def test_paged_policies_preempt_and_abort(lengths, n_stages, max_batch, new_toke
         assert finished[r.index].output == produced[r.index]
         assert produced[r.index] == [token_for(r.index, k) or 1 for k in range(new_tokens)]
     assert len(sched.pool.free) == pages - 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(docs=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=40), min_size=1, max_size=3),
+       picks=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(1, 9), max_size=12)), min_size=1, max_size=8),
+       n_stages=st.integers(1, 4), max_batch=st.integers(1, 5), new_tokens=st.integers(1, 12),
+       slice_len=st.integers(1, 25), page_size=st.sampled_from([1, 2, 4, 16]), spare_pages=st.integers(0, 16),
+       lookahead=st.booleans(), aborts=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40)), max_size=3),
+       caching=st.booleans())
+def test_prefix_caching_reads_every_sequences_own_tokens(docs, picks, n_stages, max_batch, new_tokens, slice_len,
+                                                         page_size, spare_pages, lookahead, aborts, caching):
+    """Requests sharing random prefixes (documents, then their own questions), a pool from barely
+    one sequence up (preemption), aborts at random moments, caching on and off. The KV lives in
+    pages written in the schedules' order, and a second stage rebuilds every page table from the
+    encoded schedules: every sampled row reads exactly its sequence's tokens through its pages
+    (cached heads included), every request ends with the tokens
+    of an uncached run, and every page goes back to the pool (free or cached). (A write into a page
+    some sequence reads would show as a wrong token in a later read.)"""
+    from hpipe.runtime.pages import PageTable
+    from hpipe.runtime.schedule import decode, encode
+
+    requests = [Request(i, f"r{i}", tuple(docs[d % len(docs)] + q), max_new_tokens=new_tokens)
+                for i, (d, q) in enumerate(picks)]
+    longest = max(len(r.input_ids) + new_tokens for r in requests)
+    pages = math.ceil(longest / page_size) + 1 + spare_pages
+    sched = Scheduler(requests, Slicing(lengths=(slice_len,) * 3).slices_for, n_stages, max_batch,
+                      lookahead=lookahead, pages=pages, page_size=page_size,
+                      prefix_caching="on" if caching else "off")
+    table = PageTable(page_size)
+    kv: dict[int, int] = {}                      # page * page_size + row -> the token written there
+    pipe: deque = deque()
+    committed: deque = deque()
+    produced: dict[int, list[int]] = {r.index: [] for r in requests}
+    finished: dict[int, object] = {}
+    aborted: set[int] = set()
+    step = 0
+    while not sched.done:
+        step += 1
+        assert step < 20000, "no progress"
+        for seq, at in aborts:
+            if at == step and seq < len(requests) and seq not in finished and sched.abort(seq) is not None:
+                aborted.add(seq)
+                finished[seq] = None
+        mb = sched.next_microbatch()
+        if mb is not None:
+            header, body, payload = encode(mb, page_size, with_requests=False)
+            other = decode(header, body, payload, table, requests.__getitem__)
+            assert [s.pages for s in other.segments] == [s.pages for s in mb.segments], "stage 1 follows stage 0"
+            committed.append(mb)
+            continue
+        if committed and (tokens := sched.input_ids(committed[0])) is not None:
+            mb = committed.popleft()
+            offset = 0
+            for seg in mb.segments:
+                for k in range(seg.length):
+                    p = seg.start + k
+                    page = seg.pages[p // page_size]
+                    assert page != 0
+                    kv[page * page_size + p % page_size] = tokens[offset + k]
+                if seg.sample and seg.seq not in finished:   # attention reads the sequence's true prefix
+                    true = list(requests[seg.seq].input_ids) + produced[seg.seq]
+                    got = [kv.get(seg.pages[p // page_size] * page_size + p % page_size) for p in range(seg.end)]
+                    assert got == true[:seg.end], (seg, got, true)
+                offset += seg.length
+            pipe.append(mb)
+            continue
+        if sched.done:
+            break
+        assert pipe, "the scheduler stalled with nothing in flight"
+        done_mb = pipe.popleft()
+        ids = []
+        for seg in done_mb.segments:
+            if seg.sample:
+                ids.append(token_for(seg.seq, len(produced[seg.seq])) or 1)
+                if seg.seq not in finished:
+                    produced[seg.seq].append(ids[-1])
+        for state in sched.on_sampled(done_mb.id, ids):
+            finished[state.request.index] = state
+    for r in requests:
+        if r.index not in aborted:
+            assert finished[r.index].output == produced[r.index] == \
+                [token_for(r.index, k) or 1 for k in range(new_tokens)]
+    assert sched.pool.available == pages - 1 and not sched.pool.refs
+
+
+def test_a_second_request_on_the_same_document_starts_after_its_cached_pages():
+    """One request ends; the next shares its first 40 tokens: it starts at position 32 (two whole
+    pages, cached), its first segment carries them (fresh), and the pool counts the hit."""
+    doc = tuple(range(1, 41))
+    first, second = Request(0, "a", doc + (50, 51), max_new_tokens=2), Request(1, "b", doc + (60,), max_new_tokens=2)
+    sched = Scheduler([first], lambda n: [n], 1, 2, pages=12, page_size=16, prefix_caching="on",
+                      serving=True)
+    while sched.active or sched.queue:
+        mb = sched.next_microbatch()
+        sched.on_sampled(mb.id, [7] * len(mb.sampled))
+    assert sched.pool.cached == 2 and sched.pool.available == 11       # 2 full pages of the 43 positions fed
+    sched.add(second)
+    mb = sched.next_microbatch()
+    (seg,) = mb.segments
+    assert (seg.start, seg.length, seg.fresh) == (32, 9, True) and len(seg.pages) == 3
+    assert sched.stats()["prefix_hit_tokens"] == 32

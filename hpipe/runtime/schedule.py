@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hpipe.request import Request
-from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind
+from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind, pages_needed
 
-__all__ = ["HEADER_LEN", "SEGMENT_FIELDS", "Schedule", "body_capacity", "decode", "encode"]
+__all__ = ["FRESH_PER_SCHEDULE", "HEADER_LEN", "SEGMENT_FIELDS", "Schedule", "body_capacity", "decode", "encode"]
 
 HEADER_LEN = 8
-SEGMENT_FIELDS = 7
+SEGMENT_FIELDS = 8
+FRESH_PER_SCHEDULE = 2      # segments that carry a whole page table (after a cached prefix) per schedule
 OP_WORK, OP_STOP = 1, 2
 
 
@@ -69,10 +70,11 @@ class Schedule:
         return cls(-1, [], stop=True)
 
 
-def body_capacity(max_segments: int, max_tokens: int, page_size: int) -> int:
+def body_capacity(max_segments: int, max_tokens: int, page_size: int, max_len: int = 0) -> int:
     """The most body integers one schedule takes: its segments, the pages they add (each segment at
-    most ceil(length / size) + 1), and as many released pairs and admitted indices as segments."""
-    max_pages = max_tokens // page_size + 2 * max_segments
+    most ceil(length / size) + 1; a fresh one, at most FRESH_PER_SCHEDULE of them, every page of a
+    sequence of max_len tokens), and as many released pairs and admitted indices as segments."""
+    max_pages = max_tokens // page_size + 2 * max_segments + FRESH_PER_SCHEDULE * pages_needed(max_len, page_size)
     return SEGMENT_FIELDS * max_segments + max_pages + 3 * max_segments
 
 
@@ -84,7 +86,7 @@ def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[lis
         op, mb_id = OP_WORK, schedule.id
     added = [added_pages(s, page_size) for s in schedule.segments]
     body = [v for s, a in zip(schedule.segments, added)
-            for v in (s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), len(a))]
+            for v in (s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), int(s.fresh), len(a))]
     body += [p for a in added for p in a]
     body += [v for pair in schedule.released for v in pair]
     body += [r.index for r in schedule.admitted]
@@ -112,8 +114,8 @@ def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
     op, mb_id, n, n_pages, n_released, n_admitted = header[:6]
     segments, at = [], SEGMENT_FIELDS * n
     for i in range(n):
-        seq, slot, start, length, sample, prefill, k = body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
-        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill))
+        seq, slot, start, length, sample, prefill, fresh, k = body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
+        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill), fresh=bool(fresh))
         segments.append(table.resolve(seg, body[at:at + k]) if k or start else seg)
         at += k
     released = [(body[at + 2 * i], body[at + 2 * i + 1]) for i in range(n_released)]

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 from hpipe.config import DEFAULTS, POLICIES, RuntimeConfig
 from hpipe.request import Request
-from hpipe.runtime.pages import PagePool, Segment, pages_needed
-from hpipe.runtime.schedule import Schedule
+from hpipe.runtime.pages import PagePool, Segment, page_keys, pages_needed
+from hpipe.runtime.schedule import FRESH_PER_SCHEDULE, Schedule
 from hpipe.runtime.sequence import Sequence, Status
 
 __all__ = ["DEVICE_DEFAULTS", "Policy", "Scheduler"]
@@ -107,10 +107,11 @@ class Scheduler:
                  max_batch: int = DEFAULTS.max_batch, max_inflight: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, lookahead: bool = False,
                  policy: Policy | None = None, pages: int | None = None, page_size: int = DEFAULTS.page_size,
-                 max_tokens: int | None = None, serving: bool = False):
+                 max_tokens: int | None = None, serving: bool = False, prefix_caching: str = DEFAULTS.prefix_caching):
         """pages: the KV pool (page 0 is scratch); None sizes it for `max_batch` of the longest
         request. max_tokens: the most tokens of one micro-batch (the stages' receive buffers).
-        serving: requests keep coming (`add`) until `close()`."""
+        serving: requests keep coming (`add`) until `close()`. prefix_caching "on": a new sequence
+        starts after the longest prefix of it whose pages are cached (`hpipe.runtime.pages`)."""
         self.slices_for = slices_for
         self.n_stages = n_stages
         self.max_batch = max(1, max_batch)
@@ -121,7 +122,7 @@ class Scheduler:
         if pages is None:
             longest = max((len(r.input_ids) + r.max_new_tokens for r in requests), default=1)
             pages = min(self.max_batch, max(1, len(requests))) * pages_needed(longest, page_size) + 1
-        self.pool = PagePool(pages, page_size)
+        self.pool = PagePool(pages, page_size, caching=prefix_caching == "on")
         self.max_tokens = max_tokens or (self.policy.max_tokens + self.max_batch)
         self.queue: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -175,23 +176,54 @@ class Scheduler:
         return bool(self.queue or self.active or self.inflight)
 
     def stats(self) -> dict:
-        return {"waiting": len(self.queue), "running": len(self.active), "pages_used": self.pool.usable -
-                len(self.pool.free), "pages_free": len(self.pool.free), "preemptions": self.preemptions,
+        pool = self.pool
+        return {"waiting": len(self.queue), "running": len(self.active), "pages_used": pool.usable - pool.available,
+                "pages_free": pool.available, "pages_cached": pool.cached, "prefix_hit_tokens": pool.hit_tokens,
+                "prefix_query_tokens": pool.asked_tokens, "preemptions": self.preemptions,
                 "inflight": len(self.inflight)}
 
     def _admit(self) -> None:
         while self.queue and self.free_slots:
             seq = self.queue.popleft()
             seq.slot, seq.order, seq.status = self.free_slots.pop(), next(self.order), Status.PREFILLING
-            seq.tokens = list(seq.request.input_ids)
-            seq.cuts = _cuts(self.slices_for, len(seq.tokens))
+            self._start_prefill(seq, list(seq.request.input_ids))
             self.active.append(seq)
             self.admitted.append(seq.request)
+
+    def _start_prefill(self, seq: Sequence, tokens: list[int]) -> None:
+        """Its tokens are prefilled from the first (the prefix cache is asked when it starts)."""
+        seq.tokens, seq.pages = tokens, []
+        seq.pos = seq.cached = seq.fed = 0
+        seq.fresh = False
+        seq.cuts = _cuts(self.slices_for, len(tokens))
+
+    def _cached_head(self, seq: Sequence) -> list[int]:
+        """The pages of the longest cached prefix of its tokens, never all of them (the last
+        token's logits are sampled)."""
+        if not self.pool.caching:
+            return []
+        size = self.pool.page_size
+        return self.pool.cached_prefix(page_keys(seq.keys, seq.tokens, size, (len(seq.tokens) - 1) // size))
+
+    def _start_after(self, seq: Sequence, head: list[int]) -> None:
+        """Its prefill starts past its cached head, the rest sliced as the plan slices it."""
+        self.pool.pin(head, len(seq.tokens) - 1)
+        seq.pages = list(head)
+        seq.pos = seq.cached = seq.fed = len(head) * self.pool.page_size
+        seq.fresh = seq.cached > 0
+        seq.cuts = [seq.cached + c for c in _cuts(self.slices_for, len(seq.tokens) - seq.cached)]
+
+    def _register(self, seq: Sequence) -> None:
+        """Its full pages whose positions hold their tokens' KV go to the prefix cache."""
+        if self.pool.caching:
+            n = min(seq.fed // self.pool.page_size, len(seq.pages))
+            self.pool.register(seq.pages, page_keys(seq.keys, seq.known_tokens, self.pool.page_size, n)[:n])
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence leaves: its pages and slot now, its sampler state with the next schedule
         (or never, if no schedule told the sampler of it yet)."""
         self.active.remove(seq)
+        self._register(seq)
         self.pool.give_back(seq.pages)
         seq.pages = []
         self.free_slots.append(seq.slot)
@@ -202,12 +234,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ pages
     def _release_pages(self, seq: Sequence) -> None:
-        """Preemption, once nothing of `seq` is in flight: pages back, recomputed from its tokens."""
+        """Preemption, once nothing of `seq` is in flight: pages back, recomputed from its tokens
+        (from past the part of them still cached)."""
+        self._register(seq)
         self.pool.give_back(seq.pages)
-        seq.pages, seq.status = [], Status.PREFILLING
-        seq.tokens = list(seq.request.input_ids) + seq.output
-        seq.cuts = _cuts(self.slices_for, len(seq.tokens))
-        seq.pos = 0
+        seq.status = Status.PREFILLING
+        self._start_prefill(seq, seq.known_tokens)
 
     def _preempt_for(self, needy: Sequence) -> None:
         victims = [s for s in self.active if s is not needy and s.status in (Status.PREFILLING, Status.DECODING)
@@ -261,6 +293,8 @@ class Scheduler:
         by_index = {s.index: s for s in self.active}
         for seg in segments:
             by_index[seg.seq].last_mb = schedule.id
+            if known:
+                by_index[seg.seq].fed = seg.end
         return schedule
 
     def _decode_part(self) -> tuple[list[Segment], list[int] | None]:
@@ -293,9 +327,8 @@ class Scheduler:
         decoders = sum(1 for s in self.active if s.decoding)
         alone = not decoders and len(prefilling) == 1 and not self.queue \
             and not any(s.status is Status.PREEMPTED and s.prefilled for s in self.active)
-        if alone:   # the plan's latency-optimal slicing for this prompt's exact length
-            seq = prefilling[0]
-            budget = seq.cuts[bisect.bisect_right(seq.cuts, seq.pos)] - seq.pos
+        if alone:   # the plan's latency-optimal slicing for this prompt's exact length (set once it starts)
+            budget = 1
         else:
             waiting = sum(len(s.tokens) - s.pos for s in prefilling) + \
                 sum(len(s.request.input_ids) for s in self.queue)
@@ -309,28 +342,42 @@ class Scheduler:
         # does not take the pages decoders need and then lose them (and its work) to a preemption
         reserve = decoders
         waiting_new, leader = False, True
+        fresh = 0
         for seq in prefilling:
             if budget <= 0:
                 break
-            free = len(self.pool.free) - reserve
-            if not seq.pages:     # a prompt starts only when all of it fits beside the running decoders, in order
-                if waiting_new or pages_needed(len(seq.tokens), size) > free:
+            free = self.pool.available - reserve
+            if not seq.started:   # a prompt starts only when all of it fits beside the running decoders, in order
+                head = [] if seq.pages else self._cached_head(seq)      # pages: its head, taken already
+                idle = sum(1 for p in head if p in self.pool.lru)       # taking them makes them not free
+                if waiting_new or pages_needed(len(seq.tokens), size) - len(head or seq.pages) > free - idle or \
+                        ((head or seq.fresh) and fresh == FRESH_PER_SCHEDULE):
                     waiting_new = True
                     continue
-            if leader and seq.pages:     # the oldest prompt under way always gets on: the reserve, then preemption
-                free = len(self.pool.free)
+                if head:
+                    self._start_after(seq, head)
+                    free = self.pool.available - reserve
+            if alone:
+                budget = min(seq.cuts[bisect.bisect_right(seq.cuts, seq.pos)] - seq.pos,
+                             self.max_tokens - decode_tokens)
+            if leader and seq.started:   # the oldest prompt under way always gets on: the reserve, then preemption
+                free = self.pool.available
                 if (len(seq.pages) + free) * size <= seq.pos:
                     self._preempt_for(seq)
-                    free = len(self.pool.free)
+                    free = self.pool.available
             n = min(budget, len(seq.tokens) - seq.pos, (len(seq.pages) + max(0, free)) * size - seq.pos)
             if n <= 0 or not self._grow(seq, seq.pos + n):
                 break
             leader = False
             sample = seq.pos + n == len(seq.tokens)
             segments.append(Segment(seq.index, seq.slot, seq.pos, n, sample=sample, prefill=True,
-                                    pages=tuple(seq.pages)))
+                                    pages=tuple(seq.pages), fresh=seq.fresh))
+            fresh += seq.fresh
+            seq.fresh = False
             ids += seq.tokens[seq.pos:seq.pos + n]
             seq.pos += n
+            seq.fed = seq.pos
+            self._register(seq)
             budget -= n
             if sample:
                 seq.status = Status.DECODING
@@ -358,6 +405,10 @@ class Scheduler:
             if k >= len(seq.output):
                 return None
             ids.append(seq.output[k])
+        for seg in schedule.segments:
+            seq = by_index.get(seg.seq)
+            if seq is not None and not seq.finished:
+                seq.fed = max(seq.fed, seg.end)
         schedule.tokens = ids
         return ids
 

@@ -48,6 +48,10 @@ class Sequence:
     cuts: list[int] = field(default_factory=list)     # the plan's slice ends for `tokens`, when it runs alone
     pos: int = 0                               # tokens of this sequence already sent into the pipeline
     pages: list[int] = field(default_factory=list)
+    cached: int = 0                            # tokens at the head of `tokens` found in the prefix cache
+    fresh: bool = False                        # its next segment carries its whole page list (a cached head)
+    fed: int = 0                               # positions whose input ids are decided (their KV is the tokens')
+    keys: list = field(default_factory=list)   # its full pages' prefix-cache keys so far (`pages.page_keys`)
     output: list[int] = field(default_factory=list)
     in_flight: int = 0                         # committed sampling steps whose token has not come back
     committed: int = 0                         # tokens it will have once every committed step is back
@@ -73,6 +77,16 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def started(self) -> bool:
+        """Some of its own tokens were sent (past its cached head)."""
+        return self.pos > self.cached
+
+    @property
+    def known_tokens(self) -> list[int]:
+        """The token at every position it has: its prompt, then its output."""
+        return list(self.request.input_ids) + self.output
 
     @property
     def prefilled(self) -> bool:

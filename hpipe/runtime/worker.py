@@ -311,7 +311,8 @@ class StageWorker:
         runner.kv.frozen = True             # sized once: a growth mid-run would be a bug (and move the graphs' KV)
         max_segments = config.max_batch + 1
         lookup = self.requests.lookup()
-        link = comm.ScheduleLink(body_capacity(max_segments, self.max_tokens, config.page_size), config.page_size,
+        link = comm.ScheduleLink(body_capacity(max_segments, self.max_tokens, config.page_size, self.requests.max_len),
+                                 config.page_size,
                                  with_requests=lookup is None, requests=lookup)
         self.ex = Executors(self.rank, self.world, runner, self.groups, self.modes, Timeline(bounded=args.serve),
                             link, self.max_tokens, static=static_decode)
@@ -403,7 +404,8 @@ class StageWorker:
         config, requests = self.config, self.requests
         sched = Scheduler(requests.requests, self.plan.slicing.slices_for, self.world, config.max_batch,
                           lookahead=self.modes.tsem, policy=self.policy, pages=self.pages,
-                          page_size=config.page_size, max_tokens=self.max_tokens, serving=requests.serving)
+                          page_size=config.page_size, max_tokens=self.max_tokens, serving=requests.serving,
+                          prefix_caching=config.prefix_caching)
         driver = Driver(self.ex, sched, requests.reports(sched))
         sampling = self._sampling(driver.take_ids) if self.world == 1 else None
         requests.start(driver, protocol.Ready(self.pages - 1, config.page_size, requests.max_len, config.max_batch,
