@@ -171,8 +171,9 @@ def summarize(run: dict, microbatches: list) -> dict:
 
 # ------------------------------------------------------------------------------- the server
 def start_server(plan: Path, policy: str, args, work: Path, cluster: Path | None,
-                 root: Path = ROOT) -> tuple[subprocess.Popen, str]:
-    """`hpipe serve` running `root`'s code (this checkout by default), once it answers /health."""
+                 root: Path = ROOT, extra: tuple = ()) -> tuple[subprocess.Popen, str]:
+    """`hpipe serve` running `root`'s code (this checkout by default), once it answers /health;
+    `extra`: more of its options."""
     from hpipe.net import free_port
 
     port = free_port()
@@ -183,6 +184,7 @@ def start_server(plan: Path, policy: str, args, work: Path, cluster: Path | None
            "--max-queue", str(10 * args.num_prompts)]
     if args.kv_pages:
         cmd += ["--kv-pages", str(args.kv_pages)]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(root)),
                             start_new_session=True, cwd=work)
     base = f"http://127.0.0.1:{port}"

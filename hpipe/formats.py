@@ -271,16 +271,25 @@ class Slicing:
     `by_seq_len` maps a prompt length to explicit slice lengths (from the DP planner); otherwise
     `lengths` are cut in order (the last slice takes the rest of a longer prompt), otherwise the
     prompt is cut into `count` near-equal slices in multiples of `granularity`.
+
+    `by_context` (from the DP planner) maps a context c, the tokens of a prompt already in the KV
+    cache (a cached prefix), to Algorithm 2's slices of the planned prompt's rest after it: the
+    rest of a prompt that starts at context >= c is cut like that (the entry of the largest such
+    c), its last slice cut at its end or taking what is left.
     """
 
     count: int = 1
     lengths: tuple[int, ...] = ()
     granularity: int = 16
     by_seq_len: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    by_context: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
-    def slices_for(self, n_tokens: int) -> list[int]:
+    def slices_for(self, n_tokens: int, context: int = 0) -> list[int]:
         if n_tokens <= 0:
             return []
+        at = max((c for c in self.by_context if c <= context), default=0) if context else 0
+        if at:
+            return _fill(_truncate(list(self.by_context[at]), n_tokens), n_tokens)
         table = self.by_seq_len
         if n_tokens in table:
             return list(table[n_tokens])
@@ -288,11 +297,7 @@ class Slicing:
         if longer:
             return _truncate(list(table[min(longer)]), n_tokens)
         if self.lengths:
-            cut = _truncate(list(self.lengths), n_tokens)
-            rest = n_tokens - sum(cut)
-            if rest:
-                cut[-1] += rest
-            return cut
+            return _fill(_truncate(list(self.lengths), n_tokens), n_tokens)
         count = max(1, min(self.count, n_tokens))
         size = math.ceil(n_tokens / count)
         g = self.granularity
@@ -304,6 +309,14 @@ class Slicing:
             out.append(min(size, left))
             left -= out[-1]
         return out
+
+
+def _fill(cut: list[int], n: int) -> list[int]:
+    """The last slice takes what the others leave of n tokens."""
+    rest = n - sum(cut)
+    if rest:
+        cut[-1] += rest
+    return cut
 
 
 def _truncate(lengths: list[int], n: int) -> list[int]:
@@ -381,6 +394,8 @@ class Plan:
                 "lengths": list(self.slicing.lengths),
                 "granularity": self.slicing.granularity,
                 "by_seq_len": {str(k): list(v) for k, v in sorted(self.slicing.by_seq_len.items())},
+                **({"by_context": {str(k): list(v) for k, v in sorted(self.slicing.by_context.items())}}
+                   if self.slicing.by_context else {}),
             },
             "predicted": self.predicted,
         }
@@ -449,7 +464,7 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
         weights = _expect(path, f"{where}.weights", s.get("weights", "none"), str, "a weight format")
         stages.append(StagePlan(host=host, device=device, units=(units[0], units[1]), weights=weights))
     sl = _expect(path, "slicing", data["slicing"], dict, "an object")
-    _no_unknown_keys(path, "slicing", sl, {"count", "lengths", "granularity", "by_seq_len"})
+    _no_unknown_keys(path, "slicing", sl, {"count", "lengths", "granularity", "by_seq_len", "by_context"})
     count = _expect(path, "slicing.count", sl.get("count", 1), int, "a positive integer")
     lengths = _expect(path, "slicing.lengths", sl.get("lengths", []), list, "a list of token counts")
     granularity = _expect(path, "slicing.granularity", sl.get("granularity", 16), int, "a positive integer")
@@ -460,7 +475,14 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
             raise _fail(path, f"slicing.by_seq_len[{k!r}]", "keys are prompt lengths in tokens")
         _expect(path, f"slicing.by_seq_len[{k!r}]", v, list, "a list of slice lengths")
         table[int(k)] = tuple(v)
-    slicing = Slicing(count=count, lengths=tuple(lengths), granularity=granularity, by_seq_len=table)
+    contexts = {}
+    for k, v in _expect(path, "slicing.by_context", sl.get("by_context", {}), dict, "an object").items():
+        if not str(k).isdigit() or int(k) < 1:
+            raise _fail(path, f"slicing.by_context[{k!r}]", "keys are contexts in tokens (>= 1)")
+        _expect(path, f"slicing.by_context[{k!r}]", v, list, "a list of slice lengths")
+        contexts[int(k)] = tuple(v)
+    slicing = Slicing(count=count, lengths=tuple(lengths), granularity=granularity, by_seq_len=table,
+                      by_context=contexts)
     dtype = _expect(path, "dtype", data.get("dtype", "float32"), str, "a dtype name")
     predicted = data.get("predicted")
     if predicted is not None:
@@ -564,6 +586,9 @@ def _validate_rest(plan: Plan, path: str) -> None:
     for n, lengths in sl.by_seq_len.items():
         if any((not isinstance(x, int)) or x < 1 for x in lengths) or sum(lengths) != n:
             raise _fail(path, f"slicing.by_seq_len[{n}]", f"slice lengths must be positive and sum to {n}")
+    for c, lengths in sl.by_context.items():
+        if not lengths or any((not isinstance(x, int)) or x < 1 for x in lengths):
+            raise _fail(path, f"slicing.by_context[{c}]", "slice lengths must be positive integers")
     if plan.dtype not in DTYPES:
         raise _fail(path, "dtype", f"{plan.dtype!r} is not one of {', '.join(DTYPES)}")
     check_weights(path, "weights", plan.weights)

@@ -60,8 +60,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), OpenAI's, before the rest
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for name, (lo, hi, lo_open, note) in RULES.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -81,8 +83,33 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias)
+
+    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+
+LOGIT_BIAS = (-100.0, 100.0)     # OpenAI's range
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as OpenAI sends it ({"token id": bias}) or as pairs: sorted (id, bias) pairs."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        _refuse("logit_bias", bias, 'an object of token ids to biases ({"50256": -100})')
+    out = {}
+    for k, v in pairs:
+        token = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            _refuse("logit_bias", k, "keyed by token ids (integers >= 0)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not LOGIT_BIAS[0] <= v <= LOGIT_BIAS[1]:
+            _refuse("logit_bias", v, f"biases in [{LOGIT_BIAS[0]:g}, {LOGIT_BIAS[1]:g}]")
+        out[token] = float(v)
+    return tuple(sorted(out.items()))
 
 
 def sequence_seed(seed: int, request_id: str) -> int:

@@ -8,6 +8,7 @@
     sampler.remove(seq_id)
 
 Semantics, per row, in this order (vLLM V1):
+0. logit_bias added to the logits of its token ids (OpenAI's, before anything else);
 1. repetition penalty over prompt ∪ output tokens (positive logits divided, non-positive multiplied),
    then frequency (× count) and presence penalties over output tokens only;
 2. temperature < 1e-5: greedy, the argmax of the penalized logits (lowest id among equal maxima);
@@ -146,6 +147,8 @@ class CPUSampler:
         logits = logits.detach().to("cpu", torch.float32)
         cols = torch.tensor(cols_l, dtype=torch.long)
         params = [st.params[c] for c in cols_l]
+        if any(p.biased for p in params):
+            logits = self._biased(logits, params)
         for c in cols_l:
             if st.lengths[c] >= self.max_len:
                 raise SamplingError(f"a sequence reached max_len={self.max_len} sampled tokens")
@@ -213,6 +216,18 @@ class CPUSampler:
         return (out_ids, probs_out) if return_probs else out_ids
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _biased(self, logits: torch.Tensor, params) -> torch.Tensor:
+        """A copy of the logits with each row's logit_bias added (rows without one unchanged)."""
+        out = logits.clone()
+        for i, p in enumerate(params):
+            if p.biased:
+                ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+                if int(ids.max()) >= self.vocab_size:
+                    raise SamplingError(f"logit_bias: token id {int(ids.max())} is outside the vocabulary "
+                                        f"(size {self.vocab_size})", "logit_bias")
+                out[i, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=out.dtype)
+        return out
 
     @staticmethod
     def _seen_matrix(st: _Replica, cols_l: list[int], rows: list[int]) -> torch.Tensor:

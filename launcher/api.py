@@ -73,7 +73,7 @@ def _int(body: dict, name: str, default: int | None, lo: int) -> int | None:
 def sampling_fields(body: dict, vocab: int) -> tuple[SamplingParams, frozenset[int], bool, list[str]]:
     """The request's sampling parameters (checked by SamplingParams' own rules, the same as the CLI's
     and the prompts file's), stop token ids, ignore_eos and stop strings."""
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, 0, {}):
             raise ApiError(400, f"'{name}' is not supported by hpipe; leave it out", name)
     n = _int(body, "n", 1, 1)
@@ -86,6 +86,11 @@ def sampling_fields(body: dict, vocab: int) -> tuple[SamplingParams, frozenset[i
         fields["top_k"] = 0
     if isinstance(fields.get("seed"), int) and not isinstance(fields["seed"], bool):
         fields["seed"] &= (1 << 63) - 1
+    bias = fields.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token ids to biases in [-100, 100]", "logit_bias")
+    if bias and any(not str(k).isdigit() or int(k) >= vocab for k in bias):
+        raise ApiError(400, f"'logit_bias' keys must be token ids in [0, {vocab})", "logit_bias")
     try:
         params = SamplingParams(**fields)
     except SamplingError as e:

@@ -245,6 +245,21 @@ def slicings_by_length(cost: CostModel, cuts: list[int], seq_len: int, g: int, n
     return table
 
 
+def slicings_by_context(cost: CostModel, cuts: list[int], seq_len: int, g: int, n_stages: int,
+                        overlap: bool = False) -> dict[int, tuple[int, ...]]:
+    """Algorithm 2 for the rest of the planned prompt after every cached context c (multiples of g
+    tokens): the slice costs after c are tau's columns from c on, tau[s, c + c'], so the rest is
+    sliced for the context it really has (a cached prefix), not as a prompt of its own."""
+    tau = slice_time_table(cost, cuts, seq_len, g, overlap=overlap)
+    n_units = tau.shape[0] - 1
+    table = {}
+    for c in range(1, n_units):
+        n = n_units - c
+        units = slice_sequence(tau[: n + 1, c:c + n + 1], n_stages).lengths
+        table[c * g] = tuple(slices_in_tokens(units, g, seq_len - c * g))
+    return table
+
+
 @dataclass(frozen=True)
 class PlanResult:
     plan: formats.Plan           # what `hpipe plan` writes (its `predicted` holds the figures below)
@@ -339,7 +354,8 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     if not fixed:     # every shorter prompt gets its own Algorithm 2 slicing too (serving: any length comes)
         table = slicings_by_length(cost, cuts, seq_len, granularity, d, overlap)
         slicing = formats.Slicing(count=len(slices), granularity=granularity,
-                                  by_seq_len={**table, seq_len: tuple(slices)})
+                                  by_seq_len={**table, seq_len: tuple(slices)},
+                                  by_context=slicings_by_context(cost, cuts, seq_len, granularity, d, overlap))
     weights = profile.get("weights", "none")           # the units whose times these are
     stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]),
                                      weights=quant.planned(weights, h, dv))

@@ -172,3 +172,38 @@ def test_plan_bad_input_is_one_line(paper_profile, tmp_path, capsys, argv, needl
     assert code == 2 and len(err) == 1, err
     for n in needles:
         assert n in err[0], err[0]
+
+
+def test_the_rest_after_a_cached_prefix_is_sliced_for_its_context(paper_profile, tmp_path):
+    """A plan from a profile carries, for every cached context c, Algorithm 2's slices of the
+    planned prompt's rest after it: the brute-force optimum of the objective with the slice costs
+    at their true contexts, never worse than slicing the rest as a prompt of its own."""
+    import itertools
+
+    from hpipe.planner.profiled import CostModel, slice_time_table
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-7b", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--profile",
+                 str(paper_profile), "--seq-len", "160", "-o", str(out)]) == 0
+    plan = formats.load_plan(out)
+    devices = [(s.host, s.device) for s in plan.stages]
+    cuts = [s.units[0] for s in plan.stages] + [plan.stages[-1].units[1]]
+    cost = CostModel(json.loads(paper_profile.read_text()), models.config_for("llama-7b"), devices, str(paper_profile))
+    tau = slice_time_table(cost, cuts, 160, 16)
+    d = len(devices)
+
+    def objective(units, c):
+        starts = c + np.cumsum([0] + units[:-1])
+        costs = tau[units, starts]
+        return costs.sum() + (d - 1) * costs.max()
+
+    assert sorted(plan.slicing.by_context) == list(range(16, 160, 16))
+    for c_tok, slices in plan.slicing.by_context.items():
+        c, n = c_tok // 16, 10 - c_tok // 16
+        assert sum(slices) == 160 - c_tok and plan.slicing.slices_for(160 - c_tok, c_tok + 3) == list(slices)
+        ours = objective([s // 16 for s in slices], c)
+        best = min(objective([b - a for a, b in zip((0, *cut), (*cut, n))], c)
+                   for k in range(n) for cut in itertools.combinations(range(1, n), k))
+        assert ours == pytest.approx(best, rel=1e-9)
+        as_own = [s // 16 for s in plan.slicing.slices_for(160 - c_tok)]
+        assert ours <= objective(as_own, c) * (1 + 1e-9)

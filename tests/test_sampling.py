@@ -16,6 +16,8 @@ from hpipe.sampling import CPUSampler, SamplingError, SamplingParams
 def reference_probs(logits: torch.Tensor, prompt: list[int], outputs: list[int], p: SamplingParams) -> torch.Tensor:
     """The distribution of one row, float64, dense, straight from the semantics."""
     x = logits.double().clone()
+    for t, b in p.logit_bias:
+        x[t] += b
     counts = collections.Counter(outputs)
     for t in set(prompt) | set(outputs):
         if x[t] > 0:
@@ -56,7 +58,8 @@ def random_params(rng: random.Random, greedy: bool | None = None) -> SamplingPar
         repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
         frequency_penalty=rng.choice([0.0, 0.5, -0.7, 2.0]),
         presence_penalty=rng.choice([0.0, 0.4, -1.5]),
-        seed=rng.randrange(1 << 30))
+        seed=rng.randrange(1 << 30),
+        logit_bias={str(rng.randrange(17)): rng.choice([-100, -3.5, 2.0, 100]) for _ in range(rng.choice([0, 0, 1, 3]))})
 
 
 def run_against_reference(vocab, rows, steps, rng, layout, logits_fn=None):

@@ -285,7 +285,7 @@ def test_a_second_request_on_the_same_document_starts_after_its_cached_pages():
     pages, cached), its first segment carries them (fresh), and the pool counts the hit."""
     doc = tuple(range(1, 41))
     first, second = Request(0, "a", doc + (50, 51), max_new_tokens=2), Request(1, "b", doc + (60,), max_new_tokens=2)
-    sched = Scheduler([first], lambda n: [n], 1, 2, pages=12, page_size=16, prefix_caching="on",
+    sched = Scheduler([first], Slicing(count=1).slices_for, 1, 2, pages=12, page_size=16, prefix_caching="on",
                       serving=True)
     while sched.active or sched.queue:
         mb = sched.next_microbatch()

@@ -214,7 +214,31 @@ def test_eight_concurrent_clients_are_all_answered(server, smollm2):
             parted_at_a_tie(smollm2, tokenizer(p)["input_ids"], alone["output_ids"], answers[k]), k
 
 
-def test_bad_input_gets_its_status_and_message(server):
+def test_a_second_question_on_a_document_starts_after_its_cached_pages(server, smollm2):
+    """Two questions on one ~330-token document, one after the other, with the openai client: the
+    second starts after the document's cached pages (/metrics counts them), and each answer is the
+    one `hpipe launch` gives with the cache off (or parts from it only at a tie)."""
+    tokenizer = smollm2[2]
+    text = (Path(__file__).resolve().parents[1] / "hpipe" / "data" / "demo_document.md").read_text()
+    document = tokenizer.decode(tokenizer(text)["input_ids"][:300])
+    questions = [f"{document}\n\nQuestion: {q}" for q in ("What is this about?", "Name one number in it.")]
+    c = client(server)
+    hits = metric(server, "hpipe_prefix_cache_hit_tokens_total")
+    answers = [c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
+                                         max_tokens=NEW_TOKENS, temperature=0).choices[0].message.content
+               for q in questions]
+    assert metric(server, "hpipe_prefix_cache_hit_tokens_total") - hits >= 18 * 16
+    assert metric(server, "hpipe_kv_pages_cached") >= 18
+    launched = launch_results(smollm2, [{"id": f"q{i}", "prompt": q} for i, q in enumerate(questions)],
+                              "--max-batch", "1", "--prefix-caching", "off")
+    for i, q in enumerate(questions):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        alone = launched[f"q{i}"]
+        assert answers[i] == alone["text"] or parted_at_a_tie(smollm2, ids, alone["output_ids"], answers[i]), i
+
+
+def test_bad_input_gets_its_status_and_message(server, smollm2):
     c = client(server)
     cases = [
         (dict(model="smollm2", prompt="hi", max_tokens=600), openai.BadRequestError, r"512 tokens.*600"),
@@ -224,6 +248,9 @@ def test_bad_input_gets_its_status_and_message(server):
         (dict(model="smollm2", prompt="hi", top_p="x"), openai.BadRequestError, r"'top_p' must be a number"),
         (dict(model="smollm2", prompt=[999999]), openai.BadRequestError, r"outside the vocabulary"),
         (dict(model="smollm2", prompt="hi", logprobs=2), openai.BadRequestError, r"'logprobs' is not supported"),
+        (dict(model="smollm2", prompt="hi", logit_bias={"5": 300}), openai.BadRequestError, r"'logit_bias' must be"),
+        (dict(model="smollm2", prompt="hi", logit_bias={"999999": 1}), openai.BadRequestError,
+         r"'logit_bias' keys must be token ids"),
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
@@ -238,6 +265,10 @@ def test_bad_input_gets_its_status_and_message(server):
                         key=None)
     assert status == 401 and json.loads(text)["error"]["type"] == "authentication_error"
     assert request(server, "GET", "/health")[0] == 200            # still up
+    # a bias of +100 makes its token the greedy choice, -100 takes a token out
+    forced = c.completions.create(model="smollm2", prompt=COMPLETION, max_tokens=3, temperature=0,
+                                  logit_bias={"1024": 100})
+    assert forced.usage.completion_tokens == 3 and forced.choices[0].text == smollm2[2].decode([1024] * 3)
 
 
 def test_dropped_clients_free_their_pages_and_a_full_queue_gets_429(server):

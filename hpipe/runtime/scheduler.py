@@ -103,7 +103,7 @@ class Policy:
 
 
 class Scheduler:
-    def __init__(self, requests: list[Request], slices_for: Callable[[int], list[int]], n_stages: int,
+    def __init__(self, requests: list[Request], slices_for: Callable[..., list[int]], n_stages: int,
                  max_batch: int = DEFAULTS.max_batch, max_inflight: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, lookahead: bool = False,
                  policy: Policy | None = None, pages: int | None = None, page_size: int = DEFAULTS.page_size,
@@ -211,7 +211,7 @@ class Scheduler:
         seq.pages = list(head)
         seq.pos = seq.cached = seq.fed = len(head) * self.pool.page_size
         seq.fresh = seq.cached > 0
-        seq.cuts = [seq.cached + c for c in _cuts(self.slices_for, len(seq.tokens) - seq.cached)]
+        seq.cuts = [seq.cached + c for c in _cuts(self.slices_for, len(seq.tokens) - seq.cached, seq.cached)]
 
     def _register(self, seq: Sequence) -> None:
         """Its full pages whose positions hold their tokens' KV go to the prefix cache."""
@@ -439,7 +439,8 @@ class Scheduler:
         return finished
 
 
-def _cuts(slices_for: Callable[[int], list[int]], n: int) -> list[int]:
-    slices = slices_for(n)
+def _cuts(slices_for: Callable[..., list[int]], n: int, context: int = 0) -> list[int]:
+    """Where the plan's slices of n tokens after `context` cached ones end (from the context)."""
+    slices = slices_for(n, context) if context else slices_for(n)
     assert sum(slices) == n, (slices, n)
     return list(itertools.accumulate(slices))

@@ -476,8 +476,11 @@ def kv_pool_pages(config: RuntimeConfig, plan, model_config, rank: int, runner, 
 def longest_microbatch(lengths: list[int], plan, max_batch: int, policy: Policy) -> int:
     """The most tokens of one micro-batch (the receive buffers' rows, the scheduler's cap): the
     policy's prefill tokens or the plan's longest slice of any prompt (a prompt alone follows the
-    plan's slicing), plus a decode token of every other sequence."""
-    slices = [max(plan.slicing.slices_for(n)) for n in lengths if n]
+    plan's slicing, from its start or after a cached prefix), plus a decode token of every other
+    sequence."""
+    unique = sorted(set(n for n in lengths if n))
+    slices = [max(plan.slicing.slices_for(n)) for n in unique]
+    slices += [max(plan.slicing.slices_for(n - c, c)) for c in plan.slicing.by_context for n in unique if n > c]
     return max(slices + [policy.max_tokens]) + max_batch
 
 
