@@ -105,6 +105,7 @@ async def questions_on(base: str, docs: dict[int, str], n: int) -> dict:
                           "next_over_first": round(statistics.mean(rest) / first, 3) if rest else None,
                           "answers": [a["text"] for a in answers]}
         print(f"    {size}-token document: TTFT {out[str(size)]['ttft_s']} s", flush=True)
+    await client.close()
     return out
 
 
@@ -132,6 +133,7 @@ async def shared_system_prompt(base: str, requests: list[dict]) -> dict:
     t0 = time.perf_counter()
     done = await asyncio.gather(*[one(r) for r in requests])
     wall = time.perf_counter() - t0
+    await client.close()
     hits = metric(base, "hpipe_prefix_cache_hit_tokens_total") - hit0
     queried = metric(base, "hpipe_prefix_cache_query_tokens_total") - query0
     return {"requests": len(requests), "wall_s": round(wall, 2),

@@ -128,6 +128,15 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """The last stage: for each sampled row of a request that asks, [index, token, its raw
+    log-probability, [[id, log-probability] of the top ones]], in sampling order (a request's k-th
+    entry is its k-th token; entries past its end are leftover rows)."""
+    KIND: ClassVar[str] = "logprobs"
+    entries: list
+
+
+@dataclass(frozen=True)
 class Error:
     KIND: ClassVar[str] = "error"
     message: str
@@ -171,7 +180,7 @@ class Summary:
     prefix_query_tokens: int = 0   # the prompt tokens looked up
 
 
-REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Error, Timeline, Summary)}
+REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Timeline, Summary)}
 
 
 def send(record) -> None:

@@ -37,6 +37,10 @@ RULES = {
 }
 
 
+LOGIT_BIAS = (-100.0, 100.0)     # OpenAI's range
+MAX_LOGPROBS = 20                # top log-probabilities a request may ask for (vLLM's default max_logprobs)
+
+
 class SamplingError(HpipeError, ValueError):
     """A sampling field that breaks its rule; `field`, `value` and `rule` for callers that word it
     their own way (the API's 400 names the field)."""
@@ -61,6 +65,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), OpenAI's, before the rest
+    logprobs: int | None = None    # report the sampled token's log-probability and this many top ones (None: off)
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -77,6 +82,9 @@ class SamplingParams:
             _refuse("top_k", self.top_k, "an integer >= 0 (0 turns it off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             _refuse("seed", self.seed, "an integer or None")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _refuse("logprobs", self.logprobs, f"an integer in [0, {MAX_LOGPROBS}] or None")
 
     @property
     def greedy(self) -> bool:
@@ -91,7 +99,6 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
-LOGIT_BIAS = (-100.0, 100.0)     # OpenAI's range
 
 
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:

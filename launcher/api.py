@@ -17,6 +17,7 @@ and its KV pages freed at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import secrets
@@ -29,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpipe.errors import HpipeError
 from hpipe.launcher.serving import Handle, PipelineClient
-from hpipe.request import SamplingError, SamplingParams
+from hpipe.request import MAX_LOGPROBS, SamplingError, SamplingParams
 
 __all__ = ["ApiError", "create_app"]
 
@@ -70,10 +71,31 @@ def _int(body: dict, name: str, default: int | None, lo: int) -> int | None:
     return v
 
 
-def sampling_fields(body: dict, vocab: int) -> tuple[SamplingParams, frozenset[int], bool, list[str]]:
+def logprobs_field(body: dict, chat: bool) -> int | None:
+    """How many top log-probabilities a request asks for with each token (0: the sampled token's
+    alone), or None: chat's `logprobs` (true/false) and `top_logprobs`, completions' `logprobs` (a
+    count)."""
+    if chat:
+        wanted = _field(body, "logprobs", bool, False, "true or false")
+        top = _field(body, "top_logprobs", int, None, "an integer")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        if top is not None and not wanted:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if wanted else None
+    if body.get("top_logprobs") is not None:
+        raise ApiError(400, "'top_logprobs' is a chat field; completions take 'logprobs': N", "top_logprobs")
+    top = _field(body, "logprobs", int, None, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "logprobs")
+    return top
+
+
+def sampling_fields(body: dict, vocab: int, chat: bool = False) -> tuple[SamplingParams, frozenset[int], bool,
+                                                                          list[str]]:
     """The request's sampling parameters (checked by SamplingParams' own rules, the same as the CLI's
     and the prompts file's), stop token ids, ignore_eos and stop strings."""
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions"):
+    for name in ("echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, 0, {}):
             raise ApiError(400, f"'{name}' is not supported by hpipe; leave it out", name)
     n = _int(body, "n", 1, 1)
@@ -81,7 +103,8 @@ def sampling_fields(body: dict, vocab: int) -> tuple[SamplingParams, frozenset[i
         raise ApiError(400, f"'n' must be 1 (hpipe returns one choice per request), got {n}; send {n} requests", "n")
     if _int(body, "best_of", 1, 1) != 1:
         raise ApiError(400, "'best_of' must be 1", "best_of")
-    fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None and name != "logprobs"}
+    fields["logprobs"] = logprobs_field(body, chat)
     if fields.get("top_k") == -1:            # vLLM's and OpenAI-style "off"
         fields["top_k"] = 0
     if isinstance(fields.get("seed"), int) and not isinstance(fields["seed"], bool):
@@ -311,7 +334,7 @@ async def chat_completions(request: Request):
 async def generate(request: Request, body: dict, ids: list[int], chat: bool):
     st = _state(request)
     client = st.client
-    params, stop_ids, ignore_eos, stops = sampling_fields(body, st.vocab)
+    params, stop_ids, ignore_eos, stops = sampling_fields(body, st.vocab, chat)
     limit = client.max_model_len
     room = limit - len(ids)
     if chat:
@@ -335,7 +358,8 @@ async def generate(request: Request, body: dict, ids: list[int], chat: bool):
     except HpipeError as e:
         raise ApiError(503, f"the pipeline failed: {e}", None, "server_error") from None
     answer = Answer(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), chat, st.model_name, handle,
-                    TextStream(st.tokenizer, stops))
+                    TextStream(st.tokenizer, stops), st.tokenizer,
+                    _field(body, "return_tokens_as_token_ids", bool, False, "true or false"))
     events = answer_events(request, client, answer)
     if stream:
         return StreamingResponse(stream_answer(answer, events, bool(options.get("include_usage"))),
@@ -352,17 +376,43 @@ class Answer:
     model: str
     handle: Handle
     text: TextStream
+    tokenizer: object = None
+    token_ids: bool = False        # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
+    offset: int = 0                # completions' text_offset of the next token
 
     @property
     def object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def chunk(self, piece: str | None, finish: str | None, first: bool = False) -> dict:
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.handle.request.params.logprobs is not None
+
+    def logprobs(self, entries: list) -> dict | None:
+        """OpenAI's logprobs object for these tokens ([token, log-probability, top] each): chat's
+        `content` list, or completions' parallel lists."""
+        if not self.wants_logprobs:
+            return None
+        name = (lambda t: f"token_id:{t}") if self.token_ids else (lambda t: self.tokenizer.decode([t]))  # noqa: E731
+        if self.chat:
+            return {"content": [{"token": name(t), "logprob": lp, "bytes": list(name(t).encode()),
+                                 "top_logprobs": [{"token": name(a), "logprob": v, "bytes": list(name(a).encode())}
+                                                  for a, v in top]} for t, lp, top in entries]}
+        offsets = []
+        for t, _, _ in entries:
+            offsets.append(self.offset)
+            self.offset += len(name(t))
+        return {"tokens": [name(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{name(a): v for a, v in top} for _, _, top in entries]
+                if self.handle.request.params.logprobs else None, "text_offset": offsets}
+
+    def chunk(self, piece: str | None, finish: str | None, first: bool = False, entries: list = ()) -> dict:
+        logprobs = self.logprobs(list(entries)) if entries else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         return {"id": self.id, "object": self.object, "created": int(time.time()), "model": self.model,
                 "choices": [choice]}
 
@@ -372,21 +422,54 @@ class Answer:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+LOGPROB_WAIT_S = 10.0      # how long an ended request's reader waits for log-probabilities still on their way
+
+
 async def answer_events(request: Request, client: PipelineClient, answer: Answer):
     """The one state machine of a request's answer, for streaming and whole answers alike: yields
-    ("text", piece) as text becomes final, then one of ("finish", reason), ("error", message) or
-    ("gone", None) (the client went away; its connection is checked every half second, whether
-    tokens flow or not). A request that does not reach its end (its client went away, or the
-    consumer stopped) is aborted, so that stage 0 frees its KV pages now; one that matched a stop
-    string is aborted as "stop"."""
+    ("text", piece, entries) as text becomes final, then one of ("finish", reason, entries),
+    ("error", message, ()) or ("gone", None, ()) (the client went away; its connection is checked
+    every half second, whether tokens flow or not); `entries` are the log-probabilities of the
+    tokens taken since the last yield, when the request asked for them (each token waits for its
+    entry, which the last stage reports apart from the token). A request that does not reach its
+    end (its client went away, or the consumer stopped) is aborted, so that stage 0 frees its KV
+    pages now; one that matched a stop string is aborted as "stop"."""
     handle, text = answer.handle, answer.text
-    ended, checked = False, time.monotonic()
+    wants = answer.wants_logprobs
+    tokens: collections.deque = collections.deque()
+    logprobs: collections.deque = collections.deque()
+    entries: list = []
+    end, ended, checked, deadline = None, False, time.monotonic(), None
     try:
         while True:
+            while tokens and (logprobs or not wants or (deadline and time.monotonic() > deadline)):
+                token = tokens.popleft()
+                if wants and logprobs:
+                    entries.append(logprobs.popleft())
+                piece = text.add(token)
+                if text.stopped:
+                    ended = True
+                    client.abort(handle, "stop")
+                    if piece:
+                        yield "text", piece, entries
+                        entries = []
+                    yield "finish", "stop", entries
+                    return
+                if piece:
+                    yield "text", piece, entries
+                    entries = []
+            if end is not None and not tokens:
+                ended = True
+                piece = text.finish()
+                if piece:
+                    yield "text", piece, entries
+                    entries = []
+                yield "finish", FINISH.get(end, "stop"), entries
+                return
             if time.monotonic() - checked > 0.5:
                 checked = time.monotonic()
                 if await request.is_disconnected():
-                    yield "gone", None
+                    yield "gone", None, ()
                     return
             try:
                 kind, value = await asyncio.wait_for(handle.queue.get(), timeout=0.5)
@@ -394,27 +477,17 @@ async def answer_events(request: Request, client: PipelineClient, answer: Answer
                 continue
             if kind == "error":
                 ended = True
-                yield "error", value
+                yield "error", value, ()
                 return
             if kind == "token":
-                piece = text.add(value)
-                if text.stopped:
-                    ended = True
-                    client.abort(handle, "stop")
-                    if piece:
-                        yield "text", piece
-                    yield "finish", "stop"
-                    return
-                if piece:
-                    yield "text", piece
-                continue
-            ended = True
-            piece = text.finish()
-            if piece:
-                yield "text", piece
-            yield "finish", FINISH.get(value, "stop")
-            return
+                tokens.append(value)
+            elif kind == "logprob":
+                logprobs.append(value)
+            else:
+                end = value
+                deadline = time.monotonic() + LOGPROB_WAIT_S
     finally:
+        client.forget(handle)
         if not ended:
             client.abort(handle)
 
@@ -427,7 +500,7 @@ async def stream_answer(answer: Answer, events, with_usage: bool):
     try:
         if answer.chat:
             yield sse(answer.chunk(None, None, first=True))
-        async for kind, value in events:
+        async for kind, value, entries in events:
             if kind == "gone":
                 return
             if kind == "error":
@@ -435,9 +508,9 @@ async def stream_answer(answer: Answer, events, with_usage: bool):
                 yield "data: [DONE]\n\n"
                 return
             if kind == "text":
-                yield sse(answer.chunk(value, None))
+                yield sse(answer.chunk(value, None, entries=entries))
             else:
-                yield sse(answer.chunk(None, value))
+                yield sse(answer.chunk(None, value, entries=entries))
         if with_usage:
             yield sse({"id": answer.id, "object": answer.object, "created": int(time.time()), "model": answer.model,
                        "choices": [], "usage": answer.usage()})
@@ -447,15 +520,16 @@ async def stream_answer(answer: Answer, events, with_usage: bool):
 
 
 async def whole_answer(answer: Answer, events):
-    pieces, finish = [], "stop"
+    pieces, finish, taken = [], "stop", []
     try:
-        async for kind, value in events:
+        async for kind, value, entries in events:
             if kind == "gone":
                 return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
                                     status_code=499)
             if kind == "error":
                 return JSONResponse(error_body(f"the pipeline failed: {value}", "server_error", None, 500),
                                     status_code=500)
+            taken += entries
             if kind == "text":
                 pieces.append(value)
             else:
@@ -463,10 +537,11 @@ async def whole_answer(answer: Answer, events):
     finally:
         await events.aclose()
     content = "".join(pieces)
+    logprobs = answer.logprobs(taken)
     if answer.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
                   "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}
     return {"id": answer.id, "object": "chat.completion" if answer.chat else "text_completion",
             "created": int(time.time()), "model": answer.model, "choices": [choice], "usage": answer.usage()}

@@ -38,7 +38,9 @@ TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 @dataclass
 class Handle:
     """One request in flight: its events go to `queue` on `loop` as ("token", id), ("end",
-    finish_reason) or ("error", message)."""
+    finish_reason) or ("error", message), and, when it asked for log-probabilities, ("logprob",
+    [token, log-probability, top]) from the last stage in sampling order (before or after the
+    token they belong to: two stages report them)."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
@@ -94,6 +96,7 @@ class ServeOutput(StageReports):
         self.results = 0
         self.handlers = {protocol.Tokens: client.on_tokens, protocol.Result: client.on_result,
                          protocol.Stats: client.on_stats, protocol.Ready: client.on_ready,
+                         protocol.Logprobs: client.on_logprobs,
                          protocol.Rejected: client.on_rejected}
 
     def done_line(self) -> str:
@@ -120,6 +123,7 @@ class PipelineClient:
         self.eos = frozenset()
         self.lock = threading.Lock()
         self.open: dict[int, Handle] = {}      # by request index
+        self.logprob_readers: dict[int, Handle] = {}   # those that asked for log-probabilities, until `forget`
         self.next_index = itertools.count()
         self.launch = None                     # the started pipeline (hpipe.launcher.jobs.Launch)
         self.ready = threading.Event()
@@ -178,6 +182,7 @@ class PipelineClient:
             self.failure = cause
             handles = list(self.open.values())
             self.open.clear()
+            self.logprob_readers.clear()
         for h in handles:
             h.put(("error", cause))
         if self.on_failure is not None:
@@ -189,6 +194,7 @@ class PipelineClient:
         with self.lock:
             handles = list(self.open.values())
             self.open.clear()
+            self.logprob_readers.clear()
         for h in handles:
             h.put(("error", "the server is shutting down"))
         if self.launch is not None:      # the aborts first: stage 0 stops reading at Close
@@ -236,12 +242,19 @@ class PipelineClient:
             if self.failure is not None:
                 raise HpipeError(self.failure)
             self.open[index] = handle
+            if request.params.logprobs is not None:
+                self.logprob_readers[index] = handle
         self.metrics.prompt_tokens += len(input_ids)
         if not self._send(protocol.Add(request)):
             with self.lock:           # the stage's own cause follows from the launcher
                 self.open.pop(index, None)
             raise HpipeError("stage 0 no longer takes requests")
         return handle
+
+    def forget(self, handle: Handle) -> None:
+        """The request's reader is done with it (its log-probabilities, too)."""
+        with self.lock:
+            self.logprob_readers.pop(handle.request.index, None)
 
     def abort(self, handle: Handle, reason: str = "abort") -> None:
         """Ends a request now (its client went away, or a stop string matched: `reason` "stop"):
@@ -266,6 +279,13 @@ class PipelineClient:
                 h.output.append(token)
                 self.metrics.generation_tokens += 1
                 h.put(("token", token))
+
+    def on_logprobs(self, report: protocol.Logprobs) -> None:
+        with self.lock:
+            for index, *entry in report.entries:
+                h = self.logprob_readers.get(index)
+                if h is not None:
+                    h.put(("logprob", entry))
 
     def on_result(self, result: protocol.Result) -> None:
         """A request's end, and its timing as stage 0 measured it (aborted ones too: the metrics)."""

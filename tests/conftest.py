@@ -56,6 +56,34 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def talking_model(tmp_path_factory) -> Path:
+    """A tiny float32 Llama with the default model's vocabulary, tokenizer and chat template: what
+    `hpipe serve` needs (text in, text out) at the cost of a test model, exact against its
+    transformers reference (no quantized kernels)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from hpipe import models
+
+    source = models.resolve_model("smollm2").path
+    config = tiny_config("llama")
+    config.vocab_size = int(models.load_config(source).vocab_size)
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    directory = tmp_path_factory.mktemp("talking") / "talking"
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(source) / name).exists():
+            shutil.copy(Path(source) / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
 def reference_models(tiny_models):
     from transformers import AutoModelForCausalLM
 

@@ -34,13 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hpipe import protocol
 from hpipe.runtime import comm
 from hpipe.runtime.pages import PageTable
 from hpipe.runtime.schedule import Schedule
 from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.static_decode import VERSIONS   # one number of input versions for both paths
 
-__all__ = ["Driver", "Executors", "Modes", "Timeline", "run_first_stage", "run_later_stage", "run_summary"]
+__all__ = ["Driver", "Executors", "LogprobReports", "Modes", "Timeline", "run_first_stage", "run_later_stage",
+           "run_summary"]
 
 
 @dataclass(frozen=True)
@@ -323,14 +325,64 @@ def _start_prepare(ex: Executors, source: queue.Queue) -> queue.Queue:
 
 
 # ---------------------------------------------------------------------------------- sampling
+class LogprobReports:
+    """Log-probabilities for the requests that ask (`SamplingParams.logprobs`), as vLLM gives them
+    by default: of the model's own distribution (log_softmax of the raw logits, float32, before
+    logit_bias, penalties and temperature), the sampled token's and the top k. Taken from a
+    micro-batch's logits when it is submitted (`take`), completed with the sampled ids when they
+    are delivered (`report`), and sent by the last stage straight to the launcher
+    (`protocol.Logprobs`). Requests that do not ask cost one dictionary lookup per micro-batch."""
+
+    def __init__(self):
+        self.wanted: dict[int, int] = {}            # request index -> top k, while admitted
+        self.pending: dict[int, tuple] = {}         # micro-batch -> (rows, their log-probabilities)
+
+    def take(self, schedule: Schedule, out: torch.Tensor) -> None:
+        for request in schedule.admitted:
+            if request.params.logprobs is not None:
+                self.wanted[request.index] = request.params.logprobs
+        for index, _ in schedule.released:
+            self.wanted.pop(index, None)
+        if not self.wanted:
+            return
+        rows = [(i, seq) for i, seq in enumerate(schedule.sampled) if seq in self.wanted]
+        if rows:
+            picked = out[torch.tensor([i for i, _ in rows])].detach().to("cpu", torch.float32)
+            self.pending[schedule.id] = (rows, torch.log_softmax(picked, dim=-1))
+
+    def reporting(self, deliver: Callable[[int, list[int]], None]) -> Callable[[int, list[int]], None]:
+        """`deliver` that first reports the micro-batch's log-probabilities (so that they reach the
+        launcher before the ids reach stage 0)."""
+        def deliver_ids(mb_id: int, ids: list[int]) -> None:
+            self.report(mb_id, ids)
+            deliver(mb_id, ids)
+        return deliver_ids
+
+    def report(self, mb_id: int, ids: list[int]) -> None:
+        taken = self.pending.pop(mb_id, None)
+        if taken is None:
+            return
+        rows, lp = taken
+        k = max(self.wanted.get(seq, 0) for _, seq in rows)
+        top = lp.topk(k, dim=-1) if k else None
+        entries = []
+        for j, (i, seq) in enumerate(rows):
+            n = self.wanted.get(seq, 0)
+            alts = [[int(t), float(v)] for t, v in zip(top.indices[j, :n], top.values[j, :n])] if n else []
+            entries.append([seq, int(ids[i]), float(lp[j, ids[i]]), alts])
+        protocol.send(protocol.Logprobs(entries))
+
+
 class Sampling:
     """The last stage's sampling: one interface whatever runs it. `submit` hands over one
     micro-batch's logits after applying its schedule's admissions and releases (so the sampler
     state follows the schedules' order); `deliver(mb_id, ids)` takes the ids; `drain` waits for
     every id to be delivered."""
 
-    def __init__(self, sampler, deliver: Callable[[int, list[int]], None], timeline: Timeline, keep):
-        self.sampler, self.deliver, self.timeline, self.keep = sampler, deliver, timeline, keep
+    def __init__(self, sampler, deliver: Callable[[int, list[int]], None], timeline: Timeline, keep,
+                 logprobs: LogprobReports):
+        """deliver: `logprobs.reporting(...)` of where the ids go (the pool, too, calls that)."""
+        self.sampler, self.deliver, self.timeline, self.keep, self.logprobs = sampler, deliver, timeline, keep, logprobs
 
     def _follow(self, schedule: Schedule) -> None:
         for request in schedule.admitted:
@@ -347,6 +399,7 @@ class Sampling:
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
         self.keep.add(out, schedule.sampled)
+        self.logprobs.take(schedule, out)
         self._sample(schedule, out)
 
     def drain(self) -> None:
@@ -359,8 +412,8 @@ class Sampling:
 class ThreadSampling(Sampling):
     """TSEM: a sampler thread, so the compute loop takes its next micro-batch at once."""
 
-    def __init__(self, sampler, deliver, timeline: Timeline, keep, errors: list):
-        super().__init__(sampler, deliver, timeline, keep)
+    def __init__(self, sampler, deliver, timeline: Timeline, keep, logprobs: LogprobReports, errors: list):
+        super().__init__(sampler, deliver, timeline, keep, logprobs)
         self.errors = errors
         self.queue: queue.Queue = queue.Queue()
         self.thread = _thread(self._loop, "hpipe-sampler", errors)
@@ -371,6 +424,7 @@ class ThreadSampling(Sampling):
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
         self.keep.add(out, schedule.sampled)
+        self.logprobs.take(schedule, out)
         self.queue.put((schedule, out))
 
     def drain(self) -> None:
@@ -384,6 +438,7 @@ class PoolSampling(Sampling):
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
         self.keep.add(out, schedule.sampled)
+        self.logprobs.take(schedule, out)
         self._follow(schedule)          # the pool is the sampler: admit / release queue to its processes
         self.sampler.submit(schedule.id, out, schedule.sampled)
 

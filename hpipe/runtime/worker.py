@@ -37,8 +37,8 @@ from hpipe.lifeline import tie_to_parent
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm
 from hpipe.runtime.pages import Segment, pages_needed
-from hpipe.runtime.pipeline import (Driver, Executors, Modes, PoolSampling, Sampling, ThreadSampling, Timeline,
-                                    run_first_stage, run_later_stage)
+from hpipe.runtime.pipeline import (Driver, Executors, LogprobReports, Modes, PoolSampling, Sampling, ThreadSampling,
+                                    Timeline, run_first_stage, run_later_stage)
 from hpipe.runtime.sampler_pool import SamplerPool
 from hpipe.runtime.schedule import body_capacity
 from hpipe.runtime.scheduler import Policy, Scheduler
@@ -364,14 +364,16 @@ class StageWorker:
         config, requests = self.config, self.requests
         vocab = int(self.model_config.vocab_size)
         columns = requests.sampler_columns(self.world)
+        logprobs = LogprobReports()
+        deliver = logprobs.reporting(deliver)
         if self.modes.sampling == "cpu":
             pool = SamplerPool(vocab, requests.pool_rows(), columns, requests.sampler_len, send=deliver,
                                n_procs=config.sampler_procs, errors=self.ex.errors)
-            return PoolSampling(pool, deliver, self.ex.timeline, self.keep)
+            return PoolSampling(pool, deliver, self.ex.timeline, self.keep, logprobs)
         sampler = RequestSampler(vocab, columns, requests.sampler_len)
         if self.modes.tsem and self.world > 1:
-            return ThreadSampling(sampler, deliver, self.ex.timeline, self.keep, self.ex.errors)
-        return Sampling(sampler, deliver, self.ex.timeline, self.keep)
+            return ThreadSampling(sampler, deliver, self.ex.timeline, self.keep, logprobs, self.ex.errors)
+        return Sampling(sampler, deliver, self.ex.timeline, self.keep, logprobs)
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:

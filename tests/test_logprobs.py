@@ -1,0 +1,118 @@
+"""Log-probabilities from `hpipe serve` with the real openai client, against transformers: a tiny
+float32 model with the default model's tokenizer, served by 2 stages, sampled inline and by the
+sampler process pool. vLLM's default semantics: the model's own distribution (log_softmax of the
+raw logits), whatever the sampling parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpipe.cli import main
+from test_serve import client, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three primary colors are"
+NEW = 8
+
+
+@pytest.fixture(scope="module", params=["inline", "cpu"])
+def served(request, talking_model, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp(f"logprobs-{request.param}")
+    plan = tmp / "plan.json"
+    assert main(["plan", "--model", str(talking_model), "--stages", "2", "-o", str(plan)]) == 0
+    proc, base, log = start_server(tmp, plan, "--sampling", request.param, key=None)
+    reference = AutoModelForCausalLM.from_pretrained(talking_model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(talking_model)
+    c = client(base, key=None)
+    yield c, c.models.list().data[0].id, reference, tokenizer
+    stop_server(proc)
+    assert proc.returncode in (0, 130), log.read_text()
+
+
+def reference_logprobs(reference, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax of one transformers forward over prompt + output, at the positions that
+    produced each output token: [len(output), V]."""
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1:]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def check(ref: torch.Tensor, output: list[int], chosen: list[float], tops: list[dict[int, float]], k: int):
+    for i, token in enumerate(output):
+        assert chosen[i] == pytest.approx(float(ref[i, token]), abs=1e-4)
+        values, ids = ref[i].topk(k)
+        assert sorted(tops[i]) == sorted(ids.tolist())
+        for t, v in zip(ids.tolist(), values.tolist()):
+            assert tops[i][t] == pytest.approx(v, abs=1e-4)
+
+
+def test_completion_logprobs_are_the_models_log_softmax(served):
+    c, model, reference, tokenizer = served
+    prompt = tokenizer(PROMPT)["input_ids"]
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    for sampling, more in (({"temperature": 0}, {}),
+                           ({"temperature": 1.3, "seed": 7, "logit_bias": {"42": 5}}, {"top_k": 5})):
+        done = c.completions.create(model=model, prompt=PROMPT, max_tokens=NEW, logprobs=5, **sampling,
+                                    extra_body={**extra, **more})
+        lp = done.choices[0].logprobs
+        output = ids_of(lp.tokens)
+        assert len(output) == NEW == len(lp.token_logprobs) and done.choices[0].text == tokenizer.decode(output)
+        tops = [{int(t.removeprefix("token_id:")): v for t, v in top.items()} for top in lp.top_logprobs]
+        # raw: the model's distribution, before temperature, top-k and logit_bias
+        check(reference_logprobs(reference, prompt, output), output, lp.token_logprobs, tops, 5)
+        if sampling["temperature"] == 0:
+            assert output == reference_logprobs(reference, prompt, output).argmax(-1).tolist()
+        # streamed: the same entries, chunk by chunk
+        pieces = [ch.choices[0].logprobs for ch in c.completions.create(
+            model=model, prompt=PROMPT, max_tokens=NEW, logprobs=5, stream=True, **sampling,
+            extra_body={**extra, **more}) if ch.choices and ch.choices[0].logprobs]
+        assert [t for p in pieces for t in p.tokens] == lp.tokens
+        assert [v for p in pieces for v in p.token_logprobs] == lp.token_logprobs
+
+
+def test_chat_logprobs_follow_the_chat_template(served):
+    c, model, reference, tokenizer = served
+    messages = [{"role": "user", "content": "Name a large animal."}]
+    done = c.chat.completions.create(model=model, messages=messages, max_tokens=NEW, temperature=0, logprobs=True,
+                                     top_logprobs=3, extra_body={"ignore_eos": True})
+    content = done.choices[0].logprobs.content
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    output = []
+    with torch.no_grad():                 # transformers' own greedy continuation
+        for _ in range(NEW):
+            output.append(int(reference(torch.tensor([ids + output])).logits[0, -1].argmax()))
+    ref = reference_logprobs(reference, ids, output)
+    name = lambda t: tokenizer.decode([t])          # noqa: E731
+    assert [e.token for e in content] == [name(t) for t in output]
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    for i, e in enumerate(content):
+        assert e.logprob == pytest.approx(float(ref[i, output[i]]), abs=1e-4)
+        values, top = ref[i].topk(3)
+        assert [(a.token, a.logprob) for a in e.top_logprobs] == \
+            [(name(t), pytest.approx(v, abs=1e-4)) for t, v in zip(top.tolist(), values.tolist())]
+    plain = c.chat.completions.create(model=model, messages=messages, max_tokens=NEW, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == done.choices[0].message.content
+
+
+def test_logprob_fields_out_of_range_name_the_field(served):
+    import openai
+
+    c, model, _, _ = served
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match=r"'top_logprobs' must be in \[0, 20\], got 21"):
+        c.chat.completions.create(model=model, messages=messages, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match=r"'top_logprobs' needs 'logprobs': true"):
+        c.chat.completions.create(model=model, messages=messages, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match=r"'logprobs' must be in \[0, 20\]"):
+        c.completions.create(model=model, prompt="hi", logprobs=21)
+    assert c.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].logprobs is None
