@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hmac
 import json
 import secrets
@@ -98,9 +99,6 @@ def sampling_fields(body: dict, vocab: int, chat: bool = False) -> tuple[Samplin
     for name in ("echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, 0, {}):
             raise ApiError(400, f"'{name}' is not supported by hpipe; leave it out", name)
-    n = _int(body, "n", 1, 1)
-    if n != 1:
-        raise ApiError(400, f"'n' must be 1 (hpipe returns one choice per request), got {n}; send {n} requests", "n")
     if _int(body, "best_of", 1, 1) != 1:
         raise ApiError(400, "'best_of' must be 1", "best_of")
     fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None and name != "logprobs"}
@@ -346,25 +344,59 @@ async def generate(request: Request, body: dict, ids: list[int], chat: bool):
         raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has {len(ids)} "
                             f"prompt tokens and asks for {max_tokens} more ({len(ids) + max_tokens} in all); "
                             f"shorten the prompt or lower '{param}'", param)
+    n = _int(body, "n", 1, 1)
+    if n > client.max_batch:
+        raise ApiError(400, f"'n' must be at most the server's batch ({client.max_batch}: --max-batch), got {n}", "n")
     stream = _field(body, "stream", bool, False, "true or false")
     options = _field(body, "stream_options", dict, {}, "an object")
     if client.failure is not None:
         raise ApiError(503, f"the pipeline failed: {client.failure}", None, "server_error")
-    if client.load() >= client.max_batch + st.max_queue:
+    if client.load() + n > client.max_batch + st.max_queue:
         raise ApiError(429, f"the server has {client.load()} requests open, its limit "
                             f"(--max-batch + --max-queue); retry later", None, "rate_limit_error")
+    loop = asyncio.get_running_loop()
+    token_ids = _field(body, "return_tokens_as_token_ids", bool, False, "true or false")
+    kind = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    answers: list[Answer] = []
     try:
-        handle = client.submit(ids, params, max_tokens, stop_ids, ignore_eos, asyncio.get_running_loop())
+        for i, choice_params in enumerate(choice_sampling(params, n)):
+            if i == 1 and client.prefix_caching and not await first_token(request, client, answers[0].handle):
+                return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
+                                    status_code=499)
+            handle = client.submit(ids, choice_params, max_tokens, stop_ids, ignore_eos, loop)
+            answers.append(Answer(kind, chat, st.model_name, handle, TextStream(st.tokenizer, stops), st.tokenizer,
+                                  token_ids, index=i))
     except HpipeError as e:
+        for a in answers:
+            client.abort(a.handle)
         raise ApiError(503, f"the pipeline failed: {e}", None, "server_error") from None
-    answer = Answer(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), chat, st.model_name, handle,
-                    TextStream(st.tokenizer, stops), st.tokenizer,
-                    _field(body, "return_tokens_as_token_ids", bool, False, "true or false"))
-    events = answer_events(request, client, answer)
+    streams = [answer_events(request, client, a) for a in answers]
     if stream:
-        return StreamingResponse(stream_answer(answer, events, bool(options.get("include_usage"))),
+        return StreamingResponse(stream_answer(answers, streams, bool(options.get("include_usage"))),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await whole_answer(answer, events)
+    return await whole_answer(answers, streams)
+
+
+def choice_sampling(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of n choices: choice i with seed + i when the request has a seed (as
+    vLLM derives its children's), its own random stream otherwise."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i) & ((1 << 63) - 1)) for i in range(n)]
+
+
+async def first_token(request: Request, client: PipelineClient, handle: Handle) -> bool:
+    """Waits until the first choice's prompt is in the KV cache (its first token came), so that the
+    other n - 1 choices start after its cached prefix: one prefill, n decodes. False: the client
+    went away (the first choice is aborted)."""
+    while True:
+        try:
+            await asyncio.wait_for(handle.started.wait(), timeout=0.5)
+            return True
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                client.abort(handle)
+                return False
 
 
 @dataclass
@@ -378,6 +410,7 @@ class Answer:
     text: TextStream
     tokenizer: object = None
     token_ids: bool = False        # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
+    index: int = 0                 # the choice's index (n > 1)
     offset: int = 0                # completions' text_offset of the next token
 
     @property
@@ -410,16 +443,22 @@ class Answer:
         logprobs = self.logprobs(list(entries)) if entries else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": self.index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         return {"id": self.id, "object": self.object, "created": int(time.time()), "model": self.model,
                 "choices": [choice]}
 
-    def usage(self) -> dict:
-        p = len(self.handle.request.input_ids)
-        c = self.text.tokens_used if self.text.stopped else len(self.handle.output)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    @property
+    def completion_tokens(self) -> int:
+        return self.text.tokens_used if self.text.stopped else len(self.handle.output)
+
+
+def usage(answers: list[Answer]) -> dict:
+    """One prompt (its n choices share it), every choice's tokens."""
+    p = len(answers[0].handle.request.input_ids)
+    c = sum(a.completion_tokens for a in answers)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 LOGPROB_WAIT_S = 10.0      # how long an ended request's reader waits for log-probabilities still on their way
@@ -496,11 +535,40 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def stream_answer(answer: Answer, events, with_usage: bool):
+async def merged(streams: list):
+    """The events of several answers as they come: (choice index, event)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, events) -> None:
+        try:
+            async for event in events:
+                await queue.put((i, event))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, events)) for i, events in enumerate(streams)]
+    live = len(tasks)
     try:
-        if answer.chat:
-            yield sse(answer.chunk(None, None, first=True))
-        async for kind, value, entries in events:
+        while live:
+            i, event = await queue.get()
+            if event is None:
+                live -= 1
+            else:
+                yield i, event
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)   # each stream's own ending aborts its request
+
+
+async def stream_answer(answers: list[Answer], streams: list, with_usage: bool):
+    head = answers[0]
+    events = merged(streams)
+    try:
+        if head.chat:
+            for a in answers:
+                yield sse(a.chunk(None, None, first=True))
+        async for i, (kind, value, entries) in events:
             if kind == "gone":
                 return
             if kind == "error":
@@ -508,18 +576,19 @@ async def stream_answer(answer: Answer, events, with_usage: bool):
                 yield "data: [DONE]\n\n"
                 return
             if kind == "text":
-                yield sse(answer.chunk(value, None, entries=entries))
+                yield sse(answers[i].chunk(value, None, entries=entries))
             else:
-                yield sse(answer.chunk(None, value, entries=entries))
+                yield sse(answers[i].chunk(None, value, entries=entries))
         if with_usage:
-            yield sse({"id": answer.id, "object": answer.object, "created": int(time.time()), "model": answer.model,
-                       "choices": [], "usage": answer.usage()})
+            yield sse({"id": head.id, "object": head.object, "created": int(time.time()), "model": head.model,
+                       "choices": [], "usage": usage(answers)})
         yield "data: [DONE]\n\n"
     finally:
-        await events.aclose()      # the client went away mid-stream: the request is aborted now
+        await events.aclose()      # the client went away mid-stream: the requests are aborted now
 
 
-async def whole_answer(answer: Answer, events):
+async def whole_choice(answer: Answer, events):
+    """One choice's whole answer, or the error response that ends the request."""
     pieces, finish, taken = [], "stop", []
     try:
         async for kind, value, entries in events:
@@ -539,9 +608,16 @@ async def whole_answer(answer: Answer, events):
     content = "".join(pieces)
     logprobs = answer.logprobs(taken)
     if answer.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                  "finish_reason": finish}
-    else:
-        choice = {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": finish}
-    return {"id": answer.id, "object": "chat.completion" if answer.chat else "text_completion",
-            "created": int(time.time()), "model": answer.model, "choices": [choice], "usage": answer.usage()}
+        return {"index": answer.index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+                "finish_reason": finish}
+    return {"index": answer.index, "text": content, "logprobs": logprobs, "finish_reason": finish}
+
+
+async def whole_answer(answers: list[Answer], streams: list):
+    choices = await asyncio.gather(*(whole_choice(a, events) for a, events in zip(answers, streams)))
+    failed = [c for c in choices if isinstance(c, JSONResponse)]
+    if failed:
+        return failed[0]
+    head = answers[0]
+    return {"id": head.id, "object": "chat.completion" if head.chat else "text_completion",
+            "created": int(time.time()), "model": head.model, "choices": choices, "usage": usage(answers)}

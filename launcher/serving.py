@@ -48,10 +48,16 @@ class Handle:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     result: protocol.Result | None = None       # stage 0's report of its end (timings)
+    started: asyncio.Event = field(default_factory=asyncio.Event)   # its first token, its end or an error came
 
     def put(self, event: tuple) -> None:
         if not self.loop.is_closed():         # its reader is gone (a batch job that already stopped)
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._arrive, event)
+
+    def _arrive(self, event: tuple) -> None:
+        self.queue.put_nowait(event)
+        if event[0] != "logprob":
+            self.started.set()
 
 
 class Histogram:
@@ -219,6 +225,10 @@ class PipelineClient:
     @property
     def max_batch(self) -> int:
         return self.info.max_batch if self.info else self.settings.runtime.max_batch
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.settings.runtime.prefix_caching == "on"
 
     def load(self) -> int:
         with self.lock:

@@ -5,11 +5,13 @@ raw logits), whatever the sampling parameters."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from hpipe.cli import main
-from test_serve import client, start_server, stop_server
+from test_serve import client, request, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +30,7 @@ def served(request, talking_model, tmp_path_factory):
     reference = AutoModelForCausalLM.from_pretrained(talking_model).eval()
     tokenizer = AutoTokenizer.from_pretrained(talking_model)
     c = client(base, key=None)
-    yield c, c.models.list().data[0].id, reference, tokenizer
+    yield c, c.models.list().data[0].id, reference, tokenizer, base
     stop_server(proc)
     assert proc.returncode in (0, 130), log.read_text()
 
@@ -55,7 +57,7 @@ def check(ref: torch.Tensor, output: list[int], chosen: list[float], tops: list[
 
 
 def test_completion_logprobs_are_the_models_log_softmax(served):
-    c, model, reference, tokenizer = served
+    c, model, reference, tokenizer, _ = served
     prompt = tokenizer(PROMPT)["input_ids"]
     extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
     for sampling, more in (({"temperature": 0}, {}),
@@ -79,7 +81,7 @@ def test_completion_logprobs_are_the_models_log_softmax(served):
 
 
 def test_chat_logprobs_follow_the_chat_template(served):
-    c, model, reference, tokenizer = served
+    c, model, reference, tokenizer, _ = served
     messages = [{"role": "user", "content": "Name a large animal."}]
     done = c.chat.completions.create(model=model, messages=messages, max_tokens=NEW, temperature=0, logprobs=True,
                                      top_logprobs=3, extra_body={"ignore_eos": True})
@@ -107,7 +109,7 @@ def test_chat_logprobs_follow_the_chat_template(served):
 def test_logprob_fields_out_of_range_name_the_field(served):
     import openai
 
-    c, model, _, _ = served
+    c, model, _, _, _ = served
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError, match=r"'top_logprobs' must be in \[0, 20\], got 21"):
         c.chat.completions.create(model=model, messages=messages, logprobs=True, top_logprobs=21)
@@ -116,3 +118,56 @@ def test_logprob_fields_out_of_range_name_the_field(served):
     with pytest.raises(openai.BadRequestError, match=r"'logprobs' must be in \[0, 20\]"):
         c.completions.create(model=model, prompt="hi", logprobs=21)
     assert c.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].logprobs is None
+
+
+def prefix_hits(base: str, at_least: int = 0) -> int:
+    """The server's prefix-cache hits, once they reach `at_least` (stage 0 reports every 0.25 s) or
+    after 5 s."""
+    deadline = time.time() + 5
+    while True:
+        text = request(base, "GET", "/metrics")[1]
+        hits = int(next(line.split()[1] for line in text.splitlines()
+                        if line.startswith("hpipe_prefix_cache_hit_tokens_total ")))
+        if hits >= at_least or time.time() > deadline:
+            return hits
+        time.sleep(0.1)
+
+
+def test_n_choices_share_one_prefill_and_take_seed_plus_i(served):
+    import openai
+
+    c, model, reference, tokenizer, base = served
+    prompt = "A long prompt, so that its full pages are cached: " + " ".join(f"item {i}," for i in range(40))
+    ids = tokenizer(prompt)["input_ids"]
+    kw = dict(model=model, prompt=prompt, max_tokens=NEW, extra_body={"ignore_eos": True})
+    before = prefix_hits(base)
+    done = c.completions.create(n=3, temperature=1.0, seed=11, **kw)
+    full = (len(ids) - 1) // 16 * 16
+    hits = prefix_hits(base, before + 2 * full) - before
+    assert [ch.index for ch in done.choices] == [0, 1, 2]
+    assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == 3 * NEW
+    # choices 1 and 2 started after choice 0's cached prompt: at least its full pages each (16 tokens)
+    assert hits >= 2 * full > 0
+    # seeded choices: choice i is the single request with seed + i
+    for i, ch in enumerate(done.choices):
+        alone = c.completions.create(temperature=1.0, seed=11 + i, **kw)
+        assert ch.text == alone.choices[0].text
+    assert len({ch.text for ch in done.choices}) > 1
+    # greedy: every choice is transformers' greedy continuation; streamed, the same texts by index
+    greedy = c.completions.create(n=2, temperature=0, **kw)
+    output = []
+    with torch.no_grad():
+        for _ in range(NEW):
+            output.append(int(reference(torch.tensor([ids + output])).logits[0, -1].argmax()))
+    assert [ch.text for ch in greedy.choices] == [tokenizer.decode(output)] * 2
+    texts = {0: "", 1: ""}
+    for chunk in c.completions.create(n=2, temperature=0, stream=True, **kw):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == {0: tokenizer.decode(output), 1: tokenizer.decode(output)}
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4,
+                                     temperature=0)
+    assert [ch.index for ch in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match=r"'n' must be at most the server's batch \(8"):
+        c.completions.create(n=9, **kw)
