@@ -131,9 +131,12 @@ class Stats:
 class Logprobs:
     """The last stage: for each sampled row of a request that asks, [index, token, its raw
     log-probability, [[id, log-probability] of the top ones]], in sampling order (a request's k-th
-    entry is its k-th token; entries past its end are leftover rows)."""
+    entry is its k-th token; entries past its end are leftover rows); and in `prompt`, for the
+    requests that ask for their prompt's, [index, position, token, log-probability, top] of each
+    prompt token after the first, once each, in order."""
     KIND: ClassVar[str] = "logprobs"
     entries: list
+    prompt: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

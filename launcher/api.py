@@ -96,13 +96,19 @@ def sampling_fields(body: dict, vocab: int, chat: bool = False) -> tuple[Samplin
                                                                           list[str]]:
     """The request's sampling parameters (checked by SamplingParams' own rules, the same as the CLI's
     and the prompts file's), stop token ids, ignore_eos and stop strings."""
-    for name in ("echo", "suffix", "tools", "functions"):
+    for name in ("suffix", "tools", "functions") + (("echo",) if chat else ()):
         if body.get(name) not in (None, False, 0, {}):
-            raise ApiError(400, f"'{name}' is not supported by hpipe; leave it out", name)
+            raise ApiError(400, f"'{name}' is not supported by hpipe{' on chat' if name == 'echo' else ''}; "
+                                f"leave it out", name)
+    if body.get("prompt_logprobs") is not None:
+        raise ApiError(400, "'prompt_logprobs': ask for a prompt's log-probabilities with 'echo': true and "
+                            "'logprobs' on /v1/completions", "prompt_logprobs")
     if _int(body, "best_of", 1, 1) != 1:
         raise ApiError(400, "'best_of' must be 1", "best_of")
     fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None and name != "logprobs"}
     fields["logprobs"] = logprobs_field(body, chat)
+    if not chat and _field(body, "echo", bool, False, "true or false"):
+        fields["prompt_logprobs"] = fields["logprobs"]
     if fields.get("top_k") == -1:            # vLLM's and OpenAI-style "off"
         fields["top_k"] = 0
     if isinstance(fields.get("seed"), int) and not isinstance(fields["seed"], bool):
@@ -337,8 +343,8 @@ async def generate(request: Request, body: dict, ids: list[int], chat: bool):
     room = limit - len(ids)
     if chat:
         max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(body, "max_tokens", None, 1) or room
-    else:
-        max_tokens = _int(body, "max_tokens", 16, 1)
+    else:     # with echo, 0: the prompt's log-likelihood alone (one token is sampled and dropped)
+        max_tokens = _int(body, "max_tokens", 16, 0 if body.get("echo") else 1)
     param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     if room < 1 or max_tokens > room:
         raise ApiError(400, f"this model's maximum context length is {limit} tokens; the request has {len(ids)} "
@@ -357,15 +363,17 @@ async def generate(request: Request, body: dict, ids: list[int], chat: bool):
     loop = asyncio.get_running_loop()
     token_ids = _field(body, "return_tokens_as_token_ids", bool, False, "true or false")
     kind = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    echo = None if chat or not body.get("echo") else \
+        (body["prompt"] if isinstance(body["prompt"], str) else st.tokenizer.decode(ids))
     answers: list[Answer] = []
     try:
         for i, choice_params in enumerate(choice_sampling(params, n)):
             if i == 1 and client.prefix_caching and not await first_token(request, client, answers[0].handle):
                 return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
                                     status_code=499)
-            handle = client.submit(ids, choice_params, max_tokens, stop_ids, ignore_eos, loop)
+            handle = client.submit(ids, choice_params, max(1, max_tokens), stop_ids, ignore_eos, loop)
             answers.append(Answer(kind, chat, st.model_name, handle, TextStream(st.tokenizer, stops), st.tokenizer,
-                                  token_ids, index=i))
+                                  token_ids, index=i, echo=echo, generates=max_tokens > 0))
     except HpipeError as e:
         for a in answers:
             client.abort(a.handle)
@@ -411,6 +419,8 @@ class Answer:
     tokenizer: object = None
     token_ids: bool = False        # vLLM's return_tokens_as_token_ids: tokens named "token_id:N"
     index: int = 0                 # the choice's index (n > 1)
+    echo: str | None = None        # completions' echo: the prompt's text, first
+    generates: bool = True         # False: max_tokens 0 with echo (the one token sampled is dropped)
     offset: int = 0                # completions' text_offset of the next token
 
     @property
@@ -421,9 +431,15 @@ class Answer:
     def wants_logprobs(self) -> bool:
         return self.handle.request.params.logprobs is not None
 
+    @property
+    def prompt_entries(self) -> int:
+        """The prompt log-probabilities it waits for (every prompt token but the first)."""
+        request = self.handle.request
+        return len(request.input_ids) - 1 if request.params.prompt_logprobs is not None else 0
+
     def logprobs(self, entries: list) -> dict | None:
-        """OpenAI's logprobs object for these tokens ([token, log-probability, top] each): chat's
-        `content` list, or completions' parallel lists."""
+        """OpenAI's logprobs object for these tokens ([token, log-probability, top] each; None and
+        None for an echoed prompt's first): chat's `content` list, or completions' parallel lists."""
         if not self.wants_logprobs:
             return None
         name = (lambda t: f"token_id:{t}") if self.token_ids else (lambda t: self.tokenizer.decode([t]))  # noqa: E731
@@ -436,7 +452,7 @@ class Answer:
             offsets.append(self.offset)
             self.offset += len(name(t))
         return {"tokens": [name(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{name(a): v for a, v in top} for _, _, top in entries]
+                "top_logprobs": [None if top is None else {name(a): v for a, v in top} for _, _, top in entries]
                 if self.handle.request.params.logprobs else None, "text_offset": offsets}
 
     def chunk(self, piece: str | None, finish: str | None, first: bool = False, entries: list = ()) -> dict:
@@ -451,6 +467,8 @@ class Answer:
 
     @property
     def completion_tokens(self) -> int:
+        if not self.generates:
+            return 0
         return self.text.tokens_used if self.text.stopped else len(self.handle.output)
 
 
@@ -477,14 +495,24 @@ async def answer_events(request: Request, client: PipelineClient, answer: Answer
     wants = answer.wants_logprobs
     tokens: collections.deque = collections.deque()
     logprobs: collections.deque = collections.deque()
+    prompt: list = []                  # an echoed prompt's log-probabilities, [position, token, lp, top]
     entries: list = []
     end, ended, checked, deadline = None, False, time.monotonic(), None
+    echoed = answer.echo is None
     try:
         while True:
-            while tokens and (logprobs or not wants or (deadline and time.monotonic() > deadline)):
+            if not echoed and (len(prompt) >= answer.prompt_entries or (deadline and time.monotonic() > deadline)):
+                echoed = True
+                ids = handle.request.input_ids
+                first = [[ids[0], None, None]] if answer.prompt_entries else []
+                yield "text", answer.echo, first + [e[1:] for e in sorted(prompt)] if wants else []
+            while echoed and tokens and (logprobs or not wants or (deadline and time.monotonic() > deadline)):
                 token = tokens.popleft()
-                if wants and logprobs:
-                    entries.append(logprobs.popleft())
+                entry = logprobs.popleft() if wants and logprobs else None
+                if not answer.generates:
+                    continue
+                if entry is not None:
+                    entries.append(entry)
                 piece = text.add(token)
                 if text.stopped:
                     ended = True
@@ -497,13 +525,13 @@ async def answer_events(request: Request, client: PipelineClient, answer: Answer
                 if piece:
                     yield "text", piece, entries
                     entries = []
-            if end is not None and not tokens:
+            if echoed and end is not None and not tokens:
                 ended = True
-                piece = text.finish()
+                piece = text.finish() if answer.generates else ""
                 if piece:
                     yield "text", piece, entries
                     entries = []
-                yield "finish", FINISH.get(end, "stop"), entries
+                yield "finish", FINISH.get(end, "stop") if answer.generates else "length", entries
                 return
             if time.monotonic() - checked > 0.5:
                 checked = time.monotonic()
@@ -522,6 +550,8 @@ async def answer_events(request: Request, client: PipelineClient, answer: Answer
                 tokens.append(value)
             elif kind == "logprob":
                 logprobs.append(value)
+            elif kind == "prompt_logprob":
+                prompt.append(value)
             else:
                 end = value
                 deadline = time.monotonic() + LOGPROB_WAIT_S

@@ -40,7 +40,8 @@ class Handle:
     """One request in flight: its events go to `queue` on `loop` as ("token", id), ("end",
     finish_reason) or ("error", message), and, when it asked for log-probabilities, ("logprob",
     [token, log-probability, top]) from the last stage in sampling order (before or after the
-    token they belong to: two stages report them)."""
+    token they belong to: two stages report them) and ("prompt_logprob", [position, token,
+    log-probability, top]) for its prompt's tokens after the first."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
@@ -252,7 +253,7 @@ class PipelineClient:
             if self.failure is not None:
                 raise HpipeError(self.failure)
             self.open[index] = handle
-            if request.params.logprobs is not None:
+            if request.params.logprobs is not None or request.params.prompt_logprobs is not None:
                 self.logprob_readers[index] = handle
         self.metrics.prompt_tokens += len(input_ids)
         if not self._send(protocol.Add(request)):
@@ -296,6 +297,10 @@ class PipelineClient:
                 h = self.logprob_readers.get(index)
                 if h is not None:
                     h.put(("logprob", entry))
+            for index, *entry in report.prompt:
+                h = self.logprob_readers.get(index)
+                if h is not None:
+                    h.put(("prompt_logprob", entry))
 
     def on_result(self, result: protocol.Result) -> None:
         """A request's end, and its timing as stage 0 measured it (aborted ones too: the metrics)."""

@@ -171,3 +171,30 @@ def test_n_choices_share_one_prefill_and_take_seed_plus_i(served):
     assert chat.choices[0].message.content == chat.choices[1].message.content
     with pytest.raises(openai.BadRequestError, match=r"'n' must be at most the server's batch \(8"):
         c.completions.create(n=9, **kw)
+
+
+def test_echo_gives_the_prompts_log_likelihood(served):
+    c, model, reference, tokenizer, _ = served
+    prompt = "Colors of the rainbow: " + " ".join(["red orange yellow green blue"] * 12)
+    ids = tokenizer(prompt)["input_ids"]
+    c.completions.create(model=model, prompt=prompt, max_tokens=1)       # its pages are cached now: echo skips them
+    with torch.no_grad():
+        ref = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+    extra = {"return_tokens_as_token_ids": True}
+    done = c.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0,
+                                extra_body=extra)
+    lp = done.choices[0].logprobs
+    assert done.choices[0].text == prompt and done.usage.completion_tokens == 0
+    assert ids_of(lp.tokens) == ids and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(float(ref[i - 1, ids[i]]), abs=1e-4)
+        values, top = ref[i - 1].topk(2)
+        assert {int(t.removeprefix("token_id:")): v for t, v in lp.top_logprobs[i].items()} == \
+            {t: pytest.approx(v, abs=1e-4) for t, v in zip(top.tolist(), values.tolist())}
+    # with tokens after it: the prompt, then the continuation, one list of log-probabilities
+    more = c.completions.create(model=model, prompt=ids, max_tokens=3, echo=True, logprobs=0, temperature=0,
+                                extra_body={**extra, "ignore_eos": True})
+    lp2 = more.choices[0].logprobs
+    assert more.choices[0].text.startswith(tokenizer.decode(ids)) and len(lp2.tokens) == len(ids) + 3
+    assert lp2.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert int(lp2.tokens[len(ids)].removeprefix("token_id:")) == int(ref[-1].argmax())

@@ -55,6 +55,7 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
             else:
                 x = runner.forward(runner.prepare_inputs(mb.segments), x)
         seqs = mb.sampled
+        x = x[:len(seqs)]              # the sampled rows (scored rows follow them)
         if keep_logits:
             for i, s in enumerate(seqs):
                 logits.setdefault(s, []).append(x[i].detach().float().cpu())

@@ -51,6 +51,7 @@ class Segment:
     prefill: bool = False  # its tokens are the prompt's (else: tokens the pipeline generated)
     pages: tuple[int, ...] = ()   # the KV pages of positions [0, end) (empty: the store's own per slot)
     fresh: bool = False   # its sequence's first segment after a cached prefix: it carries every page
+    scored: bool = False  # every row's logits are wanted, not only the sampled one's (prompt log-probabilities)
 
     @property
     def end(self) -> int:
@@ -178,7 +179,8 @@ class PageTable:
         keep = 0 if seg.fresh else pages_needed(seg.start, self.page_size)
         row = self.rows.get(seg.slot, [])[:keep] + list(added)
         self.rows[seg.slot] = row
-        return Segment(seg.seq, seg.slot, seg.start, seg.length, seg.sample, seg.prefill, tuple(row), seg.fresh)
+        return Segment(seg.seq, seg.slot, seg.start, seg.length, seg.sample, seg.prefill, tuple(row), seg.fresh,
+                       seg.scored)
 
 
 

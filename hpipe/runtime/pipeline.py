@@ -336,19 +336,60 @@ class LogprobReports:
     def __init__(self):
         self.wanted: dict[int, int] = {}            # request index -> top k, while admitted
         self.pending: dict[int, tuple] = {}         # micro-batch -> (rows, their log-probabilities)
+        self.prompts: dict[int, list] = {}          # request index -> [the request, next prompt position]
 
-    def take(self, schedule: Schedule, out: torch.Tensor) -> None:
+    def take(self, schedule: Schedule, out: torch.Tensor) -> torch.Tensor:
+        """Keeps the log-probabilities the micro-batch's requests ask for; returns the logits of
+        its sampled rows (the scored rows that follow them are the prompts')."""
         for request in schedule.admitted:
             if request.params.logprobs is not None:
                 self.wanted[request.index] = request.params.logprobs
+            if request.params.prompt_logprobs is not None:
+                self.prompts[request.index] = [request, 1]
         for index, _ in schedule.released:
             self.wanted.pop(index, None)
+            self.prompts.pop(index, None)
+        n = len(schedule.sampled)
+        if schedule.scored_rows:
+            self._score_prompts(schedule, out[n:])
+            out = out[:n]
         if not self.wanted:
-            return
+            return out
         rows = [(i, seq) for i, seq in enumerate(schedule.sampled) if seq in self.wanted]
         if rows:
             picked = out[torch.tensor([i for i, _ in rows])].detach().to("cpu", torch.float32)
             self.pending[schedule.id] = (rows, torch.log_softmax(picked, dim=-1))
+        return out
+
+    def _score_prompts(self, schedule: Schedule, scored: torch.Tensor) -> None:
+        """Each scored row at position p gives prompt token p + 1's log-probability (reported once:
+        a preemption's recompute, or output tokens fed again, add nothing)."""
+        picks, where = [], []
+        at = 0
+        for s in schedule.segments:
+            if not s.scored:
+                continue
+            request, nxt = self.prompts[s.seq]
+            n_prompt = len(request.input_ids)
+            for p in range(s.start, s.end - s.sample):
+                if nxt <= p + 1 < n_prompt:
+                    picks.append(at + p - s.start)
+                    where.append((s.seq, p + 1))
+                    nxt = p + 2
+            self.prompts[s.seq][1] = nxt
+            at += s.length - s.sample
+        if not picks:
+            return
+        lp = torch.log_softmax(scored[torch.tensor(picks)].detach().to("cpu", torch.float32), dim=-1)
+        k = max(self.prompts[seq][0].params.prompt_logprobs for seq, _ in where)
+        top = lp.topk(k, dim=-1) if k else None
+        entries = []
+        for j, (seq, pos) in enumerate(where):
+            request = self.prompts[seq][0]
+            token, n = request.input_ids[pos], request.params.prompt_logprobs
+            alts = [[int(t), float(v)] for t, v in zip(top.indices[j, :n], top.values[j, :n])] if n else []
+            entries.append([seq, pos, token, float(lp[j, token]), alts])
+        protocol.send(protocol.Logprobs([], entries))
 
     def reporting(self, deliver: Callable[[int, list[int]], None]) -> Callable[[int, list[int]], None]:
         """`deliver` that first reports the micro-batch's log-probabilities (so that they reach the
@@ -398,8 +439,8 @@ class Sampling:
         self.deliver(schedule.id, ids)
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
+        out = self.logprobs.take(schedule, out)
         self.keep.add(out, schedule.sampled)
-        self.logprobs.take(schedule, out)
         self._sample(schedule, out)
 
     def drain(self) -> None:
@@ -423,8 +464,8 @@ class ThreadSampling(Sampling):
             self._sample(*item)
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
+        out = self.logprobs.take(schedule, out)
         self.keep.add(out, schedule.sampled)
-        self.logprobs.take(schedule, out)
         self.queue.put((schedule, out))
 
     def drain(self) -> None:
@@ -437,8 +478,8 @@ class PoolSampling(Sampling):
     releases are queued to the owning processes before the rows that need them."""
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
+        out = self.logprobs.take(schedule, out)
         self.keep.add(out, schedule.sampled)
-        self.logprobs.take(schedule, out)
         self._follow(schedule)          # the pool is the sampler: admit / release queue to its processes
         self.sampler.submit(schedule.id, out, schedule.sampled)
 

@@ -35,7 +35,7 @@ from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind
 __all__ = ["FRESH_PER_SCHEDULE", "HEADER_LEN", "SEGMENT_FIELDS", "Schedule", "body_capacity", "decode", "encode"]
 
 HEADER_LEN = 8
-SEGMENT_FIELDS = 8
+SEGMENT_FIELDS = 9
 FRESH_PER_SCHEDULE = 2      # segments that carry a whole page table (after a cached prefix) per schedule
 OP_WORK, OP_STOP = 1, 2
 
@@ -64,6 +64,11 @@ class Schedule:
         """The request indices of its rows that are sampled, in order."""
         return [s.seq for s in self.segments if s.sample]
 
+    @cached_property
+    def scored_rows(self) -> int:
+        """Rows of logits beyond the sampled ones: every other row of its scored segments."""
+        return sum(s.length - s.sample for s in self.segments if s.scored)
+
     @classmethod
     def end(cls) -> Schedule:
         """The stop: nothing follows it."""
@@ -86,7 +91,8 @@ def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[lis
         op, mb_id = OP_WORK, schedule.id
     added = [added_pages(s, page_size) for s in schedule.segments]
     body = [v for s, a in zip(schedule.segments, added)
-            for v in (s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), int(s.fresh), len(a))]
+            for v in (s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), int(s.fresh), int(s.scored),
+                      len(a))]
     body += [p for a in added for p in a]
     body += [v for pair in schedule.released for v in pair]
     body += [r.index for r in schedule.admitted]
@@ -114,8 +120,8 @@ def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
     op, mb_id, n, n_pages, n_released, n_admitted = header[:6]
     segments, at = [], SEGMENT_FIELDS * n
     for i in range(n):
-        seq, slot, start, length, sample, prefill, fresh, k = body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
-        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill), fresh=bool(fresh))
+        seq, slot, start, length, sample, prefill, fresh, scored, k = body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
+        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill), fresh=bool(fresh), scored=bool(scored))
         segments.append(table.resolve(seg, body[at:at + k]) if k or start else seg)
         at += k
     released = [(body[at + 2 * i], body[at + 2 * i + 1]) for i in range(n_released)]

@@ -200,8 +200,8 @@ class Scheduler:
     def _cached_head(self, seq: Sequence) -> list[int]:
         """The pages of the longest cached prefix of its tokens, never all of them (the last
         token's logits are sampled)."""
-        if not self.pool.caching:
-            return []
+        if not self.pool.caching or seq.request.params.prompt_logprobs is not None:
+            return []          # its prompt's log-probabilities need every position's logits
         size = self.pool.page_size
         return self.pool.cached_prefix(page_keys(seq.keys, seq.tokens, size, (len(seq.tokens) - 1) // size))
 
@@ -371,7 +371,7 @@ class Scheduler:
             leader = False
             sample = seq.pos + n == len(seq.tokens)
             segments.append(Segment(seq.index, seq.slot, seq.pos, n, sample=sample, prefill=True,
-                                    pages=tuple(seq.pages), fresh=seq.fresh))
+                                    pages=tuple(seq.pages), fresh=seq.fresh, scored=seq.scoring))
             fresh += seq.fresh
             seq.fresh = False
             ids += seq.tokens[seq.pos:seq.pos + n]

@@ -89,6 +89,13 @@ class Sequence:
         return list(self.request.input_ids) + self.output
 
     @property
+    def scoring(self) -> bool:
+        """Its next segment needs every row's logits: it asked for its prompt's
+        log-probabilities and the segment holds positions that predict prompt tokens (the last
+        stage reports each position once, a preemption's recompute included)."""
+        return self.request.params.prompt_logprobs is not None and self.pos < len(self.request.input_ids) - 1
+
+    @property
     def prefilled(self) -> bool:
         """Every token it has was sent (it decodes, or would, were it not preempted)."""
         return self.pos >= len(self.tokens) and self.status is not Status.WAITING

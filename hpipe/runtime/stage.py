@@ -32,7 +32,7 @@ class StageInputs:
     masks: dict                       # sliding window (None = full) -> attention mask
     rotary: tuple | None              # (cos, sin) for RoPE models
     cache: BatchCache | None
-    sample_rows: torch.Tensor         # flat token indices whose logits are sampled
+    sample_rows: torch.Tensor         # flat token indices whose logits are taken: sampled, then scored
 
 
 class StageRunner:
@@ -109,7 +109,10 @@ class StageRunner:
             probe = torch.empty(0, dtype=self.dtype, device=dev)
             rotary = self.rotary(probe, positions)
         ends = list(itertools.accumulate(s.length for s in segments))    # host ints: no device read-back
-        sample_rows = torch.tensor([e - 1 for e, s in zip(ends, segments) if s.sample], dtype=torch.long, device=dev)
+        # the sampled rows first, then every other row of the scored segments (prompt log-probabilities)
+        rows = [e - 1 for e, s in zip(ends, segments) if s.sample]
+        rows += [e - s.length + i for e, s in zip(ends, segments) if s.scored for i in range(s.length - s.sample)]
+        sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         shape = (len(segments), segments[0].length) if layout == "rows" else (1, ends[-1])
         cache = BatchCache(self.kv, segments) if self.blocks else None
         return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
@@ -125,7 +128,7 @@ class StageRunner:
     @torch.inference_mode()
     def forward(self, inputs: StageInputs, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. Returns hidden
-        states [T, H], or on the last stage the logits [rows sampled, V] (float32)."""
+        states [T, H], or on the last stage the logits [rows sampled + scored rows, V] (float32)."""
         return self.compute(inputs, x)
 
     def compute(self, inputs: StageInputs, x: torch.Tensor) -> torch.Tensor:
