@@ -67,6 +67,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), OpenAI's, before the rest
     logprobs: int | None = None    # report the sampled token's log-probability and this many top ones (None: off)
     prompt_logprobs: int | None = None   # the same for every prompt token after the first (it skips the prefix cache)
+    grammar: str | None = None     # structured output: an llguidance grammar (hpipe.grammar builds them)
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -83,6 +84,8 @@ class SamplingParams:
             _refuse("top_k", self.top_k, "an integer >= 0 (0 turns it off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             _refuse("seed", self.seed, "an integer or None")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            _refuse("grammar", self.grammar, "an llguidance grammar (text) or None")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):

@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from hpipe.grammar import GrammarMasks, GrammarVocabulary
 from hpipe.request import Request, SamplingError, SamplingParams
 
 __all__ = ["CPUSampler", "RequestSampler", "SamplingError", "SamplingParams"]
@@ -350,11 +351,15 @@ class RequestSampler:
     ended but is not yet released (a decode step committed before its stop was known) is sampled
     like any other; stage 0 drops its id."""
 
-    def __init__(self, vocab_size: int, max_batch: int, max_len: int, layout: str | None = None):
-        """max_batch: sequences holding sampler state at once; max_len: the most tokens one may generate."""
+    def __init__(self, vocab_size: int, max_batch: int, max_len: int, layout: str | None = None,
+                 grammars: GrammarVocabulary | None = None):
+        """max_batch: sequences holding sampler state at once; max_len: the most tokens one may
+        generate; grammars: the model's vocabulary for requests with a grammar (structured output)."""
         self.requests: dict[int, Request] = {}    # index -> Request, admitted and not yet released
         self.cpu = CPUSampler(vocab_size, max_batch, max_len, layout=layout)
         self.started: set[int] = set()            # those with state in `cpu` (from their first row)
+        self.grammars = grammars
+        self.masks: GrammarMasks | None = None    # from the first request with a grammar
 
     def admit(self, request: Request) -> None:
         self.requests[request.index] = request
@@ -364,6 +369,8 @@ class RequestSampler:
         if index in self.started:
             self.cpu.remove(index)
             self.started.discard(index)
+        if self.masks is not None:
+            self.masks.drop(index)
         self.requests.pop(index, None)
 
     def knows(self, index: int) -> bool:
@@ -374,4 +381,17 @@ class RequestSampler:
             if s not in self.started:
                 self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
                 self.started.add(s)
-        return self.cpu.step(logits, seqs).tolist()
+                if self.requests[s].params.grammar is not None:
+                    self._start_grammar(s, self.requests[s].params.grammar)
+        if self.masks is None:
+            return self.cpu.step(logits, seqs).tolist()
+        ids = self.cpu.step(self.masks.apply(logits, seqs), seqs).tolist()
+        self.masks.advance(seqs, ids)            # the next masks, before the next micro-batch's logits
+        return ids
+
+    def _start_grammar(self, index: int, grammar: str) -> None:
+        if self.grammars is None:
+            raise SamplingError("a request has a grammar, but this sampler was given no vocabulary for grammars")
+        if self.masks is None:
+            self.masks = GrammarMasks(self.grammars)
+        self.masks.start(index, grammar)

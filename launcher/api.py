@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hpipe import grammar as grammars
 from hpipe.errors import HpipeError
 from hpipe.launcher.serving import Handle, PipelineClient
 from hpipe.request import MAX_LOGPROBS, SamplingError, SamplingParams
@@ -105,8 +106,10 @@ def sampling_fields(body: dict, vocab: int, chat: bool = False) -> tuple[Samplin
                             "'logprobs' on /v1/completions", "prompt_logprobs")
     if _int(body, "best_of", 1, 1) != 1:
         raise ApiError(400, "'best_of' must be 1", "best_of")
-    fields = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None and name != "logprobs"}
+    fields = {name: body[name] for name in SAMPLING_FIELDS
+              if body.get(name) is not None and name not in ("logprobs", "grammar")}
     fields["logprobs"] = logprobs_field(body, chat)
+    fields["grammar"] = grammar_field(body)
     if not chat and _field(body, "echo", bool, False, "true or false"):
         fields["prompt_logprobs"] = fields["logprobs"]
     if fields.get("top_k") == -1:            # vLLM's and OpenAI-style "off"
@@ -132,6 +135,65 @@ def sampling_fields(body: dict, vocab: int, chat: bool = False) -> tuple[Samplin
     if not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
         raise ApiError(400, "'stop' must be a non-empty string or a list of up to 16 non-empty strings", "stop")
     return params, frozenset(stop_ids), ignore_eos, stops
+
+
+GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def grammar_field(body: dict) -> str | None:
+    """The request's structured output as a grammar (None: free text): OpenAI's `response_format`
+    (json_object, json_schema) or vLLM's `guided_json` / `guided_regex` / `guided_choice`, one of them."""
+    given = [name for name in GUIDED if body.get(name) is not None
+             and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ApiError(400, f"give one kind of structured output, not {' and '.join(given)}", given[1])
+    name, value = given[0], body[given[0]]
+    try:
+        if name == "response_format":
+            kind = value.get("type") if isinstance(value, dict) else None
+            if kind == "json_object":
+                return grammars.json_object_grammar()
+            if kind != "json_schema":
+                raise ApiError(400, "'response_format.type' must be text, json_object or json_schema", name)
+            schema = (value.get("json_schema") or {}).get("schema") if isinstance(value.get("json_schema"), dict) \
+                else None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)", name)
+            return grammars.json_schema_grammar(schema)
+        if name == "guided_json":
+            schema = json.loads(value) if isinstance(value, str) else value
+            if not isinstance(schema, dict):
+                raise ApiError(400, "'guided_json' must be a JSON schema (an object, or its text)", name)
+            return grammars.json_schema_grammar(schema)
+        if name == "guided_regex":
+            if not isinstance(value, str) or not value:
+                raise ApiError(400, "'guided_regex' must be a non-empty regular expression", name)
+            return grammars.regex_grammar(value)
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ApiError(400, "'guided_choice' must be a non-empty list of non-empty strings", name)
+        return grammars.choice_grammar(value)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, f"'{name}' is not a grammar hpipe can compile: {e}", name) from None
+    except HpipeError as e:
+        raise ApiError(400, str(e), name) from None
+
+
+async def check_grammar(st: ServerState, body: dict, params: SamplingParams, ignore_eos: bool) -> None:
+    """A grammar the engine cannot compile is a 400 naming its field (compiled off the event loop)."""
+    if params.grammar is None:
+        return
+    name = next(n for n in GUIDED if body.get(n) is not None)
+    if ignore_eos:
+        raise ApiError(400, f"'ignore_eos' cannot go with '{name}': a finished grammar ends with the model's EOS",
+                       "ignore_eos")
+    try:
+        problem = await asyncio.to_thread(st.grammars.check, params.grammar)
+    except HpipeError as e:
+        raise ApiError(400, str(e), name) from None
+    if problem:
+        raise ApiError(400, f"'{name}' does not compile: {problem.splitlines()[0][:300]}", name)
 
 
 def prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
@@ -240,12 +302,14 @@ class ServerState:
     api_key: str | None
     max_queue: int
     created: int
+    grammars: grammars.GrammarVocabulary     # what structured output is checked against (built on first use)
 
 
 def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, api_key: str | None = None,
                max_queue: int = 256) -> FastAPI:
     app = FastAPI(title="hpipe", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.hpipe = ServerState(client, tokenizer, model_name, vocab, api_key, max_queue, int(time.time()))
+    app.state.hpipe = ServerState(client, tokenizer, model_name, vocab, api_key, max_queue, int(time.time()),
+                                  grammars.GrammarVocabulary(client.job.source.path, vocab))
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.get("/health")(health)
@@ -339,6 +403,7 @@ async def generate(request: Request, body: dict, ids: list[int], chat: bool):
     st = _state(request)
     client = st.client
     params, stop_ids, ignore_eos, stops = sampling_fields(body, st.vocab, chat)
+    await check_grammar(st, body, params, ignore_eos)
     limit = client.max_model_len
     room = limit - len(ids)
     if chat:

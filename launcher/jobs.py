@@ -107,6 +107,9 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
         # the launch's parameters, a seed of the request's own, then the prompt's overrides (its seed included)
         params = SamplingParams(**{**settings.params.__dict__, "seed": sequence_seed(settings.seed, rec.id),
                                    **(rec.sampling or {})})
+        if params.grammar is not None:
+            raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has a grammar: structured output is served by "
+                             f"hpipe serve (response_format, guided_json); remove it")
         if params.logprobs is not None:
             raise HpipeError(f"{prompts_path}: prompt {rec.id!r} asks for logprobs: hpipe serve answers them "
                              f"(OpenAI's logprobs / top_logprobs); a batch job does not write them: remove it")

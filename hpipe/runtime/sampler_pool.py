@@ -26,6 +26,7 @@ import time
 import torch
 
 from hpipe.lifeline import tie_to_parent
+from hpipe.grammar import GrammarVocabulary
 from hpipe.sampling import RequestSampler
 
 _POLL_S = 0.0002
@@ -64,7 +65,8 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
     torch.set_num_threads(config["threads"])
     logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
     n_cells = logits.shape[0]
-    sampler = RequestSampler(logits.shape[2], config["max_batch"], config["max_len"])
+    sampler = RequestSampler(logits.shape[2], config["max_batch"], config["max_len"],
+                             grammars=GrammarVocabulary(config["model_dir"], logits.shape[2]) if config["model_dir"] else None)
     held: collections.deque = collections.deque()
     m = 0
     while not stop.is_set():
@@ -92,7 +94,7 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
 
 class SamplerPool:
     def __init__(self, vocab_size: int, max_rows: int, max_batch: int, max_len: int, send, n_procs: int = 1,
-                 n_cells: int = 4, threads: int = 1, errors: list | None = None):
+                 n_cells: int = 4, threads: int = 1, errors: list | None = None, model_dir: str | None = None):
         """send(mb_id, ids) is called by the collector thread for every micro-batch, in order; a
         failure is also appended to `errors` (the stage's executors stop on it)."""
         ctx = torch.multiprocessing.get_context("spawn")
@@ -107,7 +109,8 @@ class SamplerPool:
         self.locks = [ctx.Lock() for _ in range(n_cells)]
         self.done_sems = [ctx.Semaphore(0) for _ in range(n_cells)]   # one release per process per micro-batch
         self.stop_event = ctx.Event()
-        config = {"threads": threads, "max_batch": max_batch, "parent": os.getpid(), "max_len": max_len}
+        config = {"threads": threads, "max_batch": max_batch, "parent": os.getpid(), "max_len": max_len,
+                  "model_dir": model_dir}       # the tokenizer of requests with a grammar
         self.events = [ctx.Queue() for _ in range(n_procs)]      # admissions and releases, per owner
         self.procs = [ctx.Process(target=_sampler_main, args=(i, n_procs, self.shared, self.locks, self.done_sems,
                                                                self.stop_event, config, self.events[i]), daemon=True,

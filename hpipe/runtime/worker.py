@@ -34,6 +34,7 @@ from hpipe import formats, memory, models, protocol, quant
 from hpipe.config import RuntimeConfig
 from hpipe.errors import HpipeError
 from hpipe.lifeline import tie_to_parent
+from hpipe.grammar import GrammarVocabulary
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm
 from hpipe.runtime.pages import Segment, pages_needed
@@ -290,6 +291,7 @@ class StageWorker:
         self.stage_plan = plan.stages[self.index]
         source = models.resolve_model(args.model or plan.model.name)
         self.model_config = models.load_config(source.path)
+        self.model_dir = str(source.path)
         models.check_plan_matches(plan, self.model_config, source.name)
         self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
@@ -368,9 +370,10 @@ class StageWorker:
         deliver = logprobs.reporting(deliver)
         if self.modes.sampling == "cpu":
             pool = SamplerPool(vocab, requests.pool_rows(), columns, requests.sampler_len, send=deliver,
+                               model_dir=self.model_dir,
                                n_procs=config.sampler_procs, errors=self.ex.errors)
             return PoolSampling(pool, deliver, self.ex.timeline, self.keep, logprobs)
-        sampler = RequestSampler(vocab, columns, requests.sampler_len)
+        sampler = RequestSampler(vocab, columns, requests.sampler_len, grammars=GrammarVocabulary(self.model_dir, vocab))
         if self.modes.tsem and self.world > 1:
             return ThreadSampling(sampler, deliver, self.ex.timeline, self.keep, logprobs, self.ex.errors)
         return Sampling(sampler, deliver, self.ex.timeline, self.keep, logprobs)

@@ -1,7 +1,9 @@
-"""Log-probabilities from `hpipe serve` with the real openai client, against transformers: a tiny
-float32 model with the default model's tokenizer, served by 2 stages, sampled inline and by the
-sampler process pool. vLLM's default semantics: the model's own distribution (log_softmax of the
-raw logits), whatever the sampling parameters."""
+"""What real clients send, with the real openai client against `hpipe serve`, checked against
+transformers: a tiny float32 model with the default model's tokenizer, served by 2 stages, sampled
+inline and by the sampler process pool. Log-probabilities with vLLM's default semantics (the
+model's own distribution, log_softmax of the raw logits, whatever the sampling parameters), echo's
+prompt log-likelihood, n choices sharing one prefill, and structured output (the grammar's mask is
+all that makes a random model's output parse)."""
 
 from __future__ import annotations
 
@@ -198,3 +200,59 @@ def test_echo_gives_the_prompts_log_likelihood(served):
     assert more.choices[0].text.startswith(tokenizer.decode(ids)) and len(lp2.tokens) == len(ids) + 3
     assert lp2.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     assert int(lp2.tokens[len(ids)].removeprefix("token_id:")) == int(ref[-1].argmax())
+
+
+def test_structured_output_validates_whatever_the_model(served):
+    """The tiny model's weights are random: only the grammar's mask makes its output parse."""
+    import enum
+    import json
+    import re
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    c, model, _, _, _ = served
+
+    class Color(str, enum.Enum):
+        red = "red"
+        green = "green"
+
+    class Address(BaseModel):
+        city: str = Field(max_length=12)
+        zip: str = Field(pattern=r"^[0-9]{5}$")
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=120)
+        color: Color
+        favourites: list[Color] = Field(max_length=3)
+        addresses: list[Address] = Field(max_length=2)   # strings bounded: random weights never end one
+
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    for seed in (1, 2):
+        done = c.beta.chat.completions.parse(model=model, messages=messages, response_format=Person, max_tokens=300,
+                                             temperature=0.8, seed=seed)
+        person = done.choices[0].message.parsed
+        assert isinstance(person, Person) and done.choices[0].finish_reason == "stop"
+        assert Person.model_validate_json(done.choices[0].message.content) == person
+    close = served[3].convert_tokens_to_ids("{}")      # any object: biased to the empty one
+    plain = c.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0,
+                                      response_format={"type": "json_object"}, logit_bias={str(close): 100})
+    assert isinstance(json.loads(plain.choices[0].message.content), dict)
+    regex = c.completions.create(model=model, prompt="A date:", max_tokens=20, temperature=0,
+                                 extra_body={"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", regex.choices[0].text)
+    choice = c.completions.create(model=model, prompt="Pick:", max_tokens=10, n=2, seed=3, temperature=1,
+                                  extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert all(ch.text in ("yes", "no", "maybe") for ch in choice.choices)
+    # bad grammars: a 400 naming the field, and the server stays up
+    with pytest.raises(openai.BadRequestError, match=r"'guided_json' does not compile: .*frob"):
+        c.completions.create(model=model, prompt="x", extra_body={"guided_json": {"type": "frob"}})
+    with pytest.raises(openai.BadRequestError, match=r"'guided_regex' does not compile"):
+        c.completions.create(model=model, prompt="x", extra_body={"guided_regex": "([a-z"})
+    with pytest.raises(openai.BadRequestError, match=r"'response_format.json_schema.schema' must be"):
+        c.chat.completions.create(model=model, messages=messages,
+                                  response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(openai.BadRequestError, match=r"give one kind of structured output"):
+        c.completions.create(model=model, prompt="x", extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert c.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
