@@ -24,9 +24,13 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpipe import grammar as grammars
@@ -107,7 +111,7 @@ def sampling_fields(body: dict, vocab: int, chat: bool = False) -> tuple[Samplin
     if _int(body, "best_of", 1, 1) != 1:
         raise ApiError(400, "'best_of' must be 1", "best_of")
     fields = {name: body[name] for name in SAMPLING_FIELDS
-              if body.get(name) is not None and name not in ("logprobs", "grammar")}
+              if name not in ("logprobs", "grammar", "prompt_logprobs") and body.get(name) is not None}
     fields["logprobs"] = logprobs_field(body, chat)
     fields["grammar"] = grammar_field(body)
     if not chat and _field(body, "echo", bool, False, "true or false"):
@@ -196,23 +200,29 @@ async def check_grammar(st: ServerState, body: dict, params: SamplingParams, ign
         raise ApiError(400, f"'{name}' does not compile: {problem.splitlines()[0][:300]}", name)
 
 
-def prompt_ids(body: dict, tokenizer, vocab: int) -> list[int]:
+def prompts_of(body: dict, tokenizer, vocab: int) -> list[tuple[list[int], str | None]]:
+    """The completion request's prompts, each as (token ids, its text when given as text): one
+    string or list of token ids, or a list of those (a batch: choice i * n + j is prompt i's j-th)."""
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", "prompt")
     p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
+    many = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
+    return [_one_prompt(x, tokenizer, vocab, f"prompt[{i}]" if many else "prompt")
+            for i, x in enumerate(p if many else [p])]
+
+
+def _one_prompt(p, tokenizer, vocab: int, where: str) -> tuple[list[int], str | None]:
     if isinstance(p, str):
         if not p:
-            raise ApiError(400, "'prompt' is empty", "prompt")
-        return [int(t) for t in tokenizer(p)["input_ids"]]
+            raise ApiError(400, f"'{where}' is empty", "prompt")
+        return [int(t) for t in tokenizer(p)["input_ids"]], p
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         bad = [t for t in p if not 0 <= t < vocab]
         if bad:
-            raise ApiError(400, f"'prompt' token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
-        return list(p)
-    raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of one of those "
-                        "(hpipe takes one prompt per request)", "prompt")
+            raise ApiError(400, f"'{where}' token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        return list(p), None
+    raise ApiError(400, f"'{where}' must be a non-empty string or list of token ids (or 'prompt' a list of those)",
+                   "prompt")
 
 
 def chat_ids(body: dict, tokenizer) -> list[int]:
@@ -290,6 +300,81 @@ class TextStream:
         return out
 
 
+# ---------------------------------------------------------------------------------------- schema
+# The request bodies as /openapi.json and /docs describe them: what the handlers above read (their
+# rules live there: these models only document them; extra fields are refused by name or ignored).
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict] = Field(description="text, or text parts [{\"type\": \"text\", \"text\": ...}]")
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str
+    schema_: dict = Field(alias="schema", description="the JSON schema the reply must follow")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingBody(BaseModel):
+    model: str = Field(description="the served model (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate (completions: 16; 0 only with echo)")
+    n: int = Field(1, ge=1, description="choices: one prefill, n decodes; choice i samples with seed + i")
+    temperature: float | None = Field(None, ge=0, le=5)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="vLLM's; 0 or -1: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, description="up to 16 strings; the text ends before the first")
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    stream: bool = False
+    stream_options: dict | None = Field(None, description="{\"include_usage\": true}: a last chunk with usage")
+    return_tokens_as_token_ids: bool = False
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = Field(None, description="vLLM's: a JSON schema the output follows")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(description="one prompt: text or token ids")
+    echo: bool = Field(False, description="the prompt first (with logprobs: its log-likelihood)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top log-probabilities per token")
+
+
+class ChatBody(SamplingBody):
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+def described(body: type[BaseModel]) -> dict:
+    """A route's `openapi_extra`: its request body, its models' schemas referenced from components."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}}
+
+
+def openapi_of(app: FastAPI):
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            _, defs = models_json_schema([(m, "validation") for m in (CompletionBody, ChatBody)],
+                                         ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+    return openapi
+
+
 # ---------------------------------------------------------------------------------------- the app
 @dataclass(frozen=True)
 class ServerState:
@@ -307,7 +392,8 @@ class ServerState:
 
 def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, api_key: str | None = None,
                max_queue: int = 256) -> FastAPI:
-    app = FastAPI(title="hpipe", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hpipe", description="The OpenAI API in front of an hpipe pipeline", redoc_url=None)
+    app.openapi = openapi_of(app)
     app.state.hpipe = ServerState(client, tokenizer, model_name, vocab, api_key, max_queue, int(time.time()),
                                   grammars.GrammarVocabulary(client.job.source.path, vocab))
     app.add_exception_handler(ApiError, api_error)
@@ -316,8 +402,8 @@ def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, a
     app.get("/metrics")(metrics)
     app.get("/hpipe/microbatches")(microbatches)
     app.get("/v1/models")(list_models)
-    app.post("/v1/completions")(completions)
-    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions", openapi_extra=described(CompletionBody))(completions)
+    app.post("/v1/chat/completions", openapi_extra=described(ChatBody))(chat_completions)
     return app
 
 
@@ -390,21 +476,22 @@ async def completions(request: Request):
     authorize(request)
     body = await read_body(request)
     st = _state(request)
-    return await generate(request, body, prompt_ids(body, st.tokenizer, st.vocab), chat=False)
+    return await generate(request, body, prompts_of(body, st.tokenizer, st.vocab), chat=False)
 
 
 async def chat_completions(request: Request):
     authorize(request)
     body = await read_body(request)
-    return await generate(request, body, chat_ids(body, _state(request).tokenizer), chat=True)
+    return await generate(request, body, [(chat_ids(body, _state(request).tokenizer), None)], chat=True)
 
 
-async def generate(request: Request, body: dict, ids: list[int], chat: bool):
+async def generate(request: Request, body: dict, prompts: list[tuple[list[int], str | None]], chat: bool):
     st = _state(request)
     client = st.client
     params, stop_ids, ignore_eos, stops = sampling_fields(body, st.vocab, chat)
     await check_grammar(st, body, params, ignore_eos)
     limit = client.max_model_len
+    ids = max((ids for ids, _ in prompts), key=len)
     room = limit - len(ids)
     if chat:
         max_tokens = _int(body, "max_completion_tokens", None, 1) or _int(body, "max_tokens", None, 1) or room
@@ -422,23 +509,31 @@ async def generate(request: Request, body: dict, ids: list[int], chat: bool):
     options = _field(body, "stream_options", dict, {}, "an object")
     if client.failure is not None:
         raise ApiError(503, f"the pipeline failed: {client.failure}", None, "server_error")
-    if client.load() + n > client.max_batch + st.max_queue:
+    if len(prompts) * n > client.max_batch + st.max_queue:
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} choices is more than the server takes at once "
+                            f"({client.max_batch + st.max_queue}: --max-batch + --max-queue); send fewer", "prompt")
+    if client.load() + len(prompts) * n > client.max_batch + st.max_queue:
         raise ApiError(429, f"the server has {client.load()} requests open, its limit "
                             f"(--max-batch + --max-queue); retry later", None, "rate_limit_error")
     loop = asyncio.get_running_loop()
     token_ids = _field(body, "return_tokens_as_token_ids", bool, False, "true or false")
     kind = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-    echo = None if chat or not body.get("echo") else \
-        (body["prompt"] if isinstance(body["prompt"], str) else st.tokenizer.decode(ids))
+    echoes = not chat and bool(body.get("echo"))
     answers: list[Answer] = []
     try:
-        for i, choice_params in enumerate(choice_sampling(params, n)):
-            if i == 1 and client.prefix_caching and not await first_token(request, client, answers[0].handle):
-                return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
-                                    status_code=499)
-            handle = client.submit(ids, choice_params, max(1, max_tokens), stop_ids, ignore_eos, loop)
-            answers.append(Answer(kind, chat, st.model_name, handle, TextStream(st.tokenizer, stops), st.tokenizer,
-                                  token_ids, index=i, echo=echo, generates=max_tokens > 0))
+        for ids, text in prompts:
+            echo = (text if text is not None else st.tokenizer.decode(ids)) if echoes else None
+            first = len(answers)
+            for j, choice_params in enumerate(choice_sampling(params, n)):
+                if j == 1 and client.prefix_caching and not await first_token(request, client, answers[first].handle):
+                    for a in answers:
+                        client.abort(a.handle)
+                    return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
+                                        status_code=499)
+                handle = client.submit(ids, choice_params, max(1, max_tokens), stop_ids, ignore_eos, loop)
+                answers.append(Answer(kind, chat, st.model_name, handle, TextStream(st.tokenizer, stops),
+                                      st.tokenizer, token_ids, index=len(answers), echo=echo,
+                                      generates=max_tokens > 0, counts_prompt=j == 0))
     except HpipeError as e:
         for a in answers:
             client.abort(a.handle)
@@ -486,6 +581,7 @@ class Answer:
     index: int = 0                 # the choice's index (n > 1)
     echo: str | None = None        # completions' echo: the prompt's text, first
     generates: bool = True         # False: max_tokens 0 with echo (the one token sampled is dropped)
+    counts_prompt: bool = True     # the first choice of its prompt (usage counts a prompt once)
     offset: int = 0                # completions' text_offset of the next token
 
     @property
@@ -538,8 +634,8 @@ class Answer:
 
 
 def usage(answers: list[Answer]) -> dict:
-    """One prompt (its n choices share it), every choice's tokens."""
-    p = len(answers[0].handle.request.input_ids)
+    """Every prompt once (its n choices share it), every choice's tokens."""
+    p = sum(len(a.handle.request.input_ids) for a in answers if a.counts_prompt)
     c = sum(a.completion_tokens for a in answers)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 

@@ -256,3 +256,33 @@ def test_structured_output_validates_whatever_the_model(served):
     with pytest.raises(openai.BadRequestError, match=r"give one kind of structured output"):
         c.completions.create(model=model, prompt="x", extra_body={"guided_regex": "a", "guided_choice": ["a"]})
     assert c.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_lm_eval_local_completions_scores_as_its_hf_model(served, tmp_path, request):
+    """lm-eval's own client (echo, logprobs, batched token-id prompts) against hpipe serve, and
+    lm-eval's transformers model on the same checkpoint: the same log-likelihoods, the same scores."""
+    if "cpu" in request.node.callspec.id:
+        pytest.skip("prompt log-probabilities come from the last stage whatever samples: one sampler is enough")
+    import json
+
+    import lm_eval
+
+    _, model, _, _, base = served
+    docs = [{"question": f"Question {i}: which word comes next after {w}?", "choices": [" red", " blue", " seven",
+             " the end"], "label": i % 4} for i, w in enumerate(["one", "two", "sky", "sea", "fire", "stone"])]
+    data = tmp_path / "mini.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    task = {"task": "hpipe_mini", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}",
+            "doc_to_choice": "{{choices}}", "doc_to_target": "label", "target_delimiter": "",
+            "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}], "metadata": {"version": 1.0}}
+    ours = lm_eval.simple_evaluate(
+        model="local-completions", tasks=[task], model_args=f"base_url={base}/v1/completions,model={model},"
+        f"tokenizer={model},tokenizer_backend=huggingface,tokenized_requests=True,batch_size=4")
+    theirs = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model},dtype=float32", tasks=[task],
+                                     device="cpu", batch_size=1)
+    a, b = ours["results"]["hpipe_mini"], theirs["results"]["hpipe_mini"]
+    for metric in ("acc,none", "acc_norm,none"):
+        assert abs(a[metric] - b[metric]) <= b[metric.replace(",", "_stderr,")], (metric, a, b)
+    ll = lambda r: [float(x[0][0]) for s in r["samples"]["hpipe_mini"] for x in s["resps"]]     # noqa: E731
+    assert len(ll(ours)) == 4 * len(docs) and ll(ours) == pytest.approx(ll(theirs), abs=1e-3)
