@@ -107,6 +107,18 @@ def test_scheduler_invariants(lengths, n_stages, max_batch, new_tokens, slice_le
         assert sum(slices_seen) == len(r.input_ids)
 
 
+def sample_oldest(sched, done_mb, token_for, produced: dict, finished: dict) -> None:
+    """The last stage's part, for the oldest micro-batch in flight: each sampled row's token (the
+    test's `token_for`, or 1), followed by the sequences it ended."""
+    ids = []
+    for seg in done_mb.segments:
+        if seg.sample:
+            ids.append(token_for(seg.seq, len(produced[seg.seq])) or 1)
+            if seg.seq not in finished:
+                produced[seg.seq].append(ids[-1])
+    for state in sched.on_sampled(done_mb.id, ids):
+        finished[state.request.index] = state
+
 def test_a_one_token_last_slice_is_prefill_on_every_stage():
     """A 33-token prompt cut [32, 1]: its second slice is one token after context, like a decode
     step, but it is the prompt's: every stage must call it prefill."""
@@ -180,15 +192,7 @@ def test_paged_policies_preempt_and_abort(lengths, n_stages, max_batch, new_toke
         if sched.done:
             break
         assert pipe, "the scheduler stalled with nothing in flight"
-        done_mb = pipe.popleft()
-        ids = []
-        for seg in done_mb.segments:
-            if seg.sample:
-                ids.append(token_for(seg.seq, len(produced[seg.seq])) or 1)
-                if seg.seq not in finished:
-                    produced[seg.seq].append(ids[-1])
-        for state in sched.on_sampled(done_mb.id, ids):
-            finished[state.request.index] = state
+        sample_oldest(sched, pipe.popleft(), token_for, produced, finished)
     for r in requests:
         if r.index in aborted:
             continue
@@ -264,15 +268,7 @@ def test_prefix_caching_reads_every_sequences_own_tokens(docs, picks, n_stages, 
         if sched.done:
             break
         assert pipe, "the scheduler stalled with nothing in flight"
-        done_mb = pipe.popleft()
-        ids = []
-        for seg in done_mb.segments:
-            if seg.sample:
-                ids.append(token_for(seg.seq, len(produced[seg.seq])) or 1)
-                if seg.seq not in finished:
-                    produced[seg.seq].append(ids[-1])
-        for state in sched.on_sampled(done_mb.id, ids):
-            finished[state.request.index] = state
+        sample_oldest(sched, pipe.popleft(), token_for, produced, finished)
     for r in requests:
         if r.index not in aborted:
             assert finished[r.index].output == produced[r.index] == \
