@@ -111,9 +111,6 @@ class GrammarMasks:
         self.matchers: dict[int, object] = {}
         self.masks: dict[int, torch.Tensor] = {}        # request index -> allowed [V] (bool)
 
-    def __contains__(self, index: int) -> bool:
-        return index in self.matchers
-
     def start(self, index: int, grammar: str) -> None:
         self.matchers[index] = self.vocab.matcher(grammar)
         self._fill(index)

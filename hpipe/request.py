@@ -104,8 +104,6 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
 
-
-
 def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     """logit_bias as OpenAI sends it ({"token id": bias}) or as pairs: sorted (id, bias) pairs."""
     items = bias.items() if isinstance(bias, dict) else bias

@@ -148,11 +148,16 @@ def sampling_fields(body: dict, vocab: int, chat: bool = False) -> tuple[Samplin
 GUIDED = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
+def guided_fields(body: dict) -> list[str]:
+    """The structured-output fields the body gives (`response_format` of type text is none)."""
+    return [name for name in GUIDED if body.get(name) is not None
+            and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+
+
 def grammar_field(body: dict) -> str | None:
     """The request's structured output as a grammar (None: free text): OpenAI's `response_format`
     (json_object, json_schema) or vLLM's `guided_json` / `guided_regex` / `guided_choice`, one of them."""
-    given = [name for name in GUIDED if body.get(name) is not None
-             and not (name == "response_format" and isinstance(body[name], dict) and body[name].get("type") == "text")]
+    given = guided_fields(body)
     if not given:
         return None
     if len(given) > 1:
@@ -192,7 +197,7 @@ async def check_grammar(st: ServerState, body: dict, params: SamplingParams, ign
     """A grammar the engine cannot compile is a 400 naming its field (compiled off the event loop)."""
     if params.grammar is None:
         return
-    name = next(n for n in GUIDED if body.get(n) is not None)
+    name = guided_fields(body)[0]
     if ignore_eos:
         raise ApiError(400, f"'ignore_eos' cannot go with '{name}': a finished grammar ends with the model's EOS",
                        "ignore_eos")

@@ -57,7 +57,7 @@ class Handle:
 
     def _arrive(self, event: tuple) -> None:
         self.queue.put_nowait(event)
-        if event[0] != "logprob":
+        if event[0] in ("token", "end", "error"):
             self.started.set()
 
 
@@ -293,14 +293,11 @@ class PipelineClient:
 
     def on_logprobs(self, report: protocol.Logprobs) -> None:
         with self.lock:
-            for index, *entry in report.entries:
-                h = self.logprob_readers.get(index)
-                if h is not None:
-                    h.put(("logprob", entry))
-            for index, *entry in report.prompt:
-                h = self.logprob_readers.get(index)
-                if h is not None:
-                    h.put(("prompt_logprob", entry))
+            for kind, entries in (("logprob", report.entries), ("prompt_logprob", report.prompt)):
+                for index, *entry in entries:
+                    h = self.logprob_readers.get(index)
+                    if h is not None:
+                        h.put((kind, entry))
 
     def on_result(self, result: protocol.Result) -> None:
         """A request's end, and its timing as stage 0 measured it (aborted ones too: the metrics)."""

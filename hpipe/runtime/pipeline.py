@@ -381,15 +381,9 @@ class LogprobReports:
         if not picks:
             return
         lp = torch.log_softmax(scored[torch.tensor(picks)].detach().to("cpu", torch.float32), dim=-1)
-        k = max(self.prompts[seq][0].params.prompt_logprobs for seq, _ in where)
-        top = lp.topk(k, dim=-1) if k else None
-        entries = []
-        for j, (seq, pos) in enumerate(where):
-            request = self.prompts[seq][0]
-            token, n = request.input_ids[pos], request.params.prompt_logprobs
-            alts = [[int(t), float(v)] for t, v in zip(top.indices[j, :n], top.values[j, :n])] if n else []
-            entries.append([seq, pos, token, float(lp[j, token]), alts])
-        protocol.send(protocol.Logprobs([], entries))
+        asked = [(self.prompts[seq][0].input_ids[pos], self.prompts[seq][0].params.prompt_logprobs)
+                 for seq, pos in where]
+        protocol.send(protocol.Logprobs([], [[seq, pos, *e] for (seq, pos), e in zip(where, _entries(lp, asked))]))
 
     def reporting(self, deliver: Callable[[int, list[int]], None]) -> Callable[[int, list[int]], None]:
         """`deliver` that first reports the micro-batch's log-probabilities (so that they reach the
@@ -404,14 +398,18 @@ class LogprobReports:
         if taken is None:
             return
         rows, lp = taken
-        k = max(self.wanted.get(seq, 0) for _, seq in rows)
-        top = lp.topk(k, dim=-1) if k else None
-        entries = []
-        for j, (i, seq) in enumerate(rows):
-            n = self.wanted.get(seq, 0)
-            alts = [[int(t), float(v)] for t, v in zip(top.indices[j, :n], top.values[j, :n])] if n else []
-            entries.append([seq, int(ids[i]), float(lp[j, ids[i]]), alts])
-        protocol.send(protocol.Logprobs(entries))
+        asked = [(int(ids[i]), self.wanted.get(seq, 0)) for i, seq in rows]
+        protocol.send(protocol.Logprobs([[seq, *e] for (_, seq), e in zip(rows, _entries(lp, asked))]))
+
+
+def _entries(lp: torch.Tensor, asked: list[tuple[int, int]]) -> list[list]:
+    """[token, its log-probability, [[id, log-probability] of the top k]] for each row of `lp`
+    and its (token, k)."""
+    k = max(n for _, n in asked)
+    top = lp.topk(k, dim=-1) if k else None
+    return [[token, float(lp[j, token]),
+             [[int(t), float(v)] for t, v in zip(top.indices[j, :n], top.values[j, :n])] if n else []]
+            for j, (token, n) in enumerate(asked)]
 
 
 class Sampling:
@@ -438,10 +436,14 @@ class Sampling:
         self.timeline.add("sample", t, time.time())
         self.deliver(schedule.id, ids)
 
-    def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
+    def _taken(self, schedule: Schedule, out: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' logits, once the log-probabilities and --logits-out have theirs."""
         out = self.logprobs.take(schedule, out)
         self.keep.add(out, schedule.sampled)
-        self._sample(schedule, out)
+        return out
+
+    def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
+        self._sample(schedule, self._taken(schedule, out))
 
     def drain(self) -> None:
         pass
@@ -464,9 +466,7 @@ class ThreadSampling(Sampling):
             self._sample(*item)
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
-        out = self.logprobs.take(schedule, out)
-        self.keep.add(out, schedule.sampled)
-        self.queue.put((schedule, out))
+        self.queue.put((schedule, self._taken(schedule, out)))
 
     def drain(self) -> None:
         self.queue.put(None)
@@ -478,8 +478,7 @@ class PoolSampling(Sampling):
     releases are queued to the owning processes before the rows that need them."""
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
-        out = self.logprobs.take(schedule, out)
-        self.keep.add(out, schedule.sampled)
+        out = self._taken(schedule, out)
         self._follow(schedule)          # the pool is the sampler: admit / release queue to its processes
         self.sampler.submit(schedule.id, out, schedule.sampled)
 

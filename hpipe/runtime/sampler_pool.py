@@ -65,8 +65,8 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
     torch.set_num_threads(config["threads"])
     logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
     n_cells = logits.shape[0]
-    sampler = RequestSampler(logits.shape[2], config["max_batch"], config["max_len"],
-                             grammars=GrammarVocabulary(config["model_dir"], logits.shape[2]) if config["model_dir"] else None)
+    grammars = GrammarVocabulary(config["model_dir"], logits.shape[2]) if config["model_dir"] else None
+    sampler = RequestSampler(logits.shape[2], config["max_batch"], config["max_len"], grammars=grammars)
     held: collections.deque = collections.deque()
     m = 0
     while not stop.is_set():

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from hpipe import formats, memory, models, protocol, quant
 from hpipe.config import RuntimeConfig
 from hpipe.errors import HpipeError
-from hpipe.lifeline import tie_to_parent
 from hpipe.grammar import GrammarVocabulary
+from hpipe.lifeline import tie_to_parent
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm
 from hpipe.runtime.pages import Segment, pages_needed
@@ -373,7 +373,8 @@ class StageWorker:
                                model_dir=self.model_dir,
                                n_procs=config.sampler_procs, errors=self.ex.errors)
             return PoolSampling(pool, deliver, self.ex.timeline, self.keep, logprobs)
-        sampler = RequestSampler(vocab, columns, requests.sampler_len, grammars=GrammarVocabulary(self.model_dir, vocab))
+        grammars = GrammarVocabulary(self.model_dir, vocab)        # nothing is loaded until a request has a grammar
+        sampler = RequestSampler(vocab, columns, requests.sampler_len, grammars=grammars)
         if self.modes.tsem and self.world > 1:
             return ThreadSampling(sampler, deliver, self.ex.timeline, self.keep, logprobs, self.ex.errors)
         return Sampling(sampler, deliver, self.ex.timeline, self.keep, logprobs)
