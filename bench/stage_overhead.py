@@ -67,6 +67,8 @@ def main() -> None:
                 start += s
         return run
 
+    kv = models.cache_argument(ref)        # transformers' keyword for the cache (renamed in 5.x)
+
     @torch.inference_mode()
     def ref_prefill():
         ref(ids[None].to(dev), logits_to_keep=1)
@@ -76,7 +78,7 @@ def main() -> None:
         def run():
             cache, start = DynamicCache(config=ref.config), 0
             for s in slices:
-                ref(ids[None, start:start + s].to(dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                ref(ids[None, start:start + s].to(dev), **{kv: cache}, use_cache=True, logits_to_keep=1)
                 start += s
         return run
 
@@ -98,11 +100,11 @@ def main() -> None:
 
         cache = DynamicCache(config=ref.config)
         with torch.inference_mode():
-            ref(ids[None].expand(batch, n).to(dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            ref(ids[None].expand(batch, n).to(dev), **{kv: cache}, use_cache=True, logits_to_keep=1)
 
         @torch.inference_mode()
         def ref_decode():
-            ref(torch.full((batch, 1), 7, device=dev), past_key_values=cache, use_cache=True)
+            ref(torch.full((batch, 1), 7, device=dev), **{kv: cache}, use_cache=True)
             cache.crop(-1)
 
         report[f"decode_step_s_batch{batch}"] = {"hpipe": timed(ours_decode, sync, 20),

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,8 @@ QUANTIZE = typer.Option(None, "--quantize", help="weights: gguf (a .gguf model's
                         "default)")
 PUSH_MODEL = typer.Option(False, "--push-model", help="copy the model files each host's stages need over SFTP "
                           "(checksummed)")
+LOG_DIR = typer.Option(None, "--log-dir", help="also write every stage's whole log to DIR/stage-R.log (created; "
+                       "appended to)")
 HOST_TIMEOUT = typer.Option(15.0, "--host-timeout", help="seconds of silence after which a host counts as lost and "
                             "the launch stops")
 
@@ -400,6 +403,20 @@ def _print_comparison(rows: list[dict], result) -> None:
     Console().print(table)
 
 
+def _log_dir(path: str | None) -> str | None:
+    """--log-dir: created now, so a directory that cannot be written is one line before any stage starts."""
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, ".hpipe-write-check"), "w"):
+            pass
+        os.remove(os.path.join(path, ".hpipe-write-check"))
+    except OSError as e:
+        raise HpipeError(f"--log-dir {path}: cannot write there ({e.strerror}); give a writable directory") from None
+    return os.path.abspath(path)
+
+
 @app.command()
 @runtime_options
 def launch(
@@ -428,6 +445,7 @@ def launch(
     resume: bool = typer.Option(False, "--resume", help="skip prompts whose ids are already in --out"),
     model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(False, "--quiet", help="do not stream the workers' logs"),
+    log_dir: str | None = LOG_DIR,
     runtime: RuntimeConfig = None,
 ):
     """Run a plan: start the stage workers and pipeline the prompts through them."""
@@ -442,7 +460,7 @@ def launch(
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty)
     settings = launcher.LaunchSettings(runtime=runtime, max_new_tokens=max_new_tokens, params=params, seed=seed,
-                                       logits_out=logits_out, resume=resume)
+                                       logits_out=logits_out, resume=resume, log_dir=_log_dir(log_dir))
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
@@ -481,6 +499,7 @@ def serve(
     host_timeout: float = HOST_TIMEOUT,
     model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(True, "--quiet/--verbose", help="stream the workers' logs (--verbose)"),
+    log_dir: str | None = LOG_DIR,
     runtime: RuntimeConfig = None,
 ):
     """Serve a plan behind an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
@@ -499,7 +518,7 @@ def serve(
         raise HpipeError(f"--max-queue must be >= 0, got {max_queue}")
     _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
     inventory = formats.load_inventory(cluster) if cluster else None
-    settings = launcher.LaunchSettings(runtime=runtime, serve=True)
+    settings = launcher.LaunchSettings(runtime=runtime, serve=True, log_dir=_log_dir(log_dir))
     job = launcher.prepare_model(plan_path, settings, model=model, progress=_note)
     if job.tokenizer is None:
         raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")

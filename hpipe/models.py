@@ -302,6 +302,17 @@ def unit_kind(config, u: int) -> str:
     return unit_name(config, u).split(".")[-1] if 0 < u < num_units(config) - 1 else unit_name(config, u)
 
 
+def cache_argument(module) -> str:
+    """The keyword a transformers module (an attention module, a CausalLM) takes its KV cache by:
+    `cache` since transformers renamed it (the old `past_key_values` warns on every call and goes in
+    5.40), `past_key_values` before. Read once from the module's own signature."""
+    if module is None:
+        return "cache"
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def unit_modules(config, u: int) -> list[str]:
     """Module paths (in the transformers CausalLM model) that unit u runs, in order."""
     last = num_units(config) - 1

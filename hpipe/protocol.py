@@ -144,6 +144,7 @@ class Error:
     KIND: ClassVar[str] = "error"
     message: str
     rank: int | None = None
+    peer_lost: bool = False      # the stage fell because a neighbour died (hpipe.runtime.comm.lost_peer)
 
 
 @dataclass(frozen=True)

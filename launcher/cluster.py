@@ -288,7 +288,7 @@ def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory
         trim_logits(settings.logits_out, output.results)
 
     return Launch(workers, lines, output, plan, log, quiet, host_timeout_s=host_timeout_s,
-                  finish=fetch_logits if settings.logits_out else None, cleanup=cleanup)
+                  finish=fetch_logits if settings.logits_out else None, cleanup=cleanup, log_dir=settings.log_dir)
 
 
 def _remove_remote_tmp(conns: dict[str, ssh.Connection], path: str) -> None:

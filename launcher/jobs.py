@@ -10,6 +10,7 @@ import collections
 import json
 import os
 import queue
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class LaunchSettings:
     logits_out: str | None = None
     resume: bool = False
     serve: bool = False              # requests come on stage 0's stdin (hpipe serve), not in a file
+    log_dir: str | None = None       # every stage's log lines, whole, in LOG_DIR/stage-R.log
 
 
 @dataclass
@@ -127,6 +129,7 @@ class StageReports:
     timelines: dict[int, dict] = field(default_factory=dict)
     summary: dict | None = None
     errors: dict[int, str] = field(default_factory=dict)
+    peers_lost: set[int] = field(default_factory=set)     # stages that fell because a neighbour died
 
     def take(self, rank: int, line: str) -> bool:
         """Handles one stdout line of a worker; False if it is not a report (a log line)."""
@@ -139,6 +142,8 @@ class StageReports:
             self.summary = protocol.as_dict(report)
         elif isinstance(report, protocol.Error):
             self.errors[rank] = report.message
+            if report.peer_lost:
+                self.peers_lost.add(rank)
         else:
             self.take_report(report)
         return True
@@ -260,19 +265,55 @@ def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str
     return cmd
 
 
+class StageLogs:
+    """What each stage logged (its lines that are not reports): the last few that are not a
+    library's warnings, for the failure's message, and (--log-dir) every line in DIR/stage-R.log."""
+
+    WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")       # Python's warnings: `file:line: FooWarning: text`
+
+    def __init__(self, n: int, log_dir: str | None = None):
+        self.tails = [collections.deque(maxlen=20) for _ in range(n)]
+        self.in_warning = [False] * n
+        self.files = [open(os.path.join(log_dir, f"stage-{r}.log"), "a") for r in range(n)] if log_dir else []
+
+    def add(self, rank: int, line: str) -> None:
+        if self.files:
+            self.files[rank].write(line + "\n")
+            self.files[rank].flush()
+        warning = self.WARNING.match(line) is not None
+        if not warning and not (self.in_warning[rank] and line.startswith(" ")):   # nor the source line after it
+            self.tails[rank].append(line)
+        self.in_warning[rank] = warning
+
+    def last(self, rank: int, n: int = 5) -> str:
+        return " | ".join(list(self.tails[rank])[-n:])
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
 def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.Plan, log, quiet: bool,
-                  host_timeout_s: float | None = None) -> None:
+                  host_timeout_s: float | None = None, log_dir: str | None = None) -> None:
     """Feeds the workers' lines to `output` and the log until every worker has ended. Workers look
     like subprocess.Popen (poll, wait) plus stop(), kill(), silent_s() and describe_exit(code).
     On the first failure (non-zero exit, or a host silent for host_timeout_s) every worker is
     stopped and one HpipeError names the stage, its host, the cause and its last log lines."""
-    tails = {r: collections.deque(maxlen=20) for r in range(len(workers))}
+    logs = StageLogs(len(workers), log_dir)
+    try:
+        _watch(workers, lines, output, plan, log, quiet, host_timeout_s, logs)
+    finally:
+        logs.close()
+
+
+def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.Plan, log, quiet: bool,
+           host_timeout_s: float | None, logs: StageLogs) -> None:
     open_streams = 2 * len(workers)
     failed: tuple[int, str] | None = None
 
     def take(rank, name, line, show: bool = True):
         if not output.take(rank, line):
-            tails[rank].append(line)
+            logs.add(rank, line)
             if show and (not quiet or name == "err" and ("Error" in line or "Traceback" in line)):
                 log(f"[{plan.stages[rank].host}:{rank}] {line}")
 
@@ -311,7 +352,7 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
     while time.time() < deadline:
         try:
             r, name, line = lines.get(timeout=0.1)
-            if line is not None:     # the fallen neighbours' tracebacks are noise: kept, not shown
+            if line is not None:     # the fallen neighbours' lines: kept, not shown
                 take(r, name, line, show=False)
         except queue.Empty:
             pass
@@ -319,7 +360,7 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
             code = w.poll()
             if r not in failures and code not in (None, 0):
                 failures[r] = w.describe_exit(code)
-    rank, cause = root_failure(failures, output.errors)
+    rank, cause = root_failure(failures, output.peers_lost)
     stop_workers(workers)
     deadline = time.time() + 1.0   # what is left of the output, for the message
     while time.time() < deadline:
@@ -331,7 +372,7 @@ def watch_workers(workers: list, lines: queue.Queue, output: JobOutput, plan: fo
             take(r, name, line, show=r == rank)
     stage = plan.stages[rank]
     cause = output.errors.get(rank) or cause
-    last = " | ".join(list(tails[rank])[-5:])
+    last = logs.last(rank)
     raise HpipeError(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
                      f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
                      + f"; every worker was stopped; {output.done_line()}")
@@ -345,9 +386,10 @@ class Launch:
     HpipeError naming the stage."""
 
     def __init__(self, workers: list, lines: queue.Queue, output: StageReports, plan: formats.Plan, log,
-                 quiet: bool, host_timeout_s: float | None = None, finish=None, cleanup=None, where: str = ""):
+                 quiet: bool, host_timeout_s: float | None = None, finish=None, cleanup=None, where: str = "",
+                 log_dir: str | None = None):
         self.workers, self.lines, self.output, self.plan = workers, lines, output, plan
-        self.log, self.quiet, self.host_timeout_s = log, quiet, host_timeout_s
+        self.log, self.quiet, self.host_timeout_s, self.log_dir = log, quiet, host_timeout_s, log_dir
         self.finish, self.cleanup, self.where = finish, cleanup, where
         self.t0 = time.time()
 
@@ -361,7 +403,8 @@ class Launch:
     def wait(self) -> float:
         """Until every worker has ended; returns the wall time since the start."""
         try:
-            watch_workers(self.workers, self.lines, self.output, self.plan, self.log, self.quiet, self.host_timeout_s)
+            watch_workers(self.workers, self.lines, self.output, self.plan, self.log, self.quiet, self.host_timeout_s,
+                          self.log_dir)
             if self.finish is not None:
                 self.finish()
         except KeyboardInterrupt:
@@ -375,14 +418,11 @@ class Launch:
         return time.time() - self.t0
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
-
-
-def root_failure(failures: dict[int, str], errors: dict[int, str]) -> tuple[int, str]:
-    """Of the stages that failed (in the order seen), the first whose own report is not a lost
-    peer: that is the cause; the others fell with it."""
+def root_failure(failures: dict[int, str], peers_lost: set[int]) -> tuple[int, str]:
+    """Of the stages that failed (in the order seen), the first that did not report a lost peer:
+    that is the cause; the others fell with it."""
     for rank, cause in failures.items():
-        if not any(m in (errors.get(rank) or cause) for m in PEER_LOST):
+        if rank not in peers_lost:
             return rank, cause
     return next(iter(failures.items()))
 

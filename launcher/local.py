@@ -107,7 +107,8 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
         cleanup()
         raise
     finish = (lambda: trim_logits(logits, output.results)) if logits else None
-    return Launch(workers, lines, output, job.plan, log, quiet, finish=finish, cleanup=cleanup)
+    return Launch(workers, lines, output, job.plan, log, quiet, finish=finish, cleanup=cleanup,
+                  log_dir=settings.log_dir)
 
 
 def _stderr(msg: str) -> None:

@@ -90,6 +90,15 @@ def mapped_bytes(pid: int, roots: list[str]) -> dict | None:
     return out
 
 
+def replica_settings(settings: LaunchSettings, replica: int) -> LaunchSettings:
+    """A replica runs as its own one-stage pipeline: its log (--log-dir) is DIR/replica-R/stage-0.log."""
+    if settings.log_dir is None:
+        return settings
+    log_dir = os.path.join(settings.log_dir, f"replica-{replica}")
+    os.makedirs(log_dir, exist_ok=True)
+    return dataclasses.replace(settings, log_dir=log_dir)
+
+
 def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: LaunchSettings, log,
                     quiet: bool = False) -> ReplicaReport:
     """Runs the job on the plan's replicas until every request has its result."""
@@ -111,7 +120,7 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
     for g in plan.sidp:
         port, token = free_port(), secrets.token_hex(16)
         seats.update({r: GroupSeat(r, port, token) for r in g.replicas})
-    clients = [PipelineClient(replica_job(job, r), plan_path, serve, log=log, quiet=quiet,
+    clients = [PipelineClient(replica_job(job, r), plan_path, replica_settings(serve, r), log=log, quiet=quiet,
                               threads=threads if cpu[r] else None, seat=seats[r]) for r in range(n)]
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         try:

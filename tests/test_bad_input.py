@@ -125,6 +125,16 @@ def test_existing_results_need_resume(capsys, llama_plan, tmp_path):
     one_error_line(err, "o.jsonl", "--resume")
 
 
+def test_a_log_dir_that_cannot_be_written(capsys, llama_plan, tmp_path):
+    (tmp_path / "p.jsonl").write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+    (tmp_path / "taken").write_text("a file, not a directory")
+    code, err = run_cli(capsys, "launch", str(llama_plan), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"), "--log-dir", str(tmp_path / "taken" / "logs"))
+    assert code == 2
+    one_error_line(err, "--log-dir", "taken", "writable directory")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_crash_keeps_finished_results_and_resume_completes(tiny_models, llama_plan, tmp_path):
     prompts = [{"id": f"q{i}", "input_ids": [3 + i, 7, 9, 11 + i]} for i in range(8)]
@@ -162,11 +172,28 @@ def test_crash_keeps_finished_results_and_resume_completes(tiny_models, llama_pl
 
 
 def test_the_stage_that_died_is_blamed_not_the_neighbours_it_took_down():
-    """A stage killed mid-run makes its neighbours fail too ("Connection closed by peer"), and
-    their exits may be seen first: the launcher's line names the stage whose failure is its own."""
+    """A stage killed mid-run makes its neighbours fail too (they report a lost peer), and their
+    exits may be seen first: the launcher's line names the stage whose failure is its own."""
     from hpipe.launcher.jobs import root_failure
-    peer = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:5000"
-    assert root_failure({0: "exit code 1", 2: "exit code 1", 1: "killed by SIGKILL"},
-                        {0: peer, 2: peer}) == (1, "killed by SIGKILL")
-    assert root_failure({2: "exit code 1", 0: "exit code 2"}, {2: peer, 0: "out of memory"}) == (0, "exit code 2")
-    assert root_failure({0: "exit code 1"}, {0: peer}) == (0, "exit code 1")      # only peers: the first seen
+    assert root_failure({0: "exit code 2", 2: "exit code 2", 1: "killed by SIGKILL"}, {0, 2}) == (1, "killed by SIGKILL")
+    assert root_failure({2: "exit code 2", 0: "exit code 1"}, {2}) == (0, "exit code 1")
+    assert root_failure({0: "exit code 2"}, {0}) == (0, "exit code 2")      # only peers: the first seen
+
+
+def test_a_failures_last_log_lines_are_the_stages_own_not_library_warnings(tmp_path):
+    """Python's own warning text (its file:line header and the source line under it) stays out of
+    the failure's "last log lines"; --log-dir keeps every line."""
+    import warnings
+
+    from hpipe.launcher.jobs import StageLogs
+    warning = warnings.formatwarning("`past_key_values` is deprecated", FutureWarning, "/x/deprecation.py", 171,
+                                     "    return func(*args, **kwargs)").rstrip("\n").split("\n")
+    logs = StageLogs(2, str(tmp_path))
+    for line in ["loading", *warning, "Traceback (most recent call last):", "  File \"x.py\", line 3",
+                 "ValueError: boom", *warning]:
+        logs.add(1, line)
+    logs.close()
+    assert len(warning) == 2 and logs.last(1) == ('loading | Traceback (most recent call last): | '
+                                                  '  File "x.py", line 3 | ValueError: boom')
+    assert (tmp_path / "stage-1.log").read_text().count("FutureWarning") == 2
+    assert logs.last(0) == "" and (tmp_path / "stage-0.log").read_text() == ""

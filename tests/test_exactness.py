@@ -135,3 +135,20 @@ def test_stage_loads_only_its_units(tiny_models):
     total = sum(p.numel() for p in runner.model.parameters() if not p.is_meta)
     expected = sum(p.numel() for n, p in torch.nn.Module.named_parameters(runner.model) if n in real)
     assert total == expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stages_call_transformers_modules_without_deprecated_arguments(family, tiny_models):
+    """transformers warns (once per call site, then removes the argument) when a module is called the
+    old way: a stage must pass what the installed transformers' modules take, eager and static."""
+    import warnings
+
+    path = tiny_models[family]
+    config = models.load_config(path)
+    n = models.num_units(config)
+    runners = [StageRunner(path, config, range(a, b)) for a, b in ((0, n // 2), (n // 2, n))]
+    requests = [Request(0, "p0", tuple(range(3, 20)), max_new_tokens=4, eos_ids=frozenset([EOS]))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for static in (False, True):
+            run_inprocess(runners, requests, Slicing(lengths=(8,)).slices_for, max_batch=1, static=static)

@@ -43,7 +43,7 @@ def test_byte_counts_equal_transformers_tensors(family, tiny_models, reference_m
     tokens = 11
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(torch.arange(3, 3 + tokens)[None], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = model(torch.arange(3, 3 + tokens)[None], **{models.cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
     for i in range(len(layers)):
         kv = cache.layers[i].keys.nbytes + cache.layers[i].values.nbytes
         assert b["kv_per_token_per_unit"][1 + 2 * i] * tokens == kv

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -37,6 +38,35 @@ from hpipe.runtime.schedule import HEADER_LEN, OP_STOP, Schedule
 
 OP_TOKENS = 3                      # the back link's header (without SAT): OP_TOKENS or the schedules' OP_STOP
 TAG_FORWARD, TAG_BACK, TAG_SCHEDULE = 0, 1, 2
+
+
+# How a neighbour's death reads once it reaches this stage: gloo's TCP pairs and the rendezvous
+# store (the connection closed, reset or broken under a send or receive) and NCCL (the communicator
+# aborted, the remote exited). One list, read by `lost_peer` only.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote worker crashing",
+              "failed to recv", "socket closed", "remote process exited", "communicator was aborted")
+
+
+def lost_peer(error: BaseException | None) -> bool:
+    """Whether this error is another stage's death reaching this one (a send or receive on the data
+    or control plane, whichever thread made it), rather than a failure of this stage's own."""
+    seen = set()
+    while error is not None and id(error) not in seen:    # the cause chain: a wrapper keeps what it wraps
+        seen.add(id(error))
+        if isinstance(error, (RuntimeError, ConnectionError, OSError)) and \
+                any(m in str(error).lower() for m in _PEER_LOST):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def lost_peer_line(error: BaseException) -> str:
+    """The one line a stage reports when a neighbour died: what the transport said, without its
+    source location."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)          # gloo's "[.../pair.cc:553] " prefix
+    text = text.split(". This is typically")[0].rstrip(".")
+    return f"lost a peer stage ({text}); the stage that failed first reports why"
 
 
 def choose_backend(devices: list[str]) -> str:

@@ -54,6 +54,8 @@ class StageRunner:
                               key=lambda w: -1 if w is None else w)
         self.kv = KVStore(device, self.dtype, page_size)
         self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
+        attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
+        self.cache_argument = models.cache_argument(attention)
 
     @property
     def first(self) -> bool:
@@ -162,11 +164,11 @@ class StageRunner:
         residual = h
         if u % 2 == 1:  # attention half
             mask = inputs.masks[models.sliding_window_of_block(self.config, block)]
+            cache = {self.cache_argument: inputs.cache}
             if self.gpt2:
-                out, _ = module(norm(h), past_key_values=inputs.cache, attention_mask=mask)
+                out, _ = module(norm(h), attention_mask=mask, **cache)
             else:
-                out, _ = module(hidden_states=norm(h), position_embeddings=inputs.rotary,
-                                attention_mask=mask, past_key_values=inputs.cache)
+                out, _ = module(hidden_states=norm(h), position_embeddings=inputs.rotary, attention_mask=mask, **cache)
             return residual + out
         return residual + module(norm(h))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -83,16 +84,38 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     tie_to_parent("stage worker")
     args = parse_args(argv)
+    errors: list = []               # what the stage's threads raised (StageWorker's executors share it)
+    threading.excepthook = lambda hook: errors.append(hook.exc_value)   # a thread outside the executors
     try:
-        worker = StageWorker(args, RuntimeConfig.from_json(args.config))
+        worker = StageWorker(args, RuntimeConfig.from_json(args.config), errors)
         worker.build()
         worker.run()
         return 0
-    except Exception as e:  # report one line to the launcher, the traceback to the log
-        protocol.send(protocol.Error(str(e) if isinstance(e, HpipeError) else f"{type(e).__name__}: {e}", args.rank))
-        if not isinstance(e, HpipeError):
-            traceback.print_exc()
-        return 2 if isinstance(e, HpipeError) else 1
+    except Exception as e:
+        fail(args.rank, e, errors)
+
+
+def fail(rank: int, error: BaseException, errors: list) -> None:
+    """Reports the stage's failure in one line to the launcher and exits now. A neighbour's death
+    reaches every thread of this stage blocked on it (sends, receives, the scheduler, the id
+    return, the sampler): whichever raised first, the cause is the same line, and no traceback (the
+    stage that failed first has the story). A failure of this stage's own: the traceback goes to
+    its log. The exit skips the interpreter's teardown but multiprocessing's: threads still blocked
+    in the dead transport would end it in C++'s `terminate called without an active exception`."""
+    if any(comm.lost_peer(e) for e in [error, *errors]):
+        lost = next(e for e in [error, *errors] if comm.lost_peer(e))
+        report, code = protocol.Error(comm.lost_peer_line(lost), rank, peer_lost=True), 2
+        log(f"stage {rank}: {report.message}")
+    elif isinstance(error, HpipeError):
+        report, code = protocol.Error(str(error), rank), 2
+    else:
+        report, code = protocol.Error(f"{type(error).__name__}: {error}", rank), 1
+        traceback.print_exception(error)
+    protocol.send(report)
+    multiprocessing.util._exit_function()     # the sampler processes stopped, their semaphores given back
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---------------------------------------------------------------------------------- where requests come from
@@ -271,8 +294,9 @@ class KeepLogits(KeepNothing):
 
 # ---------------------------------------------------------------------------------- the worker
 class StageWorker:
-    def __init__(self, args, config: RuntimeConfig):
+    def __init__(self, args, config: RuntimeConfig, errors: list | None = None):
         self.args, self.config = args, config
+        self.errors = errors if errors is not None else []
         self.rank, self.world = args.rank, args.world_size
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
 
@@ -317,7 +341,7 @@ class StageWorker:
                                  config.page_size,
                                  with_requests=lookup is None, requests=lookup)
         self.ex = Executors(self.rank, self.world, runner, self.groups, self.modes, Timeline(bounded=args.serve),
-                            link, self.max_tokens, static=static_decode)
+                            link, self.max_tokens, static=static_decode, errors=self.errors)
         self.ex.allocate_buffers()
         self.replica = Replica(self.seat, runner, config.sidp_mode, args.master_addr, args.group_port,
                                os.environ.get("HPIPE_GROUP_TOKEN", "local"), config.rendezvous_timeout_s,
