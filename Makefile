@@ -13,7 +13,7 @@ setup:
 
 # after the suite passed with newer libraries (inside pyproject.toml's bounds): pin what it ran with
 constraints:
-	@{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	@{ sed -n '/^#/p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v '^torch==\|^# Editable'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 demo: setup
