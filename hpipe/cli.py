@@ -409,11 +409,10 @@ def _log_dir(path: str | None) -> str | None:
         return None
     try:
         os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, ".hpipe-write-check"), "w"):
-            pass
-        os.remove(os.path.join(path, ".hpipe-write-check"))
     except OSError as e:
         raise HpipeError(f"--log-dir {path}: cannot write there ({e.strerror}); give a writable directory") from None
+    if not os.access(path, os.W_OK):
+        raise HpipeError(f"--log-dir {path}: cannot write there; give a writable directory")
     return os.path.abspath(path)
 
 

@@ -232,6 +232,7 @@ def assert_cuts_are_the_optimum_for(profile: dict, plan: dict) -> None:
     more units follows from those numbers (and the LM head's weight), not from the emulated limits
     alone: a quick profile on a busy machine can measure any host a little slower."""
     from hpipe import models
+    from hpipe.planner.partition import stage_time
     from hpipe.planner.profiled import CostModel, workload
     config = models.load_config(models.resolve_model("smollm2").path)
     cost = CostModel(profile, config, [(st["host"], st["device"]) for st in plan["stages"]])
@@ -239,7 +240,7 @@ def assert_cuts_are_the_optimum_for(profile: dict, plan: dict) -> None:
     n = unit_time.shape[1]
 
     def largest_stage(cuts):
-        return max(unit_time[j, cuts[j]:cuts[j + 1]].sum() + out_comm[j, cuts[j + 1] - 1] for j in range(3))
+        return max(stage_time(unit_time, out_comm, j, cuts[j], cuts[j + 1]) for j in range(3))
 
     cuts = [st["units"][0] for st in plan["stages"]] + [n]
     best = min(largest_stage([0, a, b, n]) for a in range(1, n - 1) for b in range(a + 1, n))

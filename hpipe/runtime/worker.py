@@ -102,8 +102,8 @@ def fail(rank: int, error: BaseException, errors: list) -> None:
     stage that failed first has the story). A failure of this stage's own: the traceback goes to
     its log. The exit skips the interpreter's teardown but multiprocessing's: threads still blocked
     in the dead transport would end it in C++'s `terminate called without an active exception`."""
-    if any(comm.lost_peer(e) for e in [error, *errors]):
-        lost = next(e for e in [error, *errors] if comm.lost_peer(e))
+    lost = next((e for e in [error, *errors] if comm.lost_peer(e)), None)
+    if lost is not None:
         report, code = protocol.Error(comm.lost_peer_line(lost), rank, peer_lost=True), 2
         log(f"stage {rank}: {report.message}")
     elif isinstance(error, HpipeError):
@@ -294,9 +294,8 @@ class KeepLogits(KeepNothing):
 
 # ---------------------------------------------------------------------------------- the worker
 class StageWorker:
-    def __init__(self, args, config: RuntimeConfig, errors: list | None = None):
-        self.args, self.config = args, config
-        self.errors = errors if errors is not None else []
+    def __init__(self, args, config: RuntimeConfig, errors: list):
+        self.args, self.config, self.errors = args, config, errors
         self.rank, self.world = args.rank, args.world_size
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
 
