@@ -1,10 +1,25 @@
-"""Pieces several benchmarks share: a random-init Llama built on the spot (no download) and
-synthetic prompts as token ids."""
+"""Pieces several benchmarks share: a random-init Llama built on the spot (no download),
+synthetic prompts as token ids, and `hpipe` run as a child process."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+
+def prompt_ids(n: int) -> list[int]:
+    """A fixed, non-repeating prompt of n token ids (no tokenizer needed)."""
+    return [3 + (j * 31) % 30000 for j in range(n)]
+
+
+def hpipe(*args, cwd: Path) -> None:
+    """Run one `hpipe` command in a child process; its failure ends the benchmark with its stderr."""
+    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"hpipe {args[0]} failed: {done.stderr.strip()[-800:]}")
 
 
 def random_llama(directory: Path, vocab: int, hidden: int = 1024, layers: int = 8) -> Path:

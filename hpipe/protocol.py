@@ -124,6 +124,8 @@ class Stats:
     pages_cached: int = 0              # pages holding a cached prefix (in use or evictable)
     prefix_hit_tokens: int = 0         # prompt tokens found in the prefix cache, since the start
     prefix_query_tokens: int = 0       # prompt tokens looked up (a hit rate's denominator)
+    spec_proposed_tokens: int = 0      # speculative decoding: tokens proposed, and of them accepted, since the start
+    spec_accepted_tokens: int = 0
     microbatches: list = field(default_factory=list)   # (time, decode tokens, prefill tokens) since the last
 
 
@@ -182,6 +184,8 @@ class Summary:
     sidp: dict | None = None    # a SiDP replica's figures: steps per mode, fetches, CaS rows, the step trace
     prefix_hit_tokens: int = 0  # prompt tokens that started after a cached prefix, of
     prefix_query_tokens: int = 0   # the prompt tokens looked up
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed, and of them accepted
+    spec_accepted_tokens: int = 0
 
 
 REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Timeline, Summary)}

@@ -19,6 +19,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hpipe.errors import HpipeError
 
@@ -68,6 +69,7 @@ class SamplingParams:
     logprobs: int | None = None    # report the sampled token's log-probability and this many top ones (None: off)
     prompt_logprobs: int | None = None   # the same for every prompt token after the first (it skips the prefix cache)
     grammar: str | None = None     # structured output: an llguidance grammar (hpipe.grammar builds them)
+    speculative: bool = True       # with --speculative, its decode steps carry proposed tokens (false: opt out)
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
@@ -84,6 +86,8 @@ class SamplingParams:
             _refuse("top_k", self.top_k, "an integer >= 0 (0 turns it off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             _refuse("seed", self.seed, "an integer or None")
+        if not isinstance(self.speculative, bool):
+            _refuse("speculative", self.speculative, "true or false")
         if self.grammar is not None and not isinstance(self.grammar, str):
             _refuse("grammar", self.grammar, "an llguidance grammar (text) or None")
         for name in ("logprobs", "prompt_logprobs"):
@@ -143,6 +147,11 @@ class Request:
             raise HpipeError(f"request {self.id!r}: max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not self.input_ids:
             raise HpipeError(f"request {self.id!r}: no input tokens")
+
+    @cached_property
+    def ends(self) -> frozenset[int]:
+        """The ids that end it when sampled."""
+        return self.eos_ids | self.stop_ids
 
     def finish_reason(self, last_token: int, n_generated: int) -> str | None:
         """Why the sequence ends after generating `n_generated` tokens, the last `last_token`:

@@ -376,17 +376,38 @@ class RequestSampler:
     def knows(self, index: int) -> bool:
         return index in self.requests
 
-    def sample(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
+    def sample(self, logits: torch.Tensor, seqs: list[int], expected: list[int] | None = None) -> list[int]:
+        """One id per row. `expected` (speculative decoding): per row, the proposed token that
+        must be sampled for the sequence's next row (its next position) to be sampled too, or -1;
+        a sequence's rows are consecutive. Rows are sampled position by position, each with the
+        state (penalties, grammar, generator) as of its position, and a row not reached (a
+        proposal before it was rejected, or its sequence sampled an end id) gets -1: every id
+        returned is a token the sequence emits, drawn exactly as decoding without proposals draws it."""
         for s in seqs:
             if s not in self.started:
                 self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
                 self.started.add(s)
                 if self.requests[s].params.grammar is not None:
                     self._start_grammar(s, self.requests[s].params.grammar)
+        if expected is None or all(e < 0 for e in expected):
+            return self._step(logits, seqs)
+        out = [-1] * len(seqs)
+        rows = [r for r in range(len(seqs)) if r == 0 or seqs[r] != seqs[r - 1] or expected[r - 1] < 0]
+        while rows:                              # the first row of each sequence, then the next of those that go on
+            ids = self._step(logits[rows], [seqs[r] for r in rows])
+            going = []
+            for r, token in zip(rows, ids):
+                out[r] = token
+                if token == expected[r] and token not in self.requests[seqs[r]].ends:
+                    going.append(r + 1)
+            rows = going
+        return out
+
+    def _step(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
         if self.masks is None:
             return self.cpu.step(logits, seqs).tolist()
         ids = self.cpu.step(self.masks.apply(logits, seqs), seqs).tolist()
-        self.masks.advance(seqs, ids)            # the next masks, before the next micro-batch's logits
+        self.masks.advance(seqs, ids)            # the next masks, before the next rows' logits
         return ids
 
     def _start_grammar(self, index: int, grammar: str) -> None:

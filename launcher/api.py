@@ -351,6 +351,8 @@ class SamplingBody(BaseModel):
     guided_json: dict | str | None = Field(None, description="vLLM's: a JSON schema the output follows")
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    speculative: bool | None = Field(None, description="false: this request's decode steps carry no proposed "
+                                                       "tokens when the server runs with --speculative")
 
 
 class CompletionBody(SamplingBody):

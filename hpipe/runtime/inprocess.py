@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from hpipe.config import DEFAULTS
+from hpipe.config import DEFAULTS, Speculation
 from hpipe.request import Request
 from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.stage import StageRunner
@@ -19,14 +19,15 @@ from hpipe.sampling import RequestSampler
 def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
                   max_batch: int = DEFAULTS.max_batch, n_stages: int | None = None, keep_logits: bool = False,
                   static: bool = False, graphs: bool = False, compiled: bool = False, policy: Policy | None = None,
-                  pages: int | None = None, page_size: int = DEFAULTS.page_size) -> dict:
+                  pages: int | None = None, page_size: int = DEFAULTS.page_size,
+                  speculation: Speculation = Speculation()) -> dict:
     """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}. static: decode
     micro-batches take the static-shape path (replayed from CUDA graphs on CUDA with `graphs`, through
     torch.compile with `compiled`). pages:
     the KV pool (None: room for max_batch of the longest request)."""
     ids = {r.index: r.id for r in requests}
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch, policy=policy, pages=pages,
-                      page_size=page_size)
+                      page_size=page_size, speculation=speculation)
     for runner in runners:     # every stage holds the pool the scheduler hands out
         runner.kv.page_size = page_size
         runner.kv.allocate(sched.pool.pages)
@@ -56,11 +57,14 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
                 x = runner.forward(runner.prepare_inputs(mb.segments), x)
         seqs = mb.sampled
         x = x[:len(seqs)]              # the sampled rows (scored rows follow them)
-        if keep_logits:
+        tokens = sampler.sample(x, seqs, mb.expected)
+        if keep_logits:                # the rows of emitted tokens (not those of rejected proposals)
             for i, s in enumerate(seqs):
-                logits.setdefault(s, []).append(x[i].detach().float().cpu())
-        for seq in sched.on_sampled(mb.id, sampler.sample(x, seqs)):
-            out[seq.request.id] = {"output_ids": seq.output, "finish_reason": seq.finish_reason}
+                if tokens[i] >= 0:
+                    logits.setdefault(s, []).append(x[i].detach().float().cpu())
+        for seq in sched.on_sampled(mb.id, tokens):
+            out[seq.request.id] = {"output_ids": seq.output, "finish_reason": seq.finish_reason,
+                                   "proposed": seq.proposed, "accepted": seq.accepted}
     if keep_logits:
         for s, rows in logits.items():
             out[ids[s]]["logits"] = torch.stack(rows)

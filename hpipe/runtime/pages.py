@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import array
 import collections
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -52,6 +53,12 @@ class Segment:
     pages: tuple[int, ...] = ()   # the KV pages of positions [0, end) (empty: the store's own per slot)
     fresh: bool = False   # its sequence's first segment after a cached prefix: it carries every page
     scored: bool = False  # every row's logits are wanted, not only the sampled one's (prompt log-probabilities)
+    draft: tuple[int, ...] = ()   # speculative decoding: the proposed tokens, its last len(draft) rows' inputs
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows whose logits are sampled: its last one, and with a draft every proposed token's too."""
+        return (1 + len(self.draft)) if self.sample else 0
 
     @property
     def end(self) -> int:
@@ -179,8 +186,7 @@ class PageTable:
         keep = 0 if seg.fresh else pages_needed(seg.start, self.page_size)
         row = self.rows.get(seg.slot, [])[:keep] + list(added)
         self.rows[seg.slot] = row
-        return Segment(seg.seq, seg.slot, seg.start, seg.length, seg.sample, seg.prefill, tuple(row), seg.fresh,
-                       seg.scored)
+        return dataclasses.replace(seg, pages=tuple(row))
 
 
 

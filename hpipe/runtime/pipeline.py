@@ -398,8 +398,12 @@ class LogprobReports:
         if taken is None:
             return
         rows, lp = taken
-        asked = [(int(ids[i]), self.wanted.get(seq, 0)) for i, seq in rows]
-        protocol.send(protocol.Logprobs([[seq, *e] for (_, seq), e in zip(rows, _entries(lp, asked))]))
+        emitted = [j for j, (i, _) in enumerate(rows) if ids[i] >= 0]     # a rejected proposal's row: none
+        if len(emitted) < len(rows):
+            rows, lp = [rows[j] for j in emitted], lp[emitted]
+        if rows:
+            asked = [(int(ids[i]), self.wanted.get(seq, 0)) for i, seq in rows]
+            protocol.send(protocol.Logprobs([[seq, *e] for (_, seq), e in zip(rows, _entries(lp, asked))]))
 
 
 def _entries(lp: torch.Tensor, asked: list[tuple[int, int]]) -> list[list]:
@@ -432,14 +436,14 @@ class Sampling:
     def _sample(self, schedule: Schedule, out: torch.Tensor) -> None:
         self._follow(schedule)
         t = time.time()
-        ids = self.sampler.sample(out, schedule.sampled)
+        ids = self.sampler.sample(out, schedule.sampled, schedule.expected)
         self.timeline.add("sample", t, time.time())
         self.deliver(schedule.id, ids)
 
     def _taken(self, schedule: Schedule, out: torch.Tensor) -> torch.Tensor:
         """The sampled rows' logits, once the log-probabilities and --logits-out have theirs."""
         out = self.logprobs.take(schedule, out)
-        self.keep.add(out, schedule.sampled)
+        self.keep.add(schedule.id, out, schedule.sampled)
         return out
 
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
@@ -480,7 +484,7 @@ class PoolSampling(Sampling):
     def submit(self, schedule: Schedule, out: torch.Tensor) -> None:
         out = self._taken(schedule, out)
         self._follow(schedule)          # the pool is the sampler: admit / release queue to its processes
-        self.sampler.submit(schedule.id, out, schedule.sampled)
+        self.sampler.submit(schedule.id, out, schedule.sampled, schedule.expected)
 
     def drain(self) -> None:
         self.sampler.drain()
@@ -612,7 +616,8 @@ def run_summary(sched: Scheduler, wall0: float) -> dict:
     n = sched.generated
     return {"wall_s": round(wall, 6), "generated_tokens": n, "tokens_per_s": round(n / wall, 3) if wall else None,
             "t0_wall": wall0, "preemptions": sched.preemptions, "prefix_hit_tokens": sched.pool.hit_tokens,
-            "prefix_query_tokens": sched.pool.asked_tokens}
+            "prefix_query_tokens": sched.pool.asked_tokens, "spec_proposed_tokens": sched.proposed,
+            "spec_accepted_tokens": sched.accepted}
 
 
 def _send_on(ex: Executors, transport, work: Work, out: torch.Tensor, pending: comm.Pending) -> None:

@@ -63,7 +63,7 @@ def _take_events(sampler: RequestSampler, events, held: collections.deque, upto:
 def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop, config: dict, events) -> None:
     tie_to_parent("sampler process", config["parent"])
     torch.set_num_threads(config["threads"])
-    logits, seqs, out, meta, done = (shared[k] for k in ("logits", "seqs", "out", "meta", "done"))
+    logits, seqs, expected, out, meta, done = (shared[k] for k in ("logits", "seqs", "expected", "out", "meta", "done"))
     n_cells = logits.shape[0]
     grammars = GrammarVocabulary(config["model_dir"], logits.shape[2]) if config["model_dir"] else None
     sampler = RequestSampler(logits.shape[2], config["max_batch"], config["max_len"], grammars=grammars)
@@ -84,7 +84,7 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
         unknown = {row_seqs[r] for r in rows if not sampler.knows(row_seqs[r])}
         if unknown:          # its admission was queued before this micro-batch: it is on its way
             _take_events(sampler, events, held, m, unknown, stop)
-        ids = sampler.sample(logits[k, rows], [row_seqs[r] for r in rows]) if rows else []
+        ids = sampler.sample(logits[k, rows], [row_seqs[r] for r in rows], expected[k, rows].tolist()) if rows else []
         if rows:
             out[k, rows] = torch.tensor(ids, dtype=torch.long)
         done[k, index] = m
@@ -102,6 +102,7 @@ class SamplerPool:
         self.shared = {
             "logits": torch.empty(n_cells, max_rows, vocab_size, dtype=torch.float32).share_memory_(),
             "seqs": torch.zeros(n_cells, max_rows, dtype=torch.long).share_memory_(),
+            "expected": torch.full((n_cells, max_rows), -1, dtype=torch.long).share_memory_(),   # speculation
             "out": torch.zeros(n_cells, max_rows, dtype=torch.long).share_memory_(),
             "meta": torch.full((n_cells, 3), -1, dtype=torch.long).share_memory_(),   # seq no, rows, mb id
             "done": torch.full((n_cells, n_procs), -1, dtype=torch.long).share_memory_(),
@@ -135,8 +136,9 @@ class SamplerPool:
         """A request whose state goes, from the next micro-batch submitted on."""
         self.events[index % self.n_procs].put((self.written, "release", index))
 
-    def submit(self, mb_id: int, logits: torch.Tensor, seqs: list[int]) -> None:
-        """Writes one micro-batch's sampling rows into the ring and returns (the last stage goes on)."""
+    def submit(self, mb_id: int, logits: torch.Tensor, seqs: list[int], expected: list[int]) -> None:
+        """Writes one micro-batch's sampling rows (and each row's proposed token to verify, or -1)
+        into the ring and returns (the last stage goes on)."""
         n = len(seqs)
         if n > self.max_rows:
             raise ValueError(f"{n} rows to sample, the ring holds {self.max_rows}")
@@ -146,6 +148,7 @@ class SamplerPool:
         if n:
             sh["logits"][k, :n].copy_(logits.detach())     # device and dtype in one copy
             sh["seqs"][k, :n] = torch.tensor(seqs, dtype=torch.long)
+            sh["expected"][k, :n] = torch.tensor(expected, dtype=torch.long)
         sh["meta"][k] = torch.tensor([m, n, mb_id])
         # lock ahead: the next cell must be free (its ids collected), then it is ours before k is released
         nxt = (m + 1) % self.n_cells

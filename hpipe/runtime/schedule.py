@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from hpipe.request import Request
@@ -35,7 +35,7 @@ from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind
 __all__ = ["FRESH_PER_SCHEDULE", "HEADER_LEN", "SEGMENT_FIELDS", "Schedule", "body_capacity", "decode", "encode"]
 
 HEADER_LEN = 8
-SEGMENT_FIELDS = 9
+SEGMENT_FIELDS = 10
 FRESH_PER_SCHEDULE = 2      # segments that carry a whole page table (after a cached prefix) per schedule
 OP_WORK, OP_STOP = 1, 2
 
@@ -61,8 +61,15 @@ class Schedule:
 
     @cached_property
     def sampled(self) -> list[int]:
-        """The request indices of its rows that are sampled, in order."""
-        return [s.seq for s in self.segments if s.sample]
+        """The request index of each row that is sampled, in order (a segment with a draft has
+        one row per proposed token more)."""
+        return [s.seq for s in self.segments for _ in range(s.sampled_rows)]
+
+    @cached_property
+    def expected(self) -> list[int]:
+        """For each sampled row, the proposed token its sample must equal for the next row to be
+        sampled too, or -1 (the segment's last row)."""
+        return [t for s in self.segments if s.sample for t in (*s.draft, -1)]
 
     @cached_property
     def scored_rows(self) -> int:
@@ -78,9 +85,10 @@ class Schedule:
 def body_capacity(max_segments: int, max_tokens: int, page_size: int, max_len: int = 0) -> int:
     """The most body integers one schedule takes: its segments, the pages they add (each segment at
     most ceil(length / size) + 1; a fresh one, at most FRESH_PER_SCHEDULE of them, every page of a
-    sequence of max_len tokens), and as many released pairs and admitted indices as segments."""
+    sequence of max_len tokens), their proposed tokens (at most one per token), and as many released
+    pairs and admitted indices as segments."""
     max_pages = max_tokens // page_size + 2 * max_segments + FRESH_PER_SCHEDULE * pages_needed(max_len, page_size)
-    return SEGMENT_FIELDS * max_segments + max_pages + 3 * max_segments
+    return SEGMENT_FIELDS * max_segments + max_pages + max_tokens + 3 * max_segments
 
 
 def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[list[int], list[int], bytes]:
@@ -92,8 +100,9 @@ def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[lis
     added = [added_pages(s, page_size) for s in schedule.segments]
     body = [v for s, a in zip(schedule.segments, added)
             for v in (s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), int(s.fresh), int(s.scored),
-                      len(a))]
+                      len(a), len(s.draft))]
     body += [p for a in added for p in a]
+    body += [t for s in schedule.segments for t in s.draft]
     body += [v for pair in schedule.released for v in pair]
     body += [r.index for r in schedule.admitted]
     payload = json.dumps([r.to_json() for r in schedule.admitted]).encode() if with_requests and schedule.admitted \
@@ -119,11 +128,18 @@ def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
     batch job's stages all read the job's requests file)."""
     op, mb_id, n, n_pages, n_released, n_admitted = header[:6]
     segments, at = [], SEGMENT_FIELDS * n
+    drafts = []
     for i in range(n):
-        seq, slot, start, length, sample, prefill, fresh, scored, k = body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
+        seq, slot, start, length, sample, prefill, fresh, scored, k, d = \
+            body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
         seg = Segment(seq, slot, start, length, bool(sample), bool(prefill), fresh=bool(fresh), scored=bool(scored))
         segments.append(table.resolve(seg, body[at:at + k]) if k or start else seg)
+        drafts.append(d)
         at += k
+    for i, d in enumerate(drafts):
+        if d:
+            segments[i] = replace(segments[i], draft=tuple(body[at:at + d]))
+            at += d
     released = [(body[at + 2 * i], body[at + 2 * i + 1]) for i in range(n_released)]
     at += 2 * n_released
     indices = body[at:at + n_admitted]

@@ -43,11 +43,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hpipe.config import DEFAULTS, POLICIES, RuntimeConfig
+from hpipe.config import DEFAULTS, POLICIES, RuntimeConfig, Speculation
 from hpipe.request import Request
 from hpipe.runtime.pages import PagePool, Segment, page_keys, pages_needed
 from hpipe.runtime.schedule import FRESH_PER_SCHEDULE, Schedule
 from hpipe.runtime.sequence import Sequence, Status
+from hpipe.runtime.speculative import SPEC_ROWS, NgramIndex, next_k
 
 __all__ = ["DEVICE_DEFAULTS", "Policy", "Scheduler"]
 
@@ -107,11 +108,14 @@ class Scheduler:
                  max_batch: int = DEFAULTS.max_batch, max_inflight: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, lookahead: bool = False,
                  policy: Policy | None = None, pages: int | None = None, page_size: int = DEFAULTS.page_size,
-                 max_tokens: int | None = None, serving: bool = False, prefix_caching: str = DEFAULTS.prefix_caching):
+                 max_tokens: int | None = None, serving: bool = False, prefix_caching: str = DEFAULTS.prefix_caching,
+                 speculation: Speculation = Speculation()):
         """pages: the KV pool (page 0 is scratch); None sizes it for `max_batch` of the longest
         request. max_tokens: the most tokens of one micro-batch (the stages' receive buffers).
         serving: requests keep coming (`add`) until `close()`. prefix_caching "on": a new sequence
-        starts after the longest prefix of it whose pages are cached (`hpipe.runtime.pages`)."""
+        starts after the longest prefix of it whose pages are cached (`hpipe.runtime.pages`).
+        speculation: a decode step of a sequence whose request allows it carries proposed tokens
+        (`hpipe.runtime.speculative`); such a step is committed only once its previous token is back."""
         self.slices_for = slices_for
         self.n_stages = n_stages
         self.max_batch = max(1, max_batch)
@@ -119,6 +123,8 @@ class Scheduler:
         self.clock = clock
         self.lookahead = lookahead
         self.policy = policy or Policy()
+        self.speculation = speculation
+        self.proposed = self.accepted = 0      # speculative tokens proposed, and of them accepted
         if pages is None:
             longest = max((len(r.input_ids) + r.max_new_tokens for r in requests), default=1)
             pages = min(self.max_batch, max(1, len(requests))) * pages_needed(longest, page_size) + 1
@@ -180,7 +186,8 @@ class Scheduler:
         return {"waiting": len(self.queue), "running": len(self.active), "pages_used": pool.usable - pool.available,
                 "pages_free": pool.available, "pages_cached": pool.cached, "prefix_hit_tokens": pool.hit_tokens,
                 "prefix_query_tokens": pool.asked_tokens, "preemptions": self.preemptions,
-                "inflight": len(self.inflight)}
+                "inflight": len(self.inflight), "spec_proposed_tokens": self.proposed,
+                "spec_accepted_tokens": self.accepted}
 
     def _admit(self) -> None:
         while self.queue and self.free_slots:
@@ -284,7 +291,7 @@ class Scheduler:
             return None
         self._admit()
         decode, decode_ids = self._decode_part()
-        prefill, prefill_ids = self._prefill_part(len(decode))
+        prefill, prefill_ids = self._prefill_part(sum(s.length for s in decode))
         segments = decode + prefill
         if not segments:
             return None
@@ -294,31 +301,69 @@ class Scheduler:
         for seg in segments:
             by_index[seg.seq].last_mb = schedule.id
             if known:
-                by_index[seg.seq].fed = seg.end
+                by_index[seg.seq].fed = seg.end - len(seg.draft)
         return schedule
+
+    def _speculates(self, seq: Sequence) -> bool:
+        return self.speculation.on and seq.request.params.speculative
 
     def _decode_part(self) -> tuple[list[Segment], list[int] | None]:
         decoding = [s for s in self.active if s.decoding]
         ahead = 2 if self.lookahead else 1
-        ready = sorted((s for s in decoding if s.in_flight < ahead and s.committed < s.request.max_new_tokens),
-                       key=lambda s: s.last_mb)
+        # a speculating sequence's step waits for its previous token: its proposals follow from it
+        ready = sorted((s for s in decoding if s.in_flight < (1 if self._speculates(s) else ahead)
+                        and s.committed < s.request.max_new_tokens), key=lambda s: s.last_mb)
         cap = self.policy.decode_tokens(len(decoding), self.n_stages)
+        ready = ready[:min(cap, self.max_tokens)]
         segments, ids, known = [], [], True
-        for seq in ready[:min(cap, self.max_tokens)]:
+        rows = 0
+        for i, seq in enumerate(ready):
             if not seq.decoding:                   # preempted by an earlier row of this loop
                 continue
-            if not self._grow(seq, seq.pos + 1):
+            room = min(SPEC_ROWS, self.max_tokens) - rows - (len(ready) - i)    # a row for every step to come
+            draft = self._propose(seq, room) if self._speculates(seq) and room > 0 else []
+            if not self._grow(seq, seq.pos + 1 + len(draft)):
                 self._preempt_for(seq)             # a victim with nothing in flight frees its pages now
-                if not self._grow(seq, seq.pos + 1):
+                if not self._grow(seq, seq.pos + 1 + len(draft)):
                     break
-            segments.append(Segment(seq.index, seq.slot, seq.pos, 1, sample=True, pages=tuple(seq.pages)))
+            segments.append(Segment(seq.index, seq.slot, seq.pos, 1 + len(draft), sample=True, pages=tuple(seq.pages),
+                                    draft=tuple(draft)))
+            rows += 1 + len(draft)
             known = known and seq.in_flight == 0
             if known:
-                ids.append(seq.output[-1])
-            seq.pos += 1
+                ids += [seq.output[-1], *draft]
+            seq.pos += 1 + len(draft)
             seq.in_flight += 1
             seq.committed += 1
         return segments, ids if known else None
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """Prompt lookup's proposals for its next step: at most its adaptive k, the rows left in
+        the micro-batch, and the tokens it may still generate after the one this step samples."""
+        if seq.lookup is None:
+            seq.lookup, seq.spec_k = NgramIndex(), self.speculation.k
+        have, prompt = len(seq.lookup.tokens), seq.request.input_ids
+        seq.lookup.extend(prompt[have:] if have < len(prompt) else ())
+        seq.lookup.extend(seq.output[max(0, have - len(prompt)):])
+        k = min(seq.spec_k, room, seq.request.max_new_tokens - seq.committed - 1)
+        return seq.lookup.propose(k) if k > 0 else []
+
+    def _settle(self, seq: Sequence, seg: Segment, emitted: int) -> None:
+        """A speculative step is back with `emitted` tokens: its proposals up to the first mismatch
+        were accepted; the positions past them hold rejected tokens' KV, so the sequence goes on
+        from the first of those (they are written again before they are read) and the pages wholly
+        past it return to the pool."""
+        accepted = emitted - 1
+        self.proposed += len(seg.draft)
+        self.accepted += accepted
+        seq.proposed += len(seg.draft)
+        seq.accepted += accepted
+        seq.spec_k = next_k(seq.spec_k, len(seg.draft), accepted, self.speculation.k)
+        seq.pos = seq.fed = seg.start + emitted
+        keep = pages_needed(seq.pos, self.pool.page_size)
+        if seq.status is not Status.PREEMPTED and len(seq.pages) > keep:
+            self.pool.give_back(seq.pages[keep:])
+            seq.pages = seq.pages[:keep]
 
     def _prefill_part(self, decode_tokens: int) -> tuple[list[Segment], list[int]]:
         prefilling = [s for s in self.active if s.prefilling]
@@ -404,32 +449,45 @@ class Scheduler:
             k = seg.start - len(seq.request.input_ids)    # index of the generated token it feeds
             if k >= len(seq.output):
                 return None
-            ids.append(seq.output[k])
+            ids += [seq.output[k], *seg.draft]
         for seg in schedule.segments:
             seq = by_index.get(seg.seq)
             if seq is not None and not seq.finished:
-                seq.fed = max(seq.fed, seg.end)
+                seq.fed = max(seq.fed, seg.end - len(seg.draft))
         schedule.tokens = ids
         return ids
 
     def on_sampled(self, mb_id: int, ids: list[int]) -> list[Sequence]:
-        """Takes the ids sampled for micro-batch `mb_id` (one per sampling segment, in order) and
-        returns the sequences that finished: the one place a sequence's end is decided."""
+        """Takes the ids sampled for micro-batch `mb_id` (one per sampled row, in order; a
+        speculative step's rows past its first mismatch are -1) and returns the sequences that
+        finished: the one place a sequence's end is decided."""
         schedule = self.inflight.pop(mb_id)
-        sampled = schedule.sampled
-        if len(sampled) != len(ids):
-            raise RuntimeError(f"micro-batch {mb_id}: {len(ids)} ids for {len(sampled)} sampling segments")
+        if len(schedule.sampled) != len(ids):
+            raise RuntimeError(f"micro-batch {mb_id}: {len(ids)} ids for {len(schedule.sampled)} sampled rows")
         by_index = {s.index: s for s in self.active}
         now = self.clock()
         finished = []
-        for index, token in zip(sampled, ids):
-            seq = by_index.get(index)
+        at = 0
+        for seg in schedule.segments:
+            if not seg.sample:
+                continue
+            got, at = ids[at:at + seg.sampled_rows], at + seg.sampled_rows
+            seq = by_index.get(seg.seq)
             if seq is None or seq.finished:   # a step committed after its sequence stopped
                 continue
-            seq.take_token(token, now)
-            self.generated += 1
-            if self.on_token is not None:
-                self.on_token(seq, token)
+            seq.in_flight -= 1
+            emitted = [t for t in got if t >= 0]
+            if seg.draft:
+                self._settle(seq, seg, len(emitted))
+            for token in emitted:
+                seq.take_token(token, now)
+                self.generated += 1
+                if self.on_token is not None:
+                    self.on_token(seq, token)
+                if seq.finished:
+                    break
+            if seg.draft:
+                seq.committed = len(seq.output) + seq.in_flight
             if seq.finished:
                 finished.append(seq)
             elif seq.status is Status.PREEMPTED and seq.in_flight == 0:

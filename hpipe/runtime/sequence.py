@@ -25,6 +25,7 @@ import enum
 from dataclasses import dataclass, field
 
 from hpipe.request import Request
+from hpipe.runtime.speculative import NgramIndex
 
 __all__ = ["Sequence", "Status"]
 
@@ -57,6 +58,10 @@ class Sequence:
     committed: int = 0                         # tokens it will have once every committed step is back
     last_mb: int = -1                          # the micro-batch of its latest step (round-robin order)
     preemptions: int = 0
+    spec_k: int = 0                            # speculating: its next step's most proposed tokens (adapts)
+    lookup: NgramIndex | None = None           # speculating: its tokens' n-grams (prompt lookup)
+    proposed: int = 0                          # tokens proposed for it, and of them accepted
+    accepted: int = 0
     finish_reason: str | None = None
     t_first: float | None = None
     t_last: float | None = None
@@ -101,9 +106,9 @@ class Sequence:
         return self.pos >= len(self.tokens) and self.status is not Status.WAITING
 
     def take_token(self, token: int, now: float) -> None:
-        """A token sampled for it: the one place tokens are counted and its clock read."""
+        """A token sampled for it: the one place tokens are counted and its clock read (a step's
+        return, `in_flight`, is the scheduler's to count: one step may bring several tokens)."""
         self.output.append(token)
-        self.in_flight -= 1
         self.t_first = now if self.t_first is None else self.t_first
         self.t_last = now
         self.finish_reason = self.request.finish_reason(token, len(self.output))

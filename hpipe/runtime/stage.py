@@ -112,7 +112,7 @@ class StageRunner:
             rotary = self.rotary(probe, positions)
         ends = list(itertools.accumulate(s.length for s in segments))    # host ints: no device read-back
         # the sampled rows first, then every other row of the scored segments (prompt log-probabilities)
-        rows = [e - 1 for e, s in zip(ends, segments) if s.sample]
+        rows = [e - s.sampled_rows + i for e, s in zip(ends, segments) for i in range(s.sampled_rows)]
         rows += [e - s.length + i for e, s in zip(ends, segments) if s.scored for i in range(s.length - s.sample)]
         sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         shape = (len(segments), segments[0].length) if layout == "rows" else (1, ends[-1])

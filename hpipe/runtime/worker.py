@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hpipe import formats, memory, models, protocol, quant
-from hpipe.config import RuntimeConfig
+from hpipe.config import RuntimeConfig, Speculation
 from hpipe.errors import HpipeError
 from hpipe.grammar import GrammarVocabulary
 from hpipe.lifeline import tie_to_parent
@@ -46,6 +46,7 @@ from hpipe.runtime.schedule import body_capacity
 from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.sequence import Sequence
 from hpipe.runtime.sidp import Replica, Seat, run_replica, runs_plain
+from hpipe.runtime.speculative import SPEC_ROWS
 from hpipe.runtime.stage import StageRunner
 from hpipe.runtime.static_decode import StaticDecode, unsupported
 from hpipe.sampling import RequestSampler
@@ -137,9 +138,9 @@ class JobRequests:
         """Sampler state for every sequence running, plus those whose release is still on its way."""
         return max(1, min(len(self.requests), self.max_batch + world))
 
-    def pool_rows(self) -> int:
-        """The most rows one micro-batch samples."""
-        return max(1, min(len(self.requests), 2 * self.max_batch))
+    def pool_rows(self, drafts: int) -> int:
+        """The most rows one micro-batch samples (`drafts`: its proposed tokens, at most)."""
+        return max(1, min(len(self.requests), 2 * self.max_batch)) + drafts
 
     def lookup(self) -> Callable[[int], Request] | None:
         """How the other stages learn an admitted request: from the file they all read."""
@@ -168,8 +169,8 @@ class ServedRequests:
     def sampler_columns(self, world: int) -> int:
         return self.max_batch + world
 
-    def pool_rows(self) -> int:
-        return 2 * self.max_batch
+    def pool_rows(self, drafts: int) -> int:
+        return 2 * self.max_batch + drafts
 
     def lookup(self) -> None:
         """None: the schedules carry the admitted requests whole (the other stages have no file)."""
@@ -269,24 +270,37 @@ def result_of(seq: Sequence, t0: float | None) -> protocol.Result:
 
 # ---------------------------------------------------------------------------------- logits out
 class KeepNothing:
-    def add(self, out: torch.Tensor, seqs: list[int]) -> None:
+    def add(self, mb_id: int, out: torch.Tensor, seqs: list[int]) -> None:
         pass
+
+    def reporting(self, deliver):
+        return deliver
 
     def write(self, requests: JobRequests) -> None:
         pass
 
 
 class KeepLogits(KeepNothing):
-    """--logits-out: every sampled row, per request; the launcher keeps a request's first
-    len(output) rows (the rest are leftover steps after its stop, which stage 0 decided)."""
+    """--logits-out: every sampled row whose token was emitted, per request; the launcher keeps a
+    request's first len(output) rows (the rest are leftover steps after its stop, which stage 0
+    decided). A rejected proposal's row (its id -1) is dropped when the ids are delivered."""
 
     def __init__(self, path: str):
         self.path = path
         self.rows: dict[int, list] = {}
+        self.pending: dict[int, tuple] = {}
 
-    def add(self, out: torch.Tensor, seqs: list[int]) -> None:
-        for i, s in enumerate(seqs):
-            self.rows.setdefault(s, []).append(out[i].detach().float().cpu().numpy())
+    def add(self, mb_id: int, out: torch.Tensor, seqs: list[int]) -> None:
+        self.pending[mb_id] = (out.detach().float().cpu().numpy(), seqs)
+
+    def reporting(self, deliver):
+        def deliver_ids(mb_id: int, ids: list[int]) -> None:
+            out, seqs = self.pending.pop(mb_id)
+            for i, s in enumerate(seqs):
+                if ids[i] >= 0:
+                    self.rows.setdefault(s, []).append(out[i])
+            deliver(mb_id, ids)
+        return deliver_ids
 
     def write(self, requests: JobRequests) -> None:
         np.savez(self.path, **{requests.by_index[s].id: np.stack(rows) for s, rows in self.rows.items()})
@@ -322,6 +336,7 @@ class StageWorker:
                                            weights=self.weights)
         self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
         self.policy = Policy.resolve(config, [s.device for s in self.stages])
+        self.speculation = Speculation.parse(config.speculation)
         self.modes, static = self._modes()
         self.max_tokens = longest_microbatch(self.requests.lengths, plan, config.max_batch, self.policy)
         self.groups = comm.init(self.rank, self.world, args.master_addr, args.master_port,
@@ -390,9 +405,10 @@ class StageWorker:
         vocab = int(self.model_config.vocab_size)
         columns = requests.sampler_columns(self.world)
         logprobs = LogprobReports()
-        deliver = logprobs.reporting(deliver)
+        deliver = self.keep.reporting(logprobs.reporting(deliver))
         if self.modes.sampling == "cpu":
-            pool = SamplerPool(vocab, requests.pool_rows(), columns, requests.sampler_len, send=deliver,
+            drafts = SPEC_ROWS if self.speculation.on else 0
+            pool = SamplerPool(vocab, requests.pool_rows(drafts), columns, requests.sampler_len, send=deliver,
                                model_dir=self.model_dir,
                                n_procs=config.sampler_procs, errors=self.ex.errors)
             return PoolSampling(pool, deliver, self.ex.timeline, self.keep, logprobs)
@@ -434,7 +450,7 @@ class StageWorker:
         sched = Scheduler(requests.requests, self.plan.slicing.slices_for, self.world, config.max_batch,
                           lookahead=self.modes.tsem, policy=self.policy, pages=self.pages,
                           page_size=config.page_size, max_tokens=self.max_tokens, serving=requests.serving,
-                          prefix_caching=config.prefix_caching)
+                          prefix_caching=config.prefix_caching, speculation=self.speculation)
         driver = Driver(self.ex, sched, requests.reports(sched))
         sampling = self._sampling(driver.take_ids) if self.world == 1 else None
         requests.start(driver, protocol.Ready(self.pages - 1, config.page_size, requests.max_len, config.max_batch,

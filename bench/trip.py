@@ -1,0 +1,153 @@
+"""Where one decode token's time goes through a pipeline of stages, and llama.cpp's RPC split beside it.
+
+hpipe: `hpipe launch --local` of a plan cut into --stages stages (default flags; the local launcher
+gives each of them one thread on this 2-core machine, as emulated hosts get), one stream, a 256-token
+prompt and 128 greedy tokens, `--timeline-out`. From the timeline, per decode token (the median over
+the steady tokens): each stage's compute, each hop (a stage's compute end to the next stage's
+compute start: the send, the receive, the next stage's wait and preparation), and the way back
+(the last stage's compute end to stage 0's next compute start: sampling, the ids' trip to stage 0,
+the scheduler's commit). Their sum is the token; nothing else is on the path. Then a 2,048-token
+prefill (time to first token).
+
+llama.cpp: `llama-bench` (decode after a 256-token context, and 2,048-token prefill) on the same
+file, one thread, its blocks split evenly over this process and --stages - 1 `ggml-rpc-server`
+processes of one thread each on 127.0.0.1 (`-ngl` the servers' share of the blocks, `-ts 1/1`; see
+../shared/notes/peers.md; $LLAMA_CPP_BIN).
+
+Both run on one machine without shaped links (bench/cluster.py runs emulated hosts over SSH with
+`tc`); the per-token figures here are the runtime's own costs.
+
+    python bench/trip.py [--stages 3] [--model smollm2] [--extra "--compile on"]
+
+Writes bench/results/trip.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import hpipe, prompt_ids  # noqa: E402
+
+PROMPT, NEW, PREFILL = 256, 128, 2048
+
+
+
+
+def per_token(timeline: dict) -> dict:
+    """Medians over the steady decode tokens: compute per stage, hops, the way back, the token."""
+    compute = {}
+    for st in timeline["stages"]:
+        for i in st["intervals"]:
+            if i["what"] == "compute" and i.get("kind") == "decode":
+                compute[(st["rank"], i["mb"])] = (i["start"], i["end"])
+    n = len(timeline["stages"])
+    ids = sorted(m for r, m in compute if r == 0 and all((s, m) in compute for s in range(n)))
+    parts = collections.defaultdict(list)
+    for a, b in zip(ids[8:-4], ids[9:-3]):
+        for r in range(n):
+            parts[f"compute {r}"].append(compute[(r, a)][1] - compute[(r, a)][0])
+            if r + 1 < n:
+                parts[f"hop {r}->{r + 1}"].append(compute[(r + 1, a)][0] - compute[(r, a)][1])
+        parts["back (sample, ids to stage 0, commit)"].append(compute[(0, b)][0] - compute[(n - 1, a)][1])
+        parts["token"].append(compute[(0, b)][0] - compute[(0, a)][0])
+    return {k: round(1000 * statistics.median(v), 3) for k, v in parts.items()}
+
+
+def run_hpipe(model: str, stages: int, extra: list[str], work: Path) -> dict:
+    plan = work / "plan.json"
+    hpipe("plan", "--model", model, "--stages", stages, "--slices", PREFILL, "-o", plan, cwd=work)
+    out = {}
+    for name, n, new in (("decode", PROMPT, NEW), ("prefill", PREFILL, 1)):
+        prompts, results, tl = work / f"{name}.jsonl", work / f"{name}-out.jsonl", work / f"{name}-timeline.json"
+        prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
+        results.unlink(missing_ok=True)
+        t = time.time()
+        hpipe("launch", plan, "--local", "--prompts", prompts, "--out", results, "--max-new-tokens", new, "--quiet",
+              "--timeline-out", tl, *extra, cwd=work)
+        r = json.loads(results.read_text().splitlines()[0])
+        if name == "decode":
+            out.update(decode_ms=round(1000 * r["tpot_s"], 3), start_to_end_s=round(time.time() - t, 2),
+                       per_token_ms=per_token(json.loads(tl.read_text())))
+        else:
+            out["prefill_s"] = round(r["ttft_s"], 3)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def block_count(path: Path) -> int:
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    key = next(k for k in fields if k.endswith(".block_count"))
+    return int(fields[key].parts[-1][0])
+
+
+def run_llama_cpp(path: Path, stages: int) -> dict:
+    from bench.shapes import llama_cpp_bin
+
+    ports = [_free_port() for _ in range(stages - 1)]
+    servers = [subprocess.Popen([str(llama_cpp_bin("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(p), "-t", "1"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        time.sleep(1.0)
+        split = "/".join(["1"] * (stages - 1))
+        offloaded = round(block_count(path) * (stages - 1) / stages)      # the rest stay in this process
+        cmd = [str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", "1", "-ngl", str(offloaded), "-ts", split,
+               "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-o", "json", "-r", "3"]
+        decode = json.loads(subprocess.run(cmd + ["-p", "0", "-n", str(NEW), "-d", str(PROMPT)], check=True,
+                                           capture_output=True, text=True).stdout)
+        prefill = json.loads(subprocess.run(cmd + ["-p", str(PREFILL), "-n", "0"], check=True,
+                                            capture_output=True, text=True).stdout)
+    finally:
+        for s in servers:
+            s.terminate()
+            s.wait()
+    return {"decode_ms": round(1000 / decode[0]["avg_ts"], 3), "prefill_s": round(PREFILL / prefill[0]["avg_ts"], 3),
+            "split": f"-ngl {offloaded} -ts {split}: {block_count(path) - offloaded} blocks in this process, "
+                     f"{offloaded} on {stages - 1} rpc servers, one thread each"}
+
+
+def main() -> None:
+    from hpipe import models
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--extra", default="", help="more `hpipe launch` flags, e.g. \"--compile on\"")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "trip.json"))
+    args = ap.parse_args()
+    path = models.smollm2_gguf_path() if args.model == "smollm2" else Path(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = run_hpipe(args.model, args.stages, shlex.split(args.extra), Path(tmp))
+    theirs = run_llama_cpp(path, args.stages)
+    report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "file": path.name,
+              "stages": args.stages, "prompt": PROMPT, "new_tokens": NEW, "prefill_tokens": PREFILL,
+              "hpipe_flags": args.extra or "(defaults)", "hpipe": ours, "llama.cpp rpc": theirs,
+              "decode_vs_llama_cpp": round(ours["decode_ms"] / theirs["decode_ms"], 3),
+              "prefill_vs_llama_cpp": round(ours["prefill_s"] / theirs["prefill_s"], 3)}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Speculative decoding's proposer (stage 0): prompt lookup.
+
+A decode step of a speculating sequence carries its last token and up to k proposed tokens
+(`Segment.draft`); every stage computes them as one short slice, and the last stage's sampler
+verifies them (`hpipe.sampling.RequestSampler.sample`): it samples each position in turn, with the
+request's own parameters and state as of that position, and goes on to the next position only while
+the sampled token equals the proposed one. Every token it samples is emitted, so the output is the
+one decoding without speculation gives (greedy: the same argmax; sampling: the same draws from the
+request's generator, one per emitted token), and at most the tokens after the first mismatch are
+lost. Stage 0 rolls the sequence back to the positions whose tokens were emitted (`Scheduler`).
+
+Prompt lookup (vLLM's n-gram proposer, llama.cpp's lookup decoding): the longest suffix of the
+sequence's tokens (prompt and output, NGRAM_MAX down to NGRAM_MIN of them) that occurred before
+proposes the k tokens that followed its latest earlier occurrence. An index of every n-gram's latest
+position makes a proposal a few dictionary lookups, however long the prompt.
+
+Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+__all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "NgramIndex", "next_k"]
+
+NGRAM_MAX, NGRAM_MIN = 4, 1
+# The most rows (fed tokens and proposals) the decode part of one micro-batch takes with proposals:
+# beyond it a step stops being bound by reading the weights, and proposals that fail cost more
+# than they save (a full batch decodes without them). bench/speculative.py measures both sides.
+SPEC_ROWS = 16
+
+
+class NgramIndex:
+    """One sequence's tokens and the latest position of every n-gram of them that a token follows."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.latest: dict[tuple[int, ...], int] = {}   # n-gram -> the position of its last token
+
+    def extend(self, tokens) -> None:
+        old = len(self.tokens)
+        self.tokens.extend(tokens)
+        toks = self.tokens
+        for end in range(max(0, old - 1), len(toks) - 1):     # positions that now have a next token
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, end + 1) + 1):
+                self.latest[tuple(toks[end - n + 1:end + 1])] = end
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens: what followed the latest earlier occurrence of the longest suffix that has one."""
+        toks = self.tokens
+        for n in range(min(NGRAM_MAX, len(toks)), NGRAM_MIN - 1, -1):
+            end = self.latest.get(tuple(toks[len(toks) - n:]))
+            if end is not None:
+                return toks[end + 1:end + 1 + k]
+        return []
+
+
+def next_k(k: int, proposed: int, accepted: int, k_max: int) -> int:
+    """A sequence's next proposal size: one more after a step whose proposals were all accepted,
+    else one past what was accepted (fewer proposals while acceptance is low)."""
+    if proposed == 0:
+        return k
+    return min(k_max, k + 1) if accepted == proposed else max(1, accepted + 1)
