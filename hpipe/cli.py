@@ -601,6 +601,9 @@ def _print_launch(summary: dict, out: str) -> None:
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "
                    f"({s['prefix_hit_tokens'] / max(1, s['prefix_query_tokens']):.0%}) and not prefilled again")
+    if s.get("spec_proposed_tokens"):
+        typer.echo(f"speculative decoding: {s['spec_accepted_tokens']} of {s['spec_proposed_tokens']} proposed tokens "
+                   f"accepted ({s['spec_accepted_tokens'] / s['spec_proposed_tokens']:.0%})")
     hops = {k: v for k, v in summary.get("links", {}).items() if k.split("->")[0] != "0" or k == "0->1"}
     if hops:
         typer.echo("messages per link (metadata / data): " + ", ".join(

@@ -12,6 +12,7 @@ inputs while this one computes.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,6 +43,12 @@ class StageRunner:
         self.config = config
         self.units = units
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            # transformers' SDPA expands grouped KV heads to every query head (a copy of the whole
+            # context per layer) whenever a mask is given, i.e. for every step of more than one token
+            # after a context (prefill slices, speculative steps): 3 tokens after 1,700 took 4-5x one
+            # token's time. Torch's CPU kernels take masked GQA as it is (CUDA's fall back to math).
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
         self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights)
