@@ -383,12 +383,7 @@ class RequestSampler:
         state (penalties, grammar, generator) as of its position, and a row not reached (a
         proposal before it was rejected, or its sequence sampled an end id) gets -1: every id
         returned is a token the sequence emits, drawn exactly as decoding without proposals draws it."""
-        for s in seqs:
-            if s not in self.started:
-                self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
-                self.started.add(s)
-                if self.requests[s].params.grammar is not None:
-                    self._start_grammar(s, self.requests[s].params.grammar)
+        self._start(seqs)
         if expected is None or all(e < 0 for e in expected):
             return self._step(logits, seqs)
         out = [-1] * len(seqs)
@@ -402,6 +397,15 @@ class RequestSampler:
                     going.append(r + 1)
             rows = going
         return out
+
+    def _start(self, seqs: list[int]) -> None:
+        """Sampler state for the sequences met for the first time (from their first row)."""
+        for s in seqs:
+            if s not in self.started:
+                self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
+                self.started.add(s)
+                if self.requests[s].params.grammar is not None:
+                    self._start_grammar(s, self.requests[s].params.grammar)
 
     def _step(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
         if self.masks is None:

@@ -34,18 +34,24 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def build_tiny_model(family: str, directory: Path, sharded: bool = False) -> Path:
+def save_random_model(config, directory: Path, seed: int, std: float = 0.08, max_shard_size: str = "5GB") -> Path:
+    """A model of `config` with N(0, std) matrices (seeded), saved as a Hugging Face directory.
+    Larger weights than the default init: logits spread out, so greedy ties are rare."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed({"llama": 1, "qwen2": 2, "mistral": 3, "gpt2": 4}[family])
-    model = AutoModelForCausalLM.from_config(tiny_config(family))
-    # larger weights than the default init: logits spread out, so greedy ties are rare
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.08)
-    model.save_pretrained(directory, max_shard_size="200KB" if sharded else "5GB")
+                p.normal_(0, std)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
     return directory
+
+
+def build_tiny_model(family: str, directory: Path, sharded: bool = False) -> Path:
+    return save_random_model(tiny_config(family), directory, {"llama": 1, "qwen2": 2, "mistral": 3, "gpt2": 4}[family],
+                             max_shard_size="200KB" if sharded else "5GB")
 
 
 @pytest.fixture(scope="session")
@@ -62,21 +68,12 @@ def talking_model(tmp_path_factory) -> Path:
     transformers reference (no quantized kernels)."""
     import shutil
 
-    from transformers import AutoModelForCausalLM
-
     from hpipe import models
 
     source = models.resolve_model("smollm2").path
     config = tiny_config("llama")
     config.vocab_size = int(models.load_config(source).vocab_size)
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-    directory = tmp_path_factory.mktemp("talking") / "talking"
-    model.save_pretrained(directory)
+    directory = save_random_model(config, tmp_path_factory.mktemp("talking") / "talking", seed=5)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (Path(source) / name).exists():
             shutil.copy(Path(source) / name, directory / name)

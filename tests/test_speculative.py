@@ -14,7 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, assert_greedy_equal, build_tiny_model, reference_greedy, reference_logits, tiny_config
+from conftest import (VOCAB, assert_greedy_equal, reference_greedy, reference_logits, save_random_model,
+                      tiny_config)
 from hpipe import models
 from hpipe.config import Speculation
 from hpipe.formats import Slicing
@@ -136,18 +137,9 @@ def test_seeded_sampling_is_unchanged_by_speculation(tiny_models):
 
 # --------------------------------------------------------------------- the sampled distribution
 def small_vocab_model(directory, vocab: int = 6):
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config("llama")
     config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id = vocab, 0, 0, 0
-    torch.manual_seed(11)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    model.save_pretrained(directory)
-    return directory
+    return save_random_model(config, directory, seed=11, std=0.3)
 
 
 def sampled_pairs(path, seeds, speculation, params) -> list[tuple[int, int]]:
@@ -193,11 +185,9 @@ def test_sampled_distribution_is_the_models(params, tmp_path, monkeypatch):
     assert homogeneity_p(plain, spec) > 0.05
 
     def accept_every_proposal(self, logits, seqs, expected=None):
+        self._start(seqs)
         out = []
         for r, s in enumerate(seqs):
-            if s not in self.started:
-                self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
-                self.started.add(s)
             taken = expected is not None and expected[r] >= 0
             out.append(expected[r] if taken else self._step(logits[r:r + 1], [s])[0])
         return out
