@@ -123,10 +123,11 @@ class RuntimeConfig:
                              "plan's threshold or above, CaS in the tail); a shared-mapping group's WaS fetches "
                              "nothing", choices=("auto", "was", "cas"))
     speculation: str = setting("off", "--speculative", "speculative decoding: each decode step of a request also "
-                               "carries up to K tokens proposed by prompt lookup (ngram[:K], the tokens that "
-                               "followed the latest earlier occurrence of its last 1-4 tokens in its prompt and "
-                               "output; K defaults to 4) and verified in the same trip through the stages; exact for "
-                               "greedy and for sampling; off: one token per step")
+                               "carries up to K tokens (default 4) proposed by prompt lookup (ngram[:K], the tokens "
+                               "that followed the latest earlier occurrence of its last 1-4 tokens in its prompt and "
+                               "output) or by a small draft model with the same tokenizer beside stage 0 "
+                               "(draft:MODEL[:K], its own paged KV, greedy), verified in the same trip through the "
+                               "stages; exact for greedy and for sampling; off: one token per step")
     attn: str = setting("sdpa", "--attn", "transformers' attention implementation", choices=("sdpa", "eager"))
     rendezvous_timeout_s: float = setting(300.0, "--rendezvous-timeout", "seconds a stage waits for the others to join",
                                unit="s", lo=1.0)
@@ -151,11 +152,15 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class Speculation:
-    """--speculative, parsed: the proposer and the most tokens it proposes per step (k)."""
+    """--speculative, parsed: the proposer, the most tokens it proposes per step (k) and, for a
+    draft proposer, the draft model (as MODEL is given: a .gguf file, a Hugging Face directory or
+    `smollm2`; read on stage 0's host)."""
 
-    proposer: str = "off"          # "off" or "ngram"
+    proposer: str = "off"          # "off", "ngram" or "draft"
     k: int = 0
+    model: str = ""                # the draft model
     MAX_K = 16                     # a step's rows grow with k; more than this is never accepted on average
+    DEFAULT_K = 4
 
     @property
     def on(self) -> bool:
@@ -165,16 +170,27 @@ class Speculation:
     def parse(cls, text: str) -> Speculation:
         if text == "off":
             return cls()
-        name, _, k = text.partition(":")
+        name, _, rest = text.partition(":")
         if name == "ngram":
-            if not k:
-                return cls("ngram", 4)
-            if k.isdigit() and 1 <= int(k) <= cls.MAX_K:
-                return cls("ngram", int(k))
-            raise HpipeError(f"--speculative {text!r}: k must be an integer in [1, {cls.MAX_K}], e.g. ngram:4")
+            return cls("ngram", cls._k(text, rest))
         if name == "draft":
-            raise HpipeError(f"--speculative {text!r}: a draft model proposer is not built yet; use ngram[:K]")
-        raise HpipeError(f"--speculative {text!r}: use off or ngram[:K] (prompt lookup, K tokens per step)")
+            model, _, k = rest.rpartition(":")
+            if not k.isdigit():              # no :K (a path may hold colons of its own)
+                model, k = rest, ""
+            if not model:
+                raise HpipeError(f"--speculative {text!r}: name the draft model, e.g. draft:smollm2:4 or "
+                                 f"draft:/models/small.gguf (same tokenizer as the model)")
+            return cls("draft", cls._k(text, k), model)
+        raise HpipeError(f"--speculative {text!r}: use off, ngram[:K] (prompt lookup) or draft:MODEL[:K] (a small "
+                         f"model with the same tokenizer); K tokens proposed per step")
+
+    @classmethod
+    def _k(cls, text: str, k: str) -> int:
+        if not k:
+            return cls.DEFAULT_K
+        if k.isdigit() and 1 <= int(k) <= cls.MAX_K:
+            return int(k)
+        raise HpipeError(f"--speculative {text!r}: K must be an integer in [1, {cls.MAX_K}], e.g. ngram:4")
 
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(RuntimeConfig)}

@@ -18,6 +18,7 @@ from conftest import (VOCAB, assert_greedy_equal, reference_greedy, reference_lo
                       tiny_config)
 from hpipe import models
 from hpipe.config import Speculation
+from hpipe.errors import HpipeError
 from hpipe.formats import Slicing
 from hpipe.request import Request, SamplingParams
 from hpipe.runtime.inprocess import run_inprocess
@@ -71,8 +72,10 @@ def repetitive_prompts(rng: random.Random, n: int) -> list[list[int]]:
 @given(data=st.data())
 def test_speculative_steps_match_transformers(family, tiny_models, reference_models, data):
     """Random plans (1-3 stages, cuts anywhere), k from 1 to 6, batches of 1-3, a KV pool small
-    enough to preempt or not: every emitted token's logits within 1e-4 of one transformers forward
-    and greedy tokens equal to transformers' `generate` (mistral's window is crossed)."""
+    enough to preempt or not, proposals by prompt lookup or by a draft model (the model itself, which
+    proposes what it will sample, or another family's random model, which mostly misses): every
+    emitted token's logits within 1e-4 of one transformers forward and greedy tokens equal to
+    transformers' `generate` (mistral's window is crossed)."""
     path = tiny_models[family]
     n_units = models.num_units(models.load_config(path))
     n_stages = data.draw(st.integers(1, 3))
@@ -85,11 +88,14 @@ def test_speculative_steps_match_transformers(family, tiny_models, reference_mod
     # a pool that holds the longest request and a few pages more: batches of 2-3 preempt
     small = -(-max(len(p) + new for p in prompts) // 4) + 4
     pages = data.draw(st.sampled_from([None, small]))
+    proposer = data.draw(st.sampled_from(["ngram", "draft:self", "draft:other"]))
+    speculation = Speculation("ngram", k) if proposer == "ngram" else \
+        Speculation("draft", k, str(path if proposer == "draft:self" else tiny_models["qwen2"]))
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=new, eos_ids=frozenset([EOS]))
                 for i, p in enumerate(prompts)]
     results = run_inprocess(runners_for(path, [0, *cuts, n_units]), requests, Slicing(count=2).slices_for,
                             max_batch=max_batch, keep_logits=True, pages=pages, page_size=4,
-                            speculation=Speculation("ngram", k))
+                            speculation=speculation)
     reference = reference_models[family]
     for r in requests:
         got = results[r.id]
@@ -99,6 +105,8 @@ def test_speculative_steps_match_transformers(family, tiny_models, reference_mod
         assert_greedy_equal(reference, list(r.input_ids), got["output_ids"],
                             reference_greedy(reference, list(r.input_ids), new, EOS))
         assert got["accepted"] <= got["proposed"]
+    if proposer == "draft:self":     # the draft's own KV (catch-up, rollback, pages) is right
+        assert sum(r["accepted"] for r in results.values()) >= 0.9 * sum(r["proposed"] for r in results.values())
 
 
 def test_proposals_are_accepted_and_tokens_unchanged(tiny_models):
@@ -115,6 +123,47 @@ def test_proposals_are_accepted_and_tokens_unchanged(tiny_models):
     assert {i: r["output_ids"] for i, r in plain.items()} == {i: r["output_ids"] for i, r in spec.items()}
     assert sum(r["accepted"] for r in spec.values()) >= 10
     assert sum(r["proposed"] for r in plain.values()) == 0
+
+
+def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_models, tmp_path):
+    """The draft proposes exactly what it would generate greedily (transformers' `generate` on the
+    draft, from the sequence's tokens so far), k at a time, through its own paged KV across
+    steps, rejections and a pool too small for every sequence (which then gets no proposals)."""
+    from transformers import AutoModelForCausalLM
+
+    from hpipe.runtime.draft import DraftProposer
+    from hpipe.runtime.sequence import Sequence
+
+    draft_path = tiny_models["qwen2"]
+    reference = AutoModelForCausalLM.from_pretrained(draft_path).eval()
+    proposer = DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB, "cpu", "float32", 2, 40, page_size=4)
+    rng = random.Random(9)
+    seqs = [Sequence(Request(i, f"p{i}", tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(18, 26)))), 0.0)
+            for i in range(3)]
+    full = 0
+    for step in range(6):
+        wants = [(s, rng.randint(1, 3)) for s in seqs]
+        got = proposer.propose(wants)
+        for (seq, n), draft in zip(wants, got):
+            if not draft:       # the pool (two sequences of 40 tokens) is full: no proposals, its pages back
+                full += 1
+                assert seq.index not in proposer.held
+                continue
+            assert draft == reference_greedy(reference, seq.known_tokens, n, None), (step, seq.index)
+            # the target accepts some of it, then samples another token (or accepts all and adds one)
+            taken = draft[:rng.randint(0, n)]
+            seq.output += taken + [(draft[len(taken)] + 1) % VOCAB if len(taken) < n else rng.randrange(VOCAB)]
+    assert full > 0, "the pool never ran out: the test misses that path"
+    for seq in seqs:
+        proposer.forget(seq.index)
+    assert proposer.pool.available == proposer.pool.usable
+    with pytest.raises(HpipeError, match="vocabulary"):
+        DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB + 1, "cpu", "float32", 1, 40)
+    for bad in ("draft", "draft:", "draft:m:0", "ngram:x", "eagle:3"):
+        with pytest.raises(HpipeError, match="--speculative"):
+            Speculation.parse(bad)
+    assert Speculation.parse("draft:/m/a:b.gguf") == Speculation("draft", 4, "/m/a:b.gguf")
+    assert Speculation.parse("draft:smollm2:2") == Speculation("draft", 2, "smollm2")
 
 
 def test_seeded_sampling_is_unchanged_by_speculation(tiny_models):
@@ -136,10 +185,10 @@ def test_seeded_sampling_is_unchanged_by_speculation(tiny_models):
 
 
 # --------------------------------------------------------------------- the sampled distribution
-def small_vocab_model(directory, vocab: int = 6):
+def small_vocab_model(directory, vocab: int = 6, seed: int = 11):
     config = tiny_config("llama")
     config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id = vocab, 0, 0, 0
-    return save_random_model(config, directory, seed=11, std=0.3)
+    return save_random_model(config, directory, seed=seed, std=0.3)
 
 
 def sampled_pairs(path, seeds, speculation, params) -> list[tuple[int, int]]:
@@ -170,18 +219,22 @@ def homogeneity_p(a: list, b: list) -> float:
     return float(chi2_contingency(table).pvalue)
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0),
-                                    dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
-                                         logit_bias=((4, 1.5),))])
-def test_sampled_distribution_is_the_models(params, tmp_path, monkeypatch):
+@pytest.mark.parametrize("params,proposer", [(dict(temperature=1.0), "ngram"),
+                                             (dict(temperature=0.8, top_p=0.9, repetition_penalty=1.3,
+                                                   presence_penalty=0.5, logit_bias=((4, 1.5),)), "ngram"),
+                                             (dict(temperature=1.0), "draft")])
+def test_sampled_distribution_is_the_models(params, proposer, tmp_path, monkeypatch):
     """Over 1,500 seeds per arm (disjoint seeds), the pair of tokens sampled after the first has
     the same distribution with proposals as without (chi-square homogeneity, 5 % level). Its power:
     a verifier that accepts every proposal it is shown (a common bug: no sampling at the proposed
     positions) shifts this distribution, and the same test, the same seeds, rejects it."""
     path = small_vocab_model(tmp_path / "m")
+    # the draft: another random model of the vocabulary, whose greedy proposals the model often samples
+    speculation = Speculation("ngram", 2) if proposer == "ngram" else \
+        Speculation("draft", 2, str(small_vocab_model(tmp_path / "d", seed=12)))
     n = 1500
     plain = sampled_pairs(path, range(n), Speculation(), params)
-    spec = sampled_pairs(path, range(n, 2 * n), Speculation("ngram", 2), params)
+    spec = sampled_pairs(path, range(n, 2 * n), speculation, params)
     assert homogeneity_p(plain, spec) > 0.05
 
     def accept_every_proposal(self, logits, seqs, expected=None):
@@ -192,7 +245,7 @@ def test_sampled_distribution_is_the_models(params, tmp_path, monkeypatch):
             out.append(expected[r] if taken else self._step(logits[r:r + 1], [s])[0])
         return out
     monkeypatch.setattr(RequestSampler, "sample", accept_every_proposal)
-    broken = sampled_pairs(path, range(n, 2 * n), Speculation("ngram", 2), params)
+    broken = sampled_pairs(path, range(n, 2 * n), speculation, params)
     assert homogeneity_p(plain, broken) < 1e-3, "the test would miss a verifier that accepts every proposal"
 
 
@@ -201,9 +254,10 @@ def test_sampled_distribution_is_the_models(params, tmp_path, monkeypatch):
 @pytest.mark.parametrize("n_stages,sampling", [(2, "inline"), (3, "cpu")])
 def test_launch_with_speculation_gives_the_tokens_without(n_stages, sampling, tiny_models, reference_models,
                                                           tmp_path):
-    """`hpipe launch --local` on 2 and 3 stages (inline sampling; the sampler process pool): greedy
-    prompts give transformers' logits and tokens, seeded prompts with every penalty the tokens of
-    the same launch without proposals; the run summary counts what was proposed and accepted."""
+    """`hpipe launch --local` on 2 and 3 stages (inline sampling; the sampler process pool), proposals
+    by prompt lookup and by a draft model (the model itself): greedy prompts give
+    transformers' logits and tokens, seeded prompts with every penalty the tokens of the same launch
+    without proposals; the run summary counts what was proposed and accepted."""
     import json
 
     from hpipe.cli import main
@@ -217,16 +271,21 @@ def test_launch_with_speculation_gives_the_tokens_without(n_stages, sampling, ti
     prompts_file, plan, logits = tmp_path / "p.jsonl", tmp_path / "plan.json", tmp_path / "l.npz"
     prompts_file.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert main(["plan", "--model", str(path), "--stages", str(n_stages), "--slices", "9,5", "-o", str(plan)]) == 0
-    runs = {}
-    for spec in ("off", "ngram:3"):
-        out = tmp_path / f"{spec.replace(':', '')}.jsonl"
+    runs, summaries = {}, {}
+    for spec in ("off", "ngram:3", f"draft:{path}:3"):
+        out = tmp_path / f"{spec.split(':')[0]}.jsonl"
         assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
                      "--max-new-tokens", "20", "--max-batch", "3", "--sampling", sampling, "--speculative", spec,
                      "--quiet"] + (["--logits-out", str(logits)] if spec != "off" else [])) == 0
         runs[spec] = {k: v["output_ids"] for k, v in read_results(out).items()}
-        summary = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]
-    assert runs["off"] == runs["ngram:3"]
-    assert summary["spec_accepted_tokens"] > 0 and summary["spec_proposed_tokens"] >= summary["spec_accepted_tokens"]
+        summaries[spec] = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]
+    assert runs["off"] == runs["ngram:3"] == runs[f"draft:{path}:3"]
+    for spec in ("ngram:3", f"draft:{path}:3"):
+        summary = summaries[spec]
+        assert 0 < summary["spec_accepted_tokens"] <= summary["spec_proposed_tokens"], spec
+    # a draft equal to the model proposes what greedy requests take (the sampled half accepts less)
+    draft = summaries[f"draft:{path}:3"]
+    assert draft["spec_accepted_tokens"] >= 0.3 * draft["spec_proposed_tokens"]
     saved = np.load(logits)
     for i, p in enumerate(prompts):
         if i % 2 == 0:

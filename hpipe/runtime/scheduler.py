@@ -43,12 +43,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hpipe.config import DEFAULTS, POLICIES, RuntimeConfig, Speculation
+from hpipe.config import DEFAULTS, POLICIES, RuntimeConfig
 from hpipe.request import Request
 from hpipe.runtime.pages import PagePool, Segment, page_keys, pages_needed
 from hpipe.runtime.schedule import FRESH_PER_SCHEDULE, Schedule
 from hpipe.runtime.sequence import Sequence, Status
-from hpipe.runtime.speculative import SPEC_ROWS, NgramIndex, next_k
+from hpipe.runtime.speculative import SPEC_ROWS, Proposer, next_k
 
 __all__ = ["DEVICE_DEFAULTS", "Policy", "Scheduler"]
 
@@ -109,13 +109,14 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter, lookahead: bool = False,
                  policy: Policy | None = None, pages: int | None = None, page_size: int = DEFAULTS.page_size,
                  max_tokens: int | None = None, serving: bool = False, prefix_caching: str = DEFAULTS.prefix_caching,
-                 speculation: Speculation = Speculation()):
+                 proposer: Proposer | None = None):
         """pages: the KV pool (page 0 is scratch); None sizes it for `max_batch` of the longest
         request. max_tokens: the most tokens of one micro-batch (the stages' receive buffers).
         serving: requests keep coming (`add`) until `close()`. prefix_caching "on": a new sequence
         starts after the longest prefix of it whose pages are cached (`hpipe.runtime.pages`).
-        speculation: a decode step of a sequence whose request allows it carries proposed tokens
-        (`hpipe.runtime.speculative`); such a step is committed only once its previous token is back."""
+        proposer: speculative decoding (`hpipe.runtime.speculative`): a decode step of a sequence
+        whose request allows it carries the tokens it proposes; such a step is committed only once
+        its previous token is back."""
         self.slices_for = slices_for
         self.n_stages = n_stages
         self.max_batch = max(1, max_batch)
@@ -123,7 +124,7 @@ class Scheduler:
         self.clock = clock
         self.lookahead = lookahead
         self.policy = policy or Policy()
-        self.speculation = speculation
+        self.proposer = proposer
         self.proposed = self.accepted = 0      # speculative tokens proposed, and of them accepted
         if pages is None:
             longest = max((len(r.input_ids) + r.max_new_tokens for r in requests), default=1)
@@ -230,6 +231,8 @@ class Scheduler:
         """A finished sequence leaves: its pages and slot now, its sampler state with the next schedule
         (or never, if no schedule told the sampler of it yet)."""
         self.active.remove(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq.index)
         self._register(seq)
         self.pool.give_back(seq.pages)
         seq.pages = []
@@ -305,7 +308,7 @@ class Scheduler:
         return schedule
 
     def _speculates(self, seq: Sequence) -> bool:
-        return self.speculation.on and seq.request.params.speculative
+        return self.proposer is not None and seq.request.params.speculative
 
     def _decode_part(self) -> tuple[list[Segment], list[int] | None]:
         decoding = [s for s in self.active if s.decoding]
@@ -315,20 +318,17 @@ class Scheduler:
                         and s.committed < s.request.max_new_tokens), key=lambda s: s.last_mb)
         cap = self.policy.decode_tokens(len(decoding), self.n_stages)
         ready = ready[:min(cap, self.max_tokens)]
+        drafts = self._proposals(ready)
         segments, ids, known = [], [], True
-        rows = 0
-        for i, seq in enumerate(ready):
+        for seq, draft in zip(ready, drafts):
             if not seq.decoding:                   # preempted by an earlier row of this loop
                 continue
-            room = min(SPEC_ROWS, self.max_tokens) - rows - (len(ready) - i)    # a row for every step to come
-            draft = self._propose(seq, room) if self._speculates(seq) and room > 0 else []
             if not self._grow(seq, seq.pos + 1 + len(draft)):
                 self._preempt_for(seq)             # a victim with nothing in flight frees its pages now
                 if not self._grow(seq, seq.pos + 1 + len(draft)):
                     break
             segments.append(Segment(seq.index, seq.slot, seq.pos, 1 + len(draft), sample=True, pages=tuple(seq.pages),
                                     draft=tuple(draft)))
-            rows += 1 + len(draft)
             known = known and seq.in_flight == 0
             if known:
                 ids += [seq.output[-1], *draft]
@@ -337,16 +337,25 @@ class Scheduler:
             seq.committed += 1
         return segments, ids if known else None
 
-    def _propose(self, seq: Sequence, room: int) -> list[int]:
-        """Prompt lookup's proposals for its next step: at most its adaptive k, the rows left in
-        the micro-batch, and the tokens it may still generate after the one this step samples."""
-        if seq.lookup is None:
-            seq.lookup, seq.spec_k = NgramIndex(), self.speculation.k
-        have, prompt = len(seq.lookup.tokens), seq.request.input_ids
-        seq.lookup.extend(prompt[have:] if have < len(prompt) else ())
-        seq.lookup.extend(seq.output[max(0, have - len(prompt)):])
-        k = min(seq.spec_k, room, seq.request.max_new_tokens - seq.committed - 1)
-        return seq.lookup.propose(k) if k > 0 else []
+    def _proposals(self, ready: list[Sequence]) -> list[list[int]]:
+        """The proposed tokens of each ready sequence's next step (none where it does not speculate):
+        at most its adaptive k, the tokens it may still generate after the one the step samples,
+        and SPEC_ROWS rows for the decode part of the micro-batch (a row kept for every step)."""
+        room = min(SPEC_ROWS, self.max_tokens) - len(ready)
+        wants, where = [], []
+        for i, seq in enumerate(ready):
+            if not self._speculates(seq):
+                continue
+            seq.spec_k = seq.spec_k or self.proposer.k
+            n = min(seq.spec_k, room, seq.request.max_new_tokens - seq.committed - 1)
+            if n > 0:
+                wants.append((seq, n))
+                where.append(i)
+                room -= n
+        drafts: list[list[int]] = [[] for _ in ready]
+        for i, draft in zip(where, self.proposer.propose(wants) if wants else []):
+            drafts[i] = draft
+        return drafts
 
     def _settle(self, seq: Sequence, seg: Segment, emitted: int) -> None:
         """A speculative step is back with `emitted` tokens: its proposals up to the first mismatch
@@ -358,7 +367,7 @@ class Scheduler:
         self.accepted += accepted
         seq.proposed += len(seg.draft)
         seq.accepted += accepted
-        seq.spec_k = next_k(seq.spec_k, len(seg.draft), accepted, self.speculation.k)
+        seq.spec_k = next_k(seq.spec_k, len(seg.draft), accepted, self.proposer.k)
         seq.pos = seq.fed = seg.start + emitted
         keep = pages_needed(seq.pos, self.pool.page_size)
         if seq.status is not Status.PREEMPTED and len(seq.pages) > keep:

@@ -25,7 +25,6 @@ import enum
 from dataclasses import dataclass, field
 
 from hpipe.request import Request
-from hpipe.runtime.speculative import NgramIndex
 
 __all__ = ["Sequence", "Status"]
 
@@ -59,7 +58,6 @@ class Sequence:
     last_mb: int = -1                          # the micro-batch of its latest step (round-robin order)
     preemptions: int = 0
     spec_k: int = 0                            # speculating: its next step's most proposed tokens (adapts)
-    lookup: NgramIndex | None = None           # speculating: its tokens' n-grams (prompt lookup)
     proposed: int = 0                          # tokens proposed for it, and of them accepted
     accepted: int = 0
     finish_reason: str | None = None

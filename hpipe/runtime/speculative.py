@@ -1,4 +1,5 @@
-"""Speculative decoding's proposer (stage 0): prompt lookup.
+"""Speculative decoding's proposers (stage 0): prompt lookup here, a draft model in
+`hpipe.runtime.draft`.
 
 A decode step of a speculating sequence carries its last token and up to k proposed tokens
 (`Segment.draft`); every stage computes them as one short slice, and the last stage's sampler
@@ -14,12 +15,18 @@ sequence's tokens (prompt and output, NGRAM_MAX down to NGRAM_MIN of them) that 
 proposes the k tokens that followed its latest earlier occurrence. An index of every n-gram's latest
 position makes a proposal a few dictionary lookups, however long the prompt.
 
+A proposer is chosen once, at start (`hpipe.runtime.draft.proposer_for`), and the scheduler asks it
+for every speculating sequence of a micro-batch at once (`propose`): a draft model runs them as one
+batch. It keeps what it needs per sequence until `forget`.
+
 Pure Python (no torch).
 """
 
 from __future__ import annotations
 
-__all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "NgramIndex", "next_k"]
+from typing import Protocol
+
+__all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "NgramIndex", "NgramProposer", "Proposer", "next_k"]
 
 NGRAM_MAX, NGRAM_MIN = 4, 1
 # The most rows (fed tokens and proposals) the decode part of one micro-batch takes with proposals:
@@ -51,6 +58,38 @@ class NgramIndex:
             if end is not None:
                 return toks[end + 1:end + 1 + k]
         return []
+
+
+class Proposer(Protocol):
+    k: int              # the most tokens proposed per step
+
+    def propose(self, wants: list[tuple]) -> list[list[int]]:
+        """wants: (sequence, n) pairs, every sequence with its last token back (its prompt and output
+        are all its tokens): at most n proposed tokens for each, in order."""
+
+    def forget(self, index: int) -> None:
+        """The sequence left: what was kept for it goes."""
+
+
+class NgramProposer:
+    """Prompt lookup: an n-gram index per sequence, extended by the tokens it gained since."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.indexes: dict[int, NgramIndex] = {}
+
+    def propose(self, wants: list[tuple]) -> list[list[int]]:
+        out = []
+        for seq, n in wants:
+            index = self.indexes.setdefault(seq.index, NgramIndex())
+            have, prompt = len(index.tokens), seq.request.input_ids
+            index.extend(prompt[have:] if have < len(prompt) else ())
+            index.extend(seq.output[max(0, have - len(prompt)):])
+            out.append(index.propose(n))
+        return out
+
+    def forget(self, index: int) -> None:
+        self.indexes.pop(index, None)
 
 
 def next_k(k: int, proposed: int, accepted: int, k_max: int) -> int:

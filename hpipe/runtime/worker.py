@@ -38,6 +38,7 @@ from hpipe.grammar import GrammarVocabulary
 from hpipe.lifeline import tie_to_parent
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm
+from hpipe.runtime.draft import proposer_for
 from hpipe.runtime.pages import Segment, pages_needed
 from hpipe.runtime.pipeline import (Driver, Executors, LogprobReports, Modes, PoolSampling, Sampling, ThreadSampling,
                                     Timeline, run_first_stage, run_later_stage)
@@ -361,6 +362,9 @@ class StageWorker:
                                os.environ.get("HPIPE_GROUP_TOKEN", "local"), config.rendezvous_timeout_s,
                                self.ex.errors) if self.grouped else None
         self.keep = KeepLogits(args.logits_out) if args.logits_out and self.last else KeepNothing()
+        # the draft model (if any) beside stage 0, loaded before the clock as the stage's own weights are
+        self.proposer = proposer_for(self.speculation, int(self.model_config.vocab_size), self.stage_plan.device,
+                                     plan.dtype, config.max_batch, self.requests.max_len) if self.first else None
         self.load_s = time.time() - t_load
 
     def _modes(self) -> tuple[Modes, bool]:
@@ -450,7 +454,7 @@ class StageWorker:
         sched = Scheduler(requests.requests, self.plan.slicing.slices_for, self.world, config.max_batch,
                           lookahead=self.modes.tsem, policy=self.policy, pages=self.pages,
                           page_size=config.page_size, max_tokens=self.max_tokens, serving=requests.serving,
-                          prefix_caching=config.prefix_caching, speculation=self.speculation)
+                          prefix_caching=config.prefix_caching, proposer=self.proposer)
         driver = Driver(self.ex, sched, requests.reports(sched))
         sampling = self._sampling(driver.take_ids) if self.world == 1 else None
         requests.start(driver, protocol.Ready(self.pages - 1, config.page_size, requests.max_len, config.max_batch,
