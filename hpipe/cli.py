@@ -25,7 +25,7 @@ from hpipe import __version__, formats, launcher, memory, models, planner, profi
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
 from hpipe.planner import gap
-from hpipe.config import DEFAULTS, SETTINGS, RuntimeConfig, cli_option, from_cli
+from hpipe.config import DEFAULTS, SETTINGS, RuntimeConfig, Speculation, cli_option, from_cli
 from hpipe.request import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -163,6 +163,10 @@ def plan(
                                   "tables) or mixed (their sum per stage, as when prefill and decode share micro-batches)"),
     new_tokens: int = typer.Option(128, "--new-tokens", help="with --objective decode or mixed: tokens generated per "
                                    "sequence"),
+    speculation: str = cli_option("speculation"),
+    acceptance: float | None = typer.Option(None, "--acceptance", help="with --profile and --speculative: the share "
+                                            "of proposed tokens accepted, as a run measured it (`hpipe launch "
+                                            "--speculative ...` prints it): decode is also predicted with speculation"),
     mode: str = typer.Option("pipeline", "--mode", help="pipeline: cut the model between the devices (HPipe); "
                              "sidp: one whole replica per device, each host's FFN weights shared among its "
                              "replicas (SiDP, offline jobs; needs --profile)"),
@@ -194,11 +198,15 @@ def plan(
         return
     if mode != "pipeline":
         raise HpipeError(f"--mode {mode!r}: use 'pipeline' or 'sidp'")
+    k_max = Speculation.parse(speculation).k
+    if (acceptance is None) != (k_max == 0):
+        raise HpipeError("--speculative and --acceptance go together: decode with speculation is predicted from the "
+                         "share of proposals a run accepted (`hpipe launch --speculative ngram` prints it)")
     if profile_path is None:
         if (seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline or overlap_sends
-                or objective != "prefill"):
-            raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline, --overlap-sends and --objective "
-                             "plan from measured times: add --profile FILE")
+                or objective != "prefill" or acceptance is not None):
+            raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline, --overlap-sends, --objective and "
+                             "--acceptance plan from measured times: add --profile FILE")
         p = planner.make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
                               granularity, _dtype(dtype), str(weights))
         formats.write_plan(p, out)
@@ -224,6 +232,13 @@ def plan(
                                            margin, dtype, granularity, overlap=overlap_sends, objective=objective,
                                            new_tokens=new_tokens)
     p = result.plan
+    if acceptance is not None:
+        if "decode" not in p.predicted:
+            raise HpipeError(f"{profile_path}: a device has no decode table; profile it again (`hpipe profile`) to "
+                             f"predict decode with --speculative")
+        cuts_of = [p.stages[0].units[0], *(st.units[1] for st in p.stages)]
+        decode = planner.decode_prediction(result.cost, cuts_of, batch, seq_len, new_tokens, (k_max, acceptance))
+        p = dataclasses.replace(p, predicted={**p.predicted, "decode": decode})
     if compare_baselines:
         rows = planner.compare(result, granularity)
         _print_comparison(rows, result)
@@ -382,6 +397,13 @@ def _print_plan(p, out: str, result=None) -> None:
         typer.echo(f"predicted decode ({pr.get('objective', 'prefill')} objective): {dec['tokens_per_s']:.1f} tokens/s "
                    f"for {pr['batch']} sequences in {dec['groups']} groups; a group's step per stage "
                    + ", ".join(f"{1000 * t:.1f}" for t in dec["stage_step_s"]) + " ms")
+        if "speculative" in dec:
+            sp = dec["speculative"]
+            typer.echo(f"predicted decode with --speculative (K {sp['k_max']}, {sp['acceptance']:.0%} of proposals "
+                       f"accepted: per-token acceptance {sp['alpha']:.2f}, {sp['proposed_per_step']:.2f} proposed and "
+                       f"{sp['tokens_per_step']:.2f} tokens per step): {sp['tokens_per_s']:.1f} tokens/s "
+                       f"({sp['tokens_per_s'] / dec['tokens_per_s']:.2f}x); a group's step per stage "
+                       + ", ".join(f"{1000 * t:.1f}" for t in sp["stage_step_s"]) + " ms")
 
 
 def _print_comparison(rows: list[dict], result) -> None:

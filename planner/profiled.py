@@ -24,6 +24,7 @@ from hpipe.planner.bound import LowerBound, lower_bound
 from hpipe.planner.partition import Partition, partition_layers
 from hpipe.planner.simulate import Timeline, simulate
 from hpipe.planner.slicing import slice_sequence
+from hpipe.planner.speculative import speculative_decode
 from hpipe.planner.uniform import model_identity
 from hpipe.planner.uniform import uniform_cuts
 
@@ -130,7 +131,7 @@ def _decode_table_time(table: dict, kind: str, rows: float, context: float) -> f
     return float(np.interp(rows, batch, by_ctx))
 
 
-def decode_unit_times(cost: CostModel, j: int, rows: int, context: float) -> np.ndarray:
+def decode_unit_times(cost: CostModel, j: int, rows: float, context: float) -> np.ndarray:
     """[U]: every unit's time for one decode step of `rows` sequences after `context` tokens on
     stage j's device, from the profile's decode table (the embedding's lookup counts as free)."""
     table = cost.entries[j].get("decode")
@@ -159,22 +160,29 @@ def decode_workload(cost: CostModel, batch: int, seq_len: int, new_tokens: int):
     return unit_time, out_comm
 
 
-def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int, new_tokens: int) -> dict:
+def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int, new_tokens: int,
+                      speculation: tuple[int, float] | None = None) -> dict:
     """The runtime's steady decode on these cuts: per stage, one group's step (compute and send).
     A round (one token per sequence) takes `groups` steps of the slowest stage, but never less than
     one group's round trip through every stage (sampling and the hop back, not in the profile, come
-    on top: with as many groups as stages that round trip is what binds once the stages balance)."""
+    on top: with as many groups as stages that round trip is what binds once the stages balance).
+    speculation: (K, the measured share of proposals accepted): the same with speculative decoding
+    (`hpipe.planner.speculative`), under "speculative"."""
     d = len(cuts) - 1
     rows = -(-batch // d)
     groups = -(-batch // rows)
     context = seq_len + new_tokens / 2
-    step = []
-    for j in range(d):
-        compute = float(np.sum(decode_unit_times(cost, j, rows, context)[cuts[j]:cuts[j + 1]]))
-        step.append(compute + (cost.send_time(j, cuts[j + 1], rows) if j < d - 1 else 0.0))
+
+    def steps(r: float) -> list[float]:
+        return [float(np.sum(decode_unit_times(cost, j, r, context)[cuts[j]:cuts[j + 1]]))
+                + (cost.send_time(j, cuts[j + 1], r) if j < d - 1 else 0.0) for j in range(d)]
+    step = steps(rows)
     round_s = max(groups * max(step), sum(step), 1e-12)
-    return {"new_tokens": new_tokens, "rows_per_group": rows, "groups": groups, "context": context,
-            "stage_step_s": step, "round_s": round_s, "tokens_per_s": batch / round_s}
+    out = {"new_tokens": new_tokens, "rows_per_group": rows, "groups": groups, "context": context,
+           "stage_step_s": step, "round_s": round_s, "tokens_per_s": batch / round_s}
+    if speculation is not None:
+        out["speculative"] = speculative_decode(batch, rows, groups, steps, *speculation)
+    return out
 
 
 def objective_seconds(result: "PlanResult") -> float:

@@ -7,6 +7,7 @@ a broken verifier demonstrates)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -353,3 +354,48 @@ def test_serve_streams_speculated_tokens(talking_model, tmp_path):
     finally:
         stop_server(proc)
     assert proc.returncode in (0, 130), log.read_text()
+
+
+# --------------------------------------------------------------------- the planner's prediction
+@pytest.mark.parametrize("k_max,alpha", [(4, 0.3), (4, 0.8), (8, 0.55), (1, 0.5)])
+def test_predicted_proposals_follow_the_runtimes_adaptive_k(k_max, alpha):
+    """The planner's chain against a simulation of the runtime's own rule (`next_k`) with every
+    proposal accepted with probability alpha after accepted ones: the rate it reports maps back to
+    alpha, and the proposals and tokens per step match the simulation's."""
+    from hpipe.planner.speculative import adaptive_proposals
+    from hpipe.runtime.speculative import next_k
+
+    rng = random.Random(1)
+    k, proposed, accepted, steps = k_max, 0, 0, 200_000
+    for _ in range(steps):
+        a = 0
+        while a < k and rng.random() < alpha:
+            a += 1
+        proposed, accepted = proposed + k, accepted + a
+        k = next_k(k, k, a, k_max)
+    chain = adaptive_proposals(k_max, accepted / proposed)
+    if k_max > 1:     # with K = 1 the rate is alpha itself, whatever the chain
+        assert abs(chain["alpha"] - alpha) < 0.01
+    assert abs(chain["proposed_per_step"] - proposed / steps) < 0.02 * k_max
+    assert abs(chain["tokens_per_step"] - (1 + accepted / steps)) < 0.02 * k_max
+
+
+def test_plan_predicts_decode_with_speculation(tmp_path):
+    """`hpipe plan --speculative ngram:4 --acceptance A` adds the prediction to the plan: tokens per
+    step from the chain, the stages' steps from the profile's decode table at that many rows (more
+    rows cost more, fewer trips), and the two options only together."""
+    import json
+
+    from hpipe.cli import main
+
+    prof = Path(__file__).resolve().parents[1] / "profiles" / "smollm2-cpu-1thread-quick.json"
+    out = tmp_path / "plan.json"
+    base = ["plan", "--profile", str(prof), "--seq-len", "256", "--stages", "2", "-o", str(out)]
+    assert main(base + ["--speculative", "ngram:4", "--acceptance", "0.6"]) == 0
+    dec = json.loads(out.read_text())["predicted"]["decode"]
+    sp = dec["speculative"]
+    assert sp["acceptance"] == 0.6 and 1 < sp["tokens_per_step"] <= 1 + 0.6 * sp["proposed_per_step"] + 1e-9
+    assert all(a > b for a, b in zip(sp["stage_step_s"], dec["stage_step_s"]))
+    assert sp["tokens_per_s"] == pytest.approx(sp["tokens_per_step"] / sp["round_s"])
+    assert main(base + ["--acceptance", "0.6"]) == 2
+    assert main(base + ["--speculative", "ngram:4", "--acceptance", "2"]) == 2
