@@ -5,7 +5,9 @@ stage and on 3 emulated hosts (tests/netns_hosts.py: network namespaces with rea
 100 Mbit/s link, one thread per host). Greedy, 64 new tokens. Writes bench/results/speculative.json
 and speculative.png.
 
-    python bench/speculative.py [--skip-hosts] [--new-tokens 64]
+    python bench/speculative.py [--skip-hosts | --skip-local] [--new-tokens 64]
+
+(--skip-local keeps the local rows of an earlier results file and measures the hosts again.)
 
 Single stream: the 8 prompts one after another (--max-batch 1), ms/token = the mean of each
 request's TPOT. Batch 8: all 8 at once (--max-batch 8), output tokens / the run's wall time.
@@ -122,17 +124,22 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--speculative", default="ngram")
     ap.add_argument("--skip-hosts", action="store_true")
+    ap.add_argument("--skip-local", action="store_true")
     args = ap.parse_args()
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "model": "smollm2",
               "speculative": args.speculative, "new_tokens": args.new_tokens, "settings": {}}
     out_path = ROOT / "bench" / "results" / "speculative.json"
+    if args.skip_local:
+        report["settings"] = {k: v for k, v in json.loads(out_path.read_text())["settings"].items()
+                              if k.startswith("1 local")}
     with tempfile.TemporaryDirectory(prefix="hpipe-bench-spec-") as tmp:
         work = Path(tmp)
-        plan = work / "plan1.json"
-        hpipe("plan", "--model", "smollm2", "--stages", "1", "-o", plan, cwd=work)
-        report["settings"]["1 local stage (2 threads)"] = measure("local", plan, ["--local"], work, args.new_tokens,
-                                                                  args.speculative)
-        out_path.write_text(json.dumps(report, indent=2) + "\n")
+        if not args.skip_local:
+            plan = work / "plan1.json"
+            hpipe("plan", "--model", "smollm2", "--stages", "1", "-o", plan, cwd=work)
+            report["settings"]["1 local stage (2 threads)"] = measure("local", plan, ["--local"], work,
+                                                                      args.new_tokens, args.speculative)
+            out_path.write_text(json.dumps(report, indent=2) + "\n")
         if not args.skip_hosts:
             from netns_hosts import HostSpec, start_cluster, stop_cluster, unavailable_reason
 

@@ -20,10 +20,11 @@ from hpipe.planner.search import search_plan
 from hpipe.planner.sidp import SidpGroup, plan_sidp
 from hpipe.planner.simulate import Timeline, simulate
 from hpipe.planner.slicing import slice_sequence
+from hpipe.planner.speculative import adaptive_proposals, speculative_decode
 from hpipe.planner.timeline import PALETTE, plot_gantt, pyplot, svg_gantt, timeline_bars, write_timeline
 from hpipe.planner.uniform import make_plan, uniform_cuts
 
 __all__ = ["OBJECTIVES", "PALETTE", "CostModel", "decode_prediction", "decode_workload", "objective_seconds", "Infeasible", "LowerBound", "Partition", "PlanResult", "SidpGroup", "Timeline",
-           "check_profile_matches", "compare", "gap", "lower_bound", "make_plan", "partition_layers",
+           "adaptive_proposals", "check_profile_matches", "compare", "gap", "lower_bound", "make_plan", "partition_layers",
            "plan_from_profile", "plan_sidp", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
-           "slice_time_table", "svg_gantt", "timeline_bars", "uniform_cuts", "workload", "write_timeline"]
+           "slice_time_table", "speculative_decode", "svg_gantt", "timeline_bars", "uniform_cuts", "workload", "write_timeline"]

@@ -12,8 +12,8 @@ E[a] / E[k], which fixes alpha (the rate grows with alpha: bisection).
 A step of a sequence then computes 1 + E[k] rows instead of one (the profile's decode table at that
 many rows, as a batch of that size), and its tokens come back one round trip later, as a plain
 decode step's do: decode tokens/s = (1 + E[a]) x the plain prediction at 1 + E[k] rows per sequence.
-Where the runtime's cap on a micro-batch's rows (SPEC_ROWS) leaves less room, the proposals and
-what they accept shrink in proportion.
+Where the runtime's cap on a round's rows (SPEC_ROWS over every decoding sequence) leaves less
+room, the proposals and what they accept shrink in proportion.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def speculative_decode(batch: int, rows: int, groups: int, step_s, k_max: int, a
     """Decode of `batch` sequences in `groups` groups of `rows` with speculation: step_s(r) gives
     every stage's step (compute and send) for r rows per group."""
     chain = adaptive_proposals(k_max, acceptance)
-    proposed = min(chain["proposed_per_step"], max(0.0, SPEC_ROWS / rows - 1.0))
+    proposed = min(chain["proposed_per_step"], max(0.0, SPEC_ROWS / batch - 1.0))
     extra = (chain["tokens_per_step"] - 1.0) * proposed / chain["proposed_per_step"]
     step = step_s(rows * (1.0 + proposed))
     round_s = max(groups * max(step), sum(step), 1e-12)

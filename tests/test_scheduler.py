@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hpipe.formats import Slicing
@@ -208,6 +208,10 @@ def test_paged_policies_preempt_and_abort(lengths, n_stages, max_batch, new_toke
        slice_len=st.integers(1, 25), page_size=st.sampled_from([1, 2, 4, 16]), spare_pages=st.integers(0, 16),
        lookahead=st.booleans(), aborts=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40)), max_size=3),
        caching=st.booleans())
+# found by the search: a request aborted while its prompt's slice waited behind a decode step whose
+# token was out; the slice ran on dummy ids into pages already registered in the prefix cache
+@example(docs=[[1, 1]], picks=[(0, []), (0, []), (0, []), (0, [1]), (0, [1, 1])], n_stages=1, max_batch=4,
+         new_tokens=2, slice_len=1, page_size=1, spare_pages=5, lookahead=True, aborts=[(3, 3)], caching=True)
 def test_prefix_caching_reads_every_sequences_own_tokens(docs, picks, n_stages, max_batch, new_tokens, slice_len,
                                                          page_size, spare_pages, lookahead, aborts, caching):
     """Requests sharing random prefixes (documents, then their own questions), a pool from barely

@@ -48,6 +48,7 @@ class Schedule:
     released: list[tuple[int, int]] = field(default_factory=list)   # (request index, tokens it generated)
     stop: bool = False
     tokens: list[int] | None = None   # stage 0 only, not sent: the input ids (None while a decode token is out)
+    prompt_ids: list[int] = field(default_factory=list)   # stage 0 only: its prefill segments' ids, in order
     t: float = 0.0                    # stage 0 only: when it was committed
 
     # its segments never change once decided: what follows from them is computed once

@@ -275,12 +275,13 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ the next micro-batch
-    def _emit(self, segments: list[Segment], tokens: list[int] | None) -> Schedule:
+    def _emit(self, segments: list[Segment], tokens: list[int] | None, prompt_ids: list[int]) -> Schedule:
         # at most max_batch of each per schedule (the schedule's capacity); the rest go with the next
         cap = self.max_batch
         admitted, self.admitted = self.admitted[:cap], self.admitted[cap:]
         released, self.released = self.released[:cap], self.released[cap:]
-        schedule = Schedule(self.next_id, segments, admitted, released, tokens=tokens, t=self.clock())
+        schedule = Schedule(self.next_id, segments, admitted, released, tokens=tokens, prompt_ids=prompt_ids,
+                            t=self.clock())
         self.next_id += 1
         self.inflight[schedule.id] = schedule
         return schedule
@@ -299,7 +300,7 @@ class Scheduler:
         if not segments:
             return None
         known = decode_ids is not None
-        schedule = self._emit(segments, decode_ids + prefill_ids if known else None)
+        schedule = self._emit(segments, decode_ids + prefill_ids if known else None, prefill_ids)
         by_index = {s.index: s for s in self.active}
         for seg in segments:
             by_index[seg.seq].last_mb = schedule.id
@@ -318,7 +319,7 @@ class Scheduler:
                         and s.committed < s.request.max_new_tokens), key=lambda s: s.last_mb)
         cap = self.policy.decode_tokens(len(decoding), self.n_stages)
         ready = ready[:min(cap, self.max_tokens)]
-        drafts = self._proposals(ready)
+        drafts = self._proposals(ready, len(decoding))
         segments, ids, known = [], [], True
         for seq, draft in zip(ready, drafts):
             if not seq.decoding:                   # preempted by an earlier row of this loop
@@ -337,11 +338,14 @@ class Scheduler:
             seq.committed += 1
         return segments, ids if known else None
 
-    def _proposals(self, ready: list[Sequence]) -> list[list[int]]:
+    def _proposals(self, ready: list[Sequence], decoding: int) -> list[list[int]]:
         """The proposed tokens of each ready sequence's next step (none where it does not speculate):
         at most its adaptive k, the tokens it may still generate after the one the step samples,
-        and SPEC_ROWS rows for the decode part of the micro-batch (a row kept for every step)."""
-        room = min(SPEC_ROWS, self.max_tokens) - len(ready)
+        and this micro-batch's share of a round's spare rows: every decoding sequence's step once
+        takes at most SPEC_ROWS rows over all the micro-batches of the round (on a pipeline a round
+        is several micro-batches; each keeps a row for every step)."""
+        spare = max(0, SPEC_ROWS - decoding) * len(ready) // max(1, decoding)
+        room = min(spare, self.max_tokens - len(ready))
         wants, where = [], []
         for i, seq in enumerate(ready):
             if not self._speculates(seq):
@@ -442,18 +446,22 @@ class Scheduler:
     # ------------------------------------------------------------------ ids in
     def input_ids(self, schedule: Schedule) -> list[int] | None:
         """The micro-batch's input ids, or None while a decode step's token is still in flight. A
-        sequence that stopped in the meantime gets a dummy id (its step's output is dropped)."""
+        decode step of a sequence that stopped in the meantime gets a dummy id (its output is
+        dropped); a prefill segment always gets its own tokens, even if its sequence ended since: its
+        pages went to the prefix cache when it was scheduled."""
         if schedule.tokens is not None:
             return schedule.tokens
         by_index = {s.index: s for s in self.active}
         ids = []
+        prompt_at = 0
         for seg in schedule.segments:
+            if seg.prefill:
+                ids += schedule.prompt_ids[prompt_at:prompt_at + seg.length]
+                prompt_at += seg.length
+                continue
             seq = by_index.get(seg.seq)
             if seq is None or seq.finished:     # finished: this step is a leftover
                 ids += [0] * seg.length
-                continue
-            if seg.prefill:
-                ids += seq.tokens[seg.start:seg.end]
                 continue
             k = seg.start - len(seq.request.input_ids)    # index of the generated token it feeds
             if k >= len(seq.output):
