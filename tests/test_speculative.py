@@ -137,7 +137,7 @@ def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_models, tmp_pat
 
     draft_path = tiny_models["qwen2"]
     reference = AutoModelForCausalLM.from_pretrained(draft_path).eval()
-    proposer = DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB, "cpu", "float32", 2, 40, page_size=4)
+    proposer = DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB, "cpu", "float32", 21, 4)
     rng = random.Random(9)
     seqs = [Sequence(Request(i, f"p{i}", tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(18, 26)))), 0.0)
             for i in range(3)]
@@ -146,7 +146,7 @@ def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_models, tmp_pat
         wants = [(s, rng.randint(1, 3)) for s in seqs]
         got = proposer.propose(wants)
         for (seq, n), draft in zip(wants, got):
-            if not draft:       # the pool (two sequences of 40 tokens) is full: no proposals, its pages back
+            if not draft:       # the pool (80 tokens) is full: no proposals, its pages back
                 full += 1
                 assert seq.index not in proposer.held
                 continue
@@ -159,7 +159,7 @@ def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_models, tmp_pat
         proposer.forget(seq.index)
     assert proposer.pool.available == proposer.pool.usable
     with pytest.raises(HpipeError, match="vocabulary"):
-        DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB + 1, "cpu", "float32", 1, 40)
+        DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB + 1, "cpu", "float32", 21, 4)
     for bad in ("draft", "draft:", "draft:m:0", "ngram:x", "eagle:3"):
         with pytest.raises(HpipeError, match="--speculative"):
             Speculation.parse(bad)
@@ -297,8 +297,10 @@ def test_launch_with_speculation_gives_the_tokens_without(n_stages, sampling, ti
 
 
 @pytest.mark.slow
-def test_serve_streams_speculated_tokens(talking_model, tmp_path):
-    """`hpipe serve --speculative ngram` on 3 stages with the real openai client: each request gives
+@pytest.mark.parametrize("proposer", ["ngram:4", "draft"])
+def test_serve_streams_speculated_tokens(proposer, talking_model, tmp_path):
+    """`hpipe serve --speculative ngram` (and a draft model: the model itself) on 3 stages with the
+    real openai client: each request gives
     the text (and the log-probabilities, against transformers) it gives when it opts out
     (`"speculative": false`), streamed or not; a stop string and max_tokens cut inside an accepted
     run; n = 2 seeded choices; structured output parses; /metrics counts the accepted proposals."""
@@ -311,7 +313,8 @@ def test_serve_streams_speculated_tokens(talking_model, tmp_path):
 
     plan = tmp_path / "plan.json"
     assert main(["plan", "--model", str(talking_model), "--stages", "3", "-o", str(plan)]) == 0
-    proc, base, log = start_server(tmp_path, plan, "--speculative", "ngram:4", "--sampling", "cpu", key=None)
+    spec = proposer if proposer != "draft" else f"draft:{talking_model}:3"
+    proc, base, log = start_server(tmp_path, plan, "--speculative", spec, "--sampling", "cpu", key=None)
     try:
         c = client(base, key=None)
         model = c.models.list().data[0].id

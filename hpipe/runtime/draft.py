@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hpipe import models, quant
-from hpipe.config import DEFAULTS, Speculation
+from hpipe.config import Speculation
 from hpipe.errors import HpipeError
 from hpipe.runtime.pages import PagePool, Segment, pages_needed
 from hpipe.runtime.speculative import NgramProposer, Proposer
@@ -30,13 +30,14 @@ from hpipe.runtime.stage import StageRunner
 __all__ = ["DraftProposer", "proposer_for"]
 
 
-def proposer_for(speculation: Speculation, vocab: int, device: str, dtype: str, max_batch: int,
-                 max_len: int) -> Proposer | None:
-    """The proposer --speculative asks for, built once at start (None: off)."""
+def proposer_for(speculation: Speculation, vocab: int, device: str, dtype: str, pages: int,
+                 page_size: int) -> Proposer | None:
+    """The proposer --speculative asks for, built once at start (None: off). pages, page_size: the
+    model's KV pool; a draft's own pool holds as many tokens."""
     if speculation.proposer == "ngram":
         return NgramProposer(speculation.k)
     if speculation.proposer == "draft":
-        return DraftProposer(speculation, vocab, device, dtype, max_batch, max_len)
+        return DraftProposer(speculation, vocab, device, dtype, pages, page_size)
     return None
 
 
@@ -49,8 +50,7 @@ class _Held:
 
 
 class DraftProposer:
-    def __init__(self, speculation: Speculation, vocab: int, device: str, dtype: str, max_batch: int, max_len: int,
-                 page_size: int = DEFAULTS.page_size):
+    def __init__(self, speculation: Speculation, vocab: int, device: str, dtype: str, pages: int, page_size: int):
         source = models.resolve_model(speculation.model)
         config = models.load_config(source.path)
         if int(config.vocab_size) != vocab:
@@ -61,8 +61,9 @@ class DraftProposer:
         self.k = speculation.k
         self.runner = StageRunner(source, config, range(models.num_units(config)), device, dtype,
                                   page_size=page_size, weights=weights)
-        # room for max_batch sequences of max_len tokens plus k proposals each (page 0 is scratch)
-        self.pool = PagePool(max_batch * pages_needed(max_len + self.k, page_size) + 1, page_size)
+        # as many tokens as the model's pool holds (page 0 is scratch); a sequence that finds it full
+        # gets no proposals until pages come back
+        self.pool = PagePool(pages, page_size)
         self.runner.kv.allocate(self.pool.pages)
         self.held: dict[int, _Held] = {}
 

@@ -27,17 +27,16 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
     torch.compile with `compiled`). pages:
     the KV pool (None: room for max_batch of the longest request)."""
     ids = {r.index: r.id for r in requests}
-    longest = max(len(r.input_ids) + r.max_new_tokens for r in requests)
-    proposer = proposer_for(speculation, runners[0].config.vocab_size, str(runners[0].device),
-                            str(runners[0].dtype).removeprefix("torch."), max_batch,
-                            longest)
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch, policy=policy, pages=pages,
-                      page_size=page_size, proposer=proposer)
+                      page_size=page_size)
+    sched.proposer = proposer_for(speculation, runners[0].config.vocab_size, str(runners[0].device),
+                                  str(runners[0].dtype).removeprefix("torch."), sched.pool.pages, page_size)
     for runner in runners:     # every stage holds the pool the scheduler hands out
         runner.kv.page_size = page_size
         runner.kv.allocate(sched.pool.pages)
     statics: list[StaticDecode | None] = [None] * len(runners)
     if static:
+        longest = max(len(r.input_ids) + r.max_new_tokens for r in requests)
         statics = [StaticDecode(runner, max_batch, graphs, longest, compiled) for runner in runners]
         for runner, static in zip(runners, statics):
             static.capture()

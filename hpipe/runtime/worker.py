@@ -364,7 +364,7 @@ class StageWorker:
         self.keep = KeepLogits(args.logits_out) if args.logits_out and self.last else KeepNothing()
         # the draft model (if any) beside stage 0, loaded before the clock as the stage's own weights are
         self.proposer = proposer_for(self.speculation, int(self.model_config.vocab_size), self.stage_plan.device,
-                                     plan.dtype, config.max_batch, self.requests.max_len) if self.first else None
+                                     plan.dtype, self.pages, config.page_size) if self.first else None
         self.load_s = time.time() - t_load
 
     def _modes(self) -> tuple[Modes, bool]:
