@@ -296,3 +296,22 @@ def test_a_second_request_on_the_same_document_starts_after_its_cached_pages():
     (seg,) = mb.segments
     assert (seg.start, seg.length, seg.fresh) == (32, 9, True) and len(seg.pages) == 3
     assert sched.stats()["prefix_hit_tokens"] == 32
+
+
+def test_a_prompt_that_runs_alone_is_sliced_as_the_plan_slices_it_whatever_waits():
+    """With --max-batch 1 the requests behind a prompt cannot share its micro-batches: it is cut
+    where the plan cuts its length, as when it came alone (a job then gives the tokens a server
+    gives the same requests one at a time; the quantized kernels round differently per shape)."""
+    slicing = Slicing(count=3, granularity=1)
+
+    def prefill_lengths(requests):
+        sched = Scheduler(requests, slicing.slices_for, 2, max_batch=1)
+        lengths = []
+        while (mb := sched.next_microbatch()) is not None and mb.segments[0].prefill:
+            lengths.append(mb.segments[0].length)
+        return lengths
+
+    first = Request(0, "a", tuple(range(1, 41)), max_new_tokens=4)
+    alone = prefill_lengths([first])
+    assert alone == slicing.slices_for(40) and len(alone) == 3
+    assert prefill_lengths([first, Request(1, "b", tuple(range(1, 300)), max_new_tokens=4)]) == alone

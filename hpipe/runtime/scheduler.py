@@ -21,9 +21,9 @@ How many tokens a micro-batch takes is the policy's (`Policy`):
   #P = max(min(#WP / #T, #MaxP · (KVfree − thresh) / (1 − thresh)), #MinP) (#WP: prompt tokens
   waiting), none while KVfree < thresh;
 - "sarathi" (Sarathi-Serve): a fixed token budget, every ready decode token first, then prefill.
-In both, a prompt alone in the pipeline (nothing decoding, nothing else waiting) is cut where the
-plan's slicing cuts it (HPipe's Algorithm 2: longer slices first, shorter later), which gives the
-plan's TTFT; under load the policy decides the amounts.
+In both, a prompt alone in the pipeline (nothing decoding, nothing else that could start now) is cut
+where the plan's slicing cuts it (HPipe's Algorithm 2: longer slices first, shorter later), which
+gives the plan's TTFT; under load the policy decides the amounts.
 
 With `lookahead` (the asynchronous runtime), a sequence's next decode step is committed while its
 previous token is still in flight, so that every stage knows (and prepares) a micro-batch before its
@@ -383,7 +383,10 @@ class Scheduler:
         if not prefilling:
             return [], []
         decoders = sum(1 for s in self.active if s.decoding)
-        alone = not decoders and len(prefilling) == 1 and not self.queue \
+        # alone: nothing decodes and nothing else can start now (requests may wait for a slot, as
+        # with --max-batch 1: they do not share this prompt's micro-batches, so it is sliced as when
+        # it came by itself, and a job gives the tokens a server gives one request at a time)
+        alone = not decoders and len(prefilling) == 1 and not (self.queue and self.free_slots) \
             and not any(s.status is Status.PREEMPTED and s.prefilled for s in self.active)
         if alone:   # the plan's latency-optimal slicing for this prompt's exact length (set once it starts)
             budget = 1
