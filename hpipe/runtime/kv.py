@@ -101,6 +101,10 @@ class BatchCache:
         padded = torch.tensor([t[:width] + [SCRATCH_PAGE] * (width - len(t[:width])) for t in tables],
                               dtype=torch.long, device=dev)
         flat = flat_positions(padded, P)                                   # [n, width * P]
+        # one sequence whose pages lie in order (a lone stream: the pool hands pages out in order):
+        # attention reads its context where it lies, a view, instead of a gathered copy per layer
+        first = tables[0][0] if len(segments) == 1 and tables[0] else 0
+        self._span = first * P if first and tables[0][:width] == list(range(first, first + width)) else None
         if self.layout == "rows":
             length = segments[0].length
             pos = torch.tensor([s.start for s in segments], device=dev)[:, None] + torch.arange(length, device=dev)
@@ -117,7 +121,10 @@ class BatchCache:
         kf, vf = keys.view(-1, heads, d), values.view(-1, heads, d)
         kf.index_copy_(0, self._write, key_states.transpose(1, 2).reshape(-1, heads, d))
         vf.index_copy_(0, self._write, value_states.transpose(1, 2).reshape(-1, heads, d))
-        k, v = kf.index_select(0, self._read), vf.index_select(0, self._read)
+        if self._span is not None:
+            k, v = kf[self._span:self._span + self._max_end], vf[self._span:self._span + self._max_end]
+        else:
+            k, v = kf.index_select(0, self._read), vf.index_select(0, self._read)
         if self.layout == "rows":
             n = len(self.segments)
             return (k.view(n, self._max_end, heads, d).transpose(1, 2),
