@@ -236,8 +236,7 @@ def plan(
         if "decode" not in p.predicted:
             raise HpipeError(f"{profile_path}: a device has no decode table; profile it again (`hpipe profile`) to "
                              f"predict decode with --speculative")
-        cuts_of = [p.stages[0].units[0], *(st.units[1] for st in p.stages)]
-        decode = planner.decode_prediction(result.cost, cuts_of, batch, seq_len, new_tokens, (k_max, acceptance))
+        decode = planner.decode_prediction(result.cost, result.cuts, batch, seq_len, new_tokens, (k_max, acceptance))
         p = dataclasses.replace(p, predicted={**p.predicted, "decode": decode})
     if compare_baselines:
         rows = planner.compare(result, granularity)

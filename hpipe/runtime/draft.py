@@ -18,6 +18,8 @@ llama.cpp's speculative server verifies: the output is exactly the target's, gre
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from hpipe import models, quant
@@ -41,12 +43,12 @@ def proposer_for(speculation: Speculation, vocab: int, device: str, dtype: str, 
     return None
 
 
+@dataclass
 class _Held:
     """What the draft holds for one sequence: its pages and the tokens whose KV they hold."""
 
-    def __init__(self):
-        self.pages: list[int] = []
-        self.tokens: list[int] = []
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
 
 
 class DraftProposer:
@@ -79,7 +81,6 @@ class DraftProposer:
             tokens = seq.known_tokens
             held = self.held.setdefault(seq.index, _Held())
             same = _common_prefix(held.tokens, tokens, len(tokens) - 1)   # its last token is fed again at least
-            held.tokens = held.tokens[:same]
             more = pages_needed(len(tokens) + n - 1, self.pool.page_size) - len(held.pages)
             got = self.pool.take(more) if more > 0 else []
             if got is None:                    # the draft's pool is full: no proposals for it this step
