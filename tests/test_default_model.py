@@ -79,9 +79,13 @@ def test_smollm2_pipeline_matches_transformers(smollm2, tmp_path, stages, cuts):
     # then one token at a time through its own cache, differs from its one forward by some mean
     # (0.04 on an AMX Xeon); ours may differ by at most twice that. A wrong cut, page or position is
     # off by whole units on many rows (5.8 for a position off by one): the mean tells them apart.
+    # The largest difference is bounded the same way: a slice of 192 rows and the one forward go
+    # through bf16 GEMMs on dequantized weights (each weight rounded to bf16 too), the smaller slices
+    # and decode steps through the weight-only kernels (quant.DENSE_FROM).
     diff = (got - ref).abs()
-    noise = float((sliced_logits(reference, prompt, result["output_ids"], [192, 128, 96, 64, 32]) - ref).abs().mean())
-    assert float(diff.max()) < QUANTIZED_TOLERANCE and float(diff.mean()) < max(QUANTIZED_TOLERANCE / 10, 2 * noise), \
-        (float(diff.max()), float(diff.mean()), noise)
+    noise = (sliced_logits(reference, prompt, result["output_ids"], [192, 128, 96, 64, 32]) - ref).abs()
+    assert float(diff.max()) < max(QUANTIZED_TOLERANCE, 2 * float(noise.max())) and \
+        float(diff.mean()) < max(QUANTIZED_TOLERANCE / 10, 2 * float(noise.mean())), \
+        (float(diff.max()), float(diff.mean()), float(noise.max()), float(noise.mean()))
     assert_greedy_equal(reference, prompt, result["output_ids"], reference_greedy(reference, prompt, NEW_TOKENS, 2),
                         tie=QUANTIZED_TOLERANCE)

@@ -140,6 +140,42 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt):
         assert (np.abs(y - ref) <= kernel_bound(x, w, ref)).all(), np.abs(y - ref).max()
 
 
+def dense_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """bf16 GEMMs on dequantized weights: x and each weight rounded to bf16 (2^-8 each), float32
+    sums, y rounded to bf16."""
+    a = np.abs(x.double().numpy()) @ np.abs(w).T
+    return (2 * U * (1 + U) + w.shape[1] * 2.0 ** -23) * a + U * np.abs(ref)
+
+
+@pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no bf16 matrix units (AMX/AVX512-BF16) on this CPU")
+@pytest.mark.parametrize("fmt", ["int4:32", "int4:128", "int8"])
+def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
+    """A prefill slice's rows take the dequantized bf16 GEMM path: every output against a float64
+    matmul of the packed weights (several chunks: 2,048 inputs by 1,024 outputs), and the same rows
+    one at a time through the weight-only kernel within the two bounds of each other."""
+    rng = np.random.default_rng(3)
+    n, k = 1024, 2048
+    w = rng.normal(0, 0.05, (n, k)).astype(np.float32)
+    packed = quant.pack(w, quant.WeightFormat.parse(fmt))
+    module = quant.linear_module(packed, "cpu")
+    if "int4" in packed:
+        group = int(fmt.split(":")[1])
+        codes = quant.quantize_int4(w, group).codes.astype(np.float64)
+        sz = packed["scales_zeros"].double().numpy()
+        w = (codes - 8) * np.repeat(sz[..., 0].T, group, axis=1) + np.repeat(sz[..., 1].T, group, axis=1)
+    else:
+        w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
+    rows = quant.DENSE_FROM[fmt.split(":")[0]] + 5
+    assert module.dense_from < rows
+    x = torch.randn(rows, k)
+    y = module(x).double().numpy()
+    ref = x.double().numpy() @ w.T
+    assert (np.abs(y - ref) <= dense_bound(x, w, ref)).all(), np.abs(y - ref).max()
+    one = torch.cat([module(x[i:i + 1]) for i in range(rows)]).double().numpy()
+    assert (np.abs(one - ref) <= kernel_bound(x, w, ref)).all()
+    assert not np.array_equal(one, y)        # the two paths differ in their roundings: both ran
+
+
 def test_int4_group_and_shape_rules():
     assert str(quant.WeightFormat.parse("int4")) == "int4:32"
     assert str(quant.WeightFormat.parse("INT4:128")) == "int4:128"
