@@ -18,12 +18,13 @@ and each the best of --repeats (this machine is shared and noisy);
   (reference || variant) per token, top-1 agreement, perplexity, with llama.cpp's own logits
   (logits_all) against the same reference, as `llama-perplexity --kl-divergence` measures it.
 
-    python bench/quant.py [--files smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0] [--formats gguf,int8,int4:32]
-                          [--threads 2] [--repeats 2]
+    python bench/quant.py [--files smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0]
+                          [--formats gguf,int8,int4:32] [--threads 2] [--repeats 2]
 
 A file is `smollm2` (the default model's own Q4_1 file; every --formats variant and float32) or
 SHAPE-TYPE, a random-weight model of a real model's shape quantized by llama.cpp (bench/shapes.py:
-`1b` is Llama-3.2-1B's shape; types Q4_0, Q4_K, Q8_0), run with its own blocks (`gguf`) only.
+`1b` is Llama-3.2-1B's shape, `8b-4` four blocks of Llama-3.1-8B's; types Q4_0, Q4_K, Q8_0), run
+with its own blocks (`gguf`) only.
 llama.cpp's library: llama-cpp-python built against the binaries of ../shared/notes/peers.md
 (`CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install llama-cpp-python`, LLAMA_CPP_LIB_PATH=<build>/bin).
 
@@ -277,7 +278,7 @@ def quality(model: str, formats: list[str], n_tokens: int, threads: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--files", default="smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0")
+    ap.add_argument("--files", default="smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0")
     ap.add_argument("--formats", default="gguf,int8,int4:32", help="the variants of smollm2 (shapes: gguf)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
