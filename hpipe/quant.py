@@ -366,7 +366,10 @@ def _module_classes():
         def forward(self, x):
             shape = x.shape
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-            y = (self.dense(x2) if x2.shape[0] >= self.dense_from else self.mm(x2)).to(x.dtype)
+            # a compiled decode step keeps the kernel: one graph serves every number of rows, with
+            # no guard on the row count that a large batch would break mid-run to recompile
+            dense = not torch.compiler.is_compiling() and x2.shape[0] >= self.dense_from
+            y = (self.dense(x2) if dense else self.mm(x2)).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)

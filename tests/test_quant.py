@@ -176,6 +176,25 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     assert not np.array_equal(one, y)        # the two paths differ in their roundings: both ran
 
 
+def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
+    """Inside torch.compile (the `--compile on` decode step) a linear always takes the weight-only
+    kernel: a batch past DENSE_FROM rows reuses the graph of any other number of rows (no guard on the
+    count, no recompile mid-run) and gives the kernel's result."""
+    from torch._dynamo.utils import counters
+
+    w = np.random.default_rng(4).normal(0, 0.05, (256, 512)).astype(np.float32)
+    module = quant.linear_module(quant.pack(w, quant.WeightFormat("int8")), "cpu")
+    compiled = torch.compile(module)
+    with torch.no_grad():
+        for rows in (2, 3):
+            compiled(torch.randn(rows, 512))
+        graphs = counters["stats"]["unique_graphs"]
+        x = torch.randn(quant.DENSE_FROM["int8"] + 6, 512)
+        y = compiled(x)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.allclose(y, module.mm(x.to(torch.bfloat16)).float(), rtol=2 ** -7, atol=1e-3)
+
+
 def test_int4_group_and_shape_rules():
     assert str(quant.WeightFormat.parse("int4")) == "int4:32"
     assert str(quant.WeightFormat.parse("INT4:128")) == "int4:128"
