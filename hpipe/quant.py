@@ -16,7 +16,7 @@ Three steps, each a small function:
    swaps them; activations go to the kernel in bf16 (the CPU kernels take no other dtype).
    Many rows at once (prefill slices, scored prompts) on a CPU with bf16 matrix units (AMX or
    AVX512-BF16): the weights are dequantized to bf16 a cache-sized chunk of output rows at a time
-   and multiplied by oneDNN's bf16 GEMM (`DenseChunks`). The weight-only kernels do the arithmetic
+   and multiplied by oneDNN's bf16 GEMM (the modules' `dense`). The weight-only kernels do the arithmetic
    of a matrix-vector product for every row (180 GFLOP/s on 2 cores here, against 2,500 for the
    bf16 GEMM), so from `DENSE_FROM` rows on, dequantizing costs less than it saves: 8192x2048 int4
    at 256 rows 47 -> 25 ms, at 512 rows 94 -> 31 ms; int8 at 256 rows 47 -> 11 ms.
@@ -32,13 +32,14 @@ Bounds (tests/test_quant.py checks them):
   the bf16 rounding of s_row, 2^-8 relative, times 127);
 - a quantized linear against a float64 matmul of the packed weights: activations rounded to bf16
   (2^-8 relative each), float32 sums (K 2^-24 relative) and the output rounded to bf16:
-  |y - y64| <= (2^-8 (1 + 2^-8) + K 2^-23) (|x| @ |w|.T) + 2^-8 |y64|; through `DenseChunks` each
+  |y - y64| <= (2^-8 (1 + 2^-8) + K 2^-23) (|x| @ |w|.T) + 2^-8 |y64|; through `dense` each
   weight is rounded to bf16 too (another 2^-8 of |w|): twice the first term.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,11 +118,12 @@ def kernels_on(device: str) -> tuple[bool, str]:
     return False, f"CPU capability {cap}: no vectorized int4/int8 kernel, dense float32"
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
-        return set(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
     except (OSError, IndexError):
-        return set()
+        return frozenset()
 
 
 def _bf16_note() -> str:
@@ -129,24 +131,20 @@ def _bf16_note() -> str:
     units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
     if not units:
         return ", bf16 emulated"
+    if not dense_gemm("cpu"):
+        return f", {'/'.join(units)}"
     return f", {'/'.join(units)}; from {DENSE_FROM['int8']}/{DENSE_FROM['int4']} rows (int8/int4) bf16 GEMMs " \
            f"on weights dequantized in chunks"
-
-
-_DENSE: dict[str, bool] = {}
 
 
 def dense_gemm(device_type: str) -> bool:
     """Whether many-row linears on `device_type` go through bf16 GEMMs on dequantized chunks: a CPU
     with bf16 matrix units (elsewhere oneDNN emulates bf16 and the kernels stay faster) whose int4
-    packing is the blocked layout `DenseChunks` reads, checked once on a probe."""
-    if device_type != "cpu":
-        return False
-    if "cpu" not in _DENSE:
-        _DENSE["cpu"] = bool({"amx_bf16", "avx512_bf16"} & _cpu_flags()) and _blocked_int4_layout()
-    return _DENSE["cpu"]
+    packing is the blocked layout `Int4Linear.dense` reads, checked once on a probe."""
+    return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & _cpu_flags()) and _blocked_int4_layout()
 
 
+@functools.cache
 def _blocked_int4_layout() -> bool:
     """torch's CPU int4 packing (AVX512 build): [N, K] codes -> [N/64, K, 32] bytes, the low nibble
     row j and the high nibble row j + 32 of each block of 64 rows. Checked, not assumed: another
