@@ -24,7 +24,6 @@ import typer
 from hpipe import __version__, formats, launcher, memory, models, planner, profiler, ssh
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
-from hpipe.planner import gap
 from hpipe.config import DEFAULTS, SETTINGS, RuntimeConfig, Speculation, cli_option, from_cli
 from hpipe.request import SamplingParams
 
@@ -385,12 +384,14 @@ def _print_plan(p, out: str, result=None) -> None:
     typer.echo(f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens: {pr['makespan_s']:.3f} s "
                f"({pr['throughput_tokens_per_s']:.0f} tokens/s), uniform cuts: {pr['uniform_makespan_s']:.3f} s; "
                f"utilization " + ", ".join(f"{u:.0%}" for u in pr["utilization"]))
-    b = result.bound
-    g = gap(pr["makespan_s"], pr["stage_busy_s"], b)
+    b, g, cs = result.bound, pr["gap"], pr["cut_search"]
+    typer.echo(f"cuts by the simulated makespan ({cs['method']}, {cs['candidates']} candidates); Algorithm 1's cuts "
+               f"{cs['algorithm1_cuts'][1:-1]}: {cs['algorithm1_makespan_s']:.3f} s")
     typer.echo(f"lower bound for this work: {b.makespan_s:.3f} s ({b.binding}: perfect balance {b.compute_s:.3f} s, "
-               f"busiest link {b.link_s:.3f} s); this plan is {pr['ratio_to_lower_bound']:.2f}x the bound "
-               f"(pipeline fill/drain {g['fill_drain_s']:.3f} s, bottleneck stage above balance "
-               f"{g['imbalance_s']:.3f} s)")
+               f"busiest link {b.link_s:.3f} s); this plan is {pr['ratio_to_lower_bound']:.2f}x the bound: "
+               f"pipeline fill/drain {g['fill_drain_s']:.3f} s, busiest stage above balance {g['imbalance_s']:.3f} s "
+               f"(whole units {g['granularity_s']:.3f} s, traded for fill/drain, links or memory "
+               f"{g['balance_traded_s']:.3f} s)")
     if "decode" in pr:
         dec = pr["decode"]
         typer.echo(f"predicted decode ({pr.get('objective', 'prefill')} objective): {dec['tokens_per_s']:.1f} tokens/s "

@@ -81,9 +81,16 @@ def lower_bound(cost, unit_time: np.ndarray, slices: list[int], batch: int) -> L
     return LowerBound(max(compute, link), compute, link, even, binding)
 
 
-def gap(makespan_s: float, stage_busy_s: list[float], bound: LowerBound) -> dict:
-    """Where the plan's time above the bound goes: fill/drain (the bottleneck stage idle) and
-    imbalance (the bottleneck stage's busy time above perfect balance)."""
+def gap(makespan_s: float, stage_busy_s: list[float], bound: LowerBound, contiguous_s: float | None = None) -> dict:
+    """Where the plan's time above the bound goes: fill/drain (the busiest stage idle, waiting for
+    its first slice or after its last), and the busiest stage above perfect balance, split into
+    granularity (`contiguous_s`: the least busiest-stage time any cuts between whole units can reach,
+    Algorithm 1 without sends, above perfect balance) and the rest (the cuts trading balance for a
+    shorter fill/drain, the links, memory limits)."""
     busiest = max(stage_busy_s)
-    return {"fill_drain_s": makespan_s - busiest, "imbalance_s": busiest - bound.compute_s,
-            "above_bound_s": makespan_s - bound.makespan_s}
+    out = {"fill_drain_s": makespan_s - busiest, "imbalance_s": busiest - bound.compute_s,
+           "above_bound_s": makespan_s - bound.makespan_s}
+    if contiguous_s is not None:
+        out["granularity_s"] = contiguous_s - bound.compute_s
+        out["balance_traded_s"] = busiest - contiguous_s
+    return out

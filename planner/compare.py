@@ -7,7 +7,8 @@ the same cost model and simulator, for one batch of `batch` prompts of `seq_len`
 - TeraPipe: uniform cuts, the best uniform slice count;
 - HPipe-paper: the paper's two steps as written: Algorithm 1 on the whole-prompt workload, then
   Algorithm 2 for that partition; fixed device order; no memory model;
-- HPipe: this plan (partition <-> slicing iterated, memory-aware).
+- HPipe: this plan (cuts searched against the simulated makespan from Algorithm 1's, slicing iterated,
+  memory-aware); never predicted slower than the rows above that fit (they are among its starts).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpipe import memory
-from hpipe.planner.partition import Infeasible, partition_layers
-from hpipe.planner.profiled import PlanResult, predict, slice_time_table, slices_in_tokens, workload
-from hpipe.planner.slicing import slice_sequence
+from hpipe.planner.profiled import PlanResult, baseline_plans, predict
 from hpipe.planner.uniform import uniform_cuts
 
 
@@ -28,7 +27,6 @@ def compare(result: PlanResult, granularity: int) -> list[dict]:
     seq_len, batch = pr["seq_len"], pr["batch"]
     d, n_units = len(cost.entries), len(cost.kinds)
     uniform = [0, *uniform_cuts(n_units, d), n_units]
-    whole = [seq_len]
     free = [e["memory"]["free_bytes"] for e in cost.entries]
     rows = []
 
@@ -44,26 +42,9 @@ def compare(result: PlanResult, granularity: int) -> list[dict]:
     # Base: every prompt through every stage, one device busy at a time
     base = sum(float(cost.stage_time(j, uniform[j], uniform[j + 1], np.array([seq_len]), np.array([0.0]),
                                      last=(j == d - 1))[0]) for j in range(d)) * batch
-    row("Base", uniform, whole, base)
-    row("GPipe", uniform, whole)
-    try:
-        gpb = partition_layers(*workload(cost, whole, batch)).cuts
-    except Infeasible:
-        gpb = uniform
-    row("GP-B", gpb, whole)
-    best_tera = None
-    for count in range(1, 65):
-        slices = [seq_len // count + (1 if i < seq_len % count else 0) for i in range(count)]
-        if min(slices) < 1:
-            break
-        makespan = predict(cost, uniform, slices, batch).makespan
-        if best_tera is None or makespan < best_tera[0]:
-            best_tera = (makespan, slices)
-    row(f"TeraPipe ({len(best_tera[1])} slices)", uniform, best_tera[1], best_tera[0])
-    paper_cuts = partition_layers(*workload(cost, whole, batch)).cuts
-    paper_slices = slices_in_tokens(slice_sequence(slice_time_table(cost, paper_cuts, seq_len, granularity),
-                                                   d).lengths, granularity, seq_len)
-    row("HPipe-paper", paper_cuts, paper_slices)
+    row("Base", uniform, [seq_len], base)
+    for name, (cuts, slices) in baseline_plans(cost, seq_len, batch, granularity).items():
+        row(name, cuts, slices)
     row("HPipe (this plan)", result.cuts, result.slices, pr["makespan_s"])
     ours = rows[-1]["makespan_s"]
     for r in rows:

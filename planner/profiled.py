@@ -20,8 +20,9 @@ import numpy as np
 from hpipe import __version__, formats, memory, models, quant
 from hpipe.errors import HpipeError
 from hpipe.grid import GridModel
-from hpipe.planner.bound import LowerBound, lower_bound
-from hpipe.planner.partition import Partition, partition_layers
+from hpipe.planner.bound import LowerBound, gap, lower_bound
+from hpipe.planner.cuts import CutCosts, CutSearch, search_cuts
+from hpipe.planner.partition import Infeasible, Partition, partition_layers
 from hpipe.planner.simulate import Timeline, simulate
 from hpipe.planner.slicing import slice_sequence
 from hpipe.planner.speculative import speculative_decode
@@ -149,8 +150,7 @@ def decode_workload(cost: CostModel, batch: int, seq_len: int, new_tokens: int):
     of seq_len: the runtime's decode groups (ceil(batch / stages) sequences each, one group per
     stage in flight), every unit's time summed over all steps of all groups [D, U], and the sends."""
     d = len(cost.entries)
-    rows = -(-batch // d)
-    groups = -(-batch // rows)
+    rows, groups = decode_groups(batch, d)
     context = seq_len + new_tokens / 2
     steps = groups * new_tokens
     unit_time = np.stack([steps * decode_unit_times(cost, j, rows, context) for j in range(d)])
@@ -169,8 +169,7 @@ def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int
     speculation: (K, the measured share of proposals accepted): the same with speculative decoding
     (`hpipe.planner.speculative`), under "speculative"."""
     d = len(cuts) - 1
-    rows = -(-batch // d)
-    groups = -(-batch // rows)
+    rows, groups = decode_groups(batch, d)
     context = seq_len + new_tokens / 2
 
     def steps(r: float) -> list[float]:
@@ -183,6 +182,44 @@ def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int
     if speculation is not None:
         out["speculative"] = speculative_decode(batch, rows, groups, steps, *speculation)
     return out
+
+
+def decode_groups(batch: int, n_stages: int) -> tuple[int, int]:
+    """The runtime's decode groups: (sequences per group, groups); one group per stage in flight."""
+    rows = -(-batch // n_stages)
+    return rows, -(-batch // rows)
+
+
+def cut_costs(cost: CostModel, slices: list[int], batch: int, unit_mem: np.ndarray, device_mem: np.ndarray,
+              objective: str, seq_len: int, new_tokens: int) -> CutCosts:
+    """The cut search's inputs (planner/cuts.py) for this slicing and objective: per device and
+    slice, the prefix sums of the units' times and the send at every cut position."""
+    d, n_units = len(cost.entries), len(cost.kinds)
+    starts = np.cumsum([0] + slices[:-1])
+    order = np.tile(np.arange(len(slices)), batch)              # the batch's slices as they enter stage 0
+    act = np.asarray(cost.bytes["activation_per_token_at_cut"], dtype=float)[: n_units + 1]
+    s = np.asarray(slices, dtype=float)
+    compute = np.zeros((d, len(slices), n_units + 1))
+    for j in range(d):
+        for i, (si, ci) in enumerate(zip(slices, starts)):
+            compute[j, i, 1:] = np.cumsum(cost.unit_times(j, si, ci))
+    send = np.zeros((max(d - 1, 0), len(slices), n_units + 1))
+    for j in range(d - 1):
+        alpha, beta = cost.link(j)
+        send[j] = alpha + s[:, None] * act[None, :] / beta
+    prefix = np.concatenate([[0.0], np.cumsum(unit_mem)])
+    kw = {}
+    if objective != "prefill":
+        rows, groups = decode_groups(batch, d)
+        context = seq_len + new_tokens / 2
+        kw = {"decode_tokens": float(new_tokens), "decode_groups": groups,
+              "decode_compute": np.stack([np.concatenate([[0.0], np.cumsum(decode_unit_times(cost, j, rows, context))])
+                                          for j in range(d)]),
+              "decode_send": np.stack([cost.link(j)[0] + rows * act / cost.link(j)[1] for j in range(d - 1)])
+              if d > 1 else np.zeros((0, n_units + 1)),
+              "decode_fixed": np.zeros(d)}
+    return CutCosts(compute=compute[:, order], send=send[:, order], memory=prefix, capacity=np.asarray(device_mem, float),
+                    prefill_weight=0.0 if objective == "decode" else 1.0, **kw)
 
 
 def objective_seconds(result: "PlanResult") -> float:
@@ -268,6 +305,31 @@ def slicings_by_context(cost: CostModel, cuts: list[int], seq_len: int, g: int, 
     return table
 
 
+def uniform_slicing(seq_len: int, count: int) -> list[int]:
+    """count slices as equal as can be, the longer ones first."""
+    return [seq_len // count + (1 if i < seq_len % count else 0) for i in range(count)]
+
+
+def baseline_plans(cost: CostModel, seq_len: int, batch: int, granularity: int) -> dict[str, tuple[list[int], list[int]]]:
+    """The HPipe paper's baselines (§4) as (cuts, slices), for `--compare` and as starting points of
+    the plan's own search (so that no plan printed beside it is predicted faster):
+    - GPipe: uniform cuts, whole prompts (the batch's prompts are its micro-batches);
+    - GP-B: Algorithm 1 for whole prompts, whole prompts;
+    - TeraPipe: uniform cuts and the best number of uniform slices (1 to 64);
+    - HPipe-paper: the paper's two steps as written, Algorithm 1 on the whole-prompt workload, then
+      Algorithm 2 for that partition; no memory model."""
+    d, n_units = len(cost.entries), len(cost.kinds)
+    uniform = [0, *uniform_cuts(n_units, d), n_units]
+    whole = [seq_len]
+    gpb = partition_layers(*workload(cost, whole, batch)).cuts
+    counts = [c for c in range(1, 65) if c <= seq_len]
+    tera = min((uniform_slicing(seq_len, c) for c in counts), key=lambda sl: predict(cost, uniform, sl, batch).makespan)
+    paper = slices_in_tokens(slice_sequence(slice_time_table(cost, gpb, seq_len, granularity), d).lengths,
+                             granularity, seq_len)
+    return {"GPipe": (uniform, whole), "GP-B": (gpb, whole), f"TeraPipe ({len(tera)} slices)": (uniform, tera),
+            "HPipe-paper": (gpb, paper)}
+
+
 @dataclass(frozen=True)
 class PlanResult:
     plan: formats.Plan           # what `hpipe plan` writes (its `predicted` holds the figures below)
@@ -289,8 +351,10 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                       margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
                       max_rounds: int = 6, overlap: bool = False, objective: str = "prefill",
                       new_tokens: int = 128) -> PlanResult:
-    """Cuts (Algorithm 1) and, unless `slicing` is given, token slices (Algorithm 2) from a profile,
-    iterating partition <-> slicing until the simulated makespan stops improving. A stage's time for
+    """Cuts and, unless `slicing` is given, token slices (Algorithm 2) from a profile. Algorithm 1's
+    cuts are the start; the cuts kept are the ones the simulated objective itself prefers
+    (planner/cuts.py: exact where the candidates are few, local search otherwise), iterated with
+    the slicing until it stops improving, and tried on the slicings of the `--compare` baselines. A stage's time for
     a slice is its compute plus its send (HPipe eq. 1), or with `overlap` the larger of the two (a
     send that runs beside the next compute, as on GPUs with their own copy engines).
 
@@ -317,38 +381,63 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     decoding = decode_workload(cost, batch, seq_len, new_tokens) if objective != "prefill" else None
     names = [f"{h}/{dv}" for h, dv in devices]
 
-    def partition(slices) -> Partition:
+    def device_mem(slices) -> np.ndarray:
         act = memory.activation_bytes(cost.bytes, memory.microbatch_tokens(slices))
-        device_mem = np.array([e["memory"]["free_bytes"] * (1 - margin) - act for e in cost.entries])
+        return np.array([e["memory"]["free_bytes"] * (1 - margin) - act for e in cost.entries])
+
+    def partition(slices) -> Partition:
         unit_time, out_comm = workload(cost, slices, batch)
         if objective == "decode":
             unit_time, out_comm = decoding
         elif objective == "mixed":
             unit_time, out_comm = unit_time + decoding[0], out_comm + decoding[1]
-        return partition_layers(unit_time, out_comm, unit_mem, device_mem, names, overlap=overlap)
+        return partition_layers(unit_time, out_comm, unit_mem, device_mem(slices), names, overlap=overlap)
+
+    uniform = [0, *uniform_cuts(n_units, d), n_units]
+
+    def by_makespan(slices, starts) -> tuple[Partition, CutSearch]:
+        """Algorithm 1's cuts for these slices, then the cuts that minimize the simulated objective
+        (never worse than Algorithm 1's, uniform cuts or the other starts)."""
+        part = partition(slices)
+        if objective == "mixed":      # one workload, prefill and decode interleaved: Algorithm 1 is exact for it
+            return part, CutSearch(part.cuts, part.bottleneck, "algorithm 1 (mixed: the busiest stage's work)", 1)
+        costs = cut_costs(cost, slices, batch, unit_mem, device_mem(slices), objective, seq_len, new_tokens)
+        return part, search_cuts(costs, [part.cuts, uniform, *starts])
 
     fixed = slicing is not None
     slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
-    best = None
+    best = None                            # (objective, Algorithm 1's partition, the search, slices)
     for _ in range(1 if fixed else max_rounds):
-        part = partition(slices)
-        timeline = predict(cost, part.cuts, slices, batch)
-        if best is not None and timeline.makespan >= best[2].makespan * (1 - 1e-9):
+        part, found = by_makespan(slices, [best[2].cuts] if best else [])
+        if best is not None and found.value >= best[0] * (1 - 1e-9):
             break
-        best = (part, slices, timeline)
+        best = (found.value, part, found, slices)
         if fixed:
             break
-        units = slice_sequence(slice_time_table(cost, part.cuts, seq_len, granularity, overlap=overlap), d).lengths
+        units = slice_sequence(slice_time_table(cost, found.cuts, seq_len, granularity, overlap=overlap), d).lengths
         slices = slices_in_tokens(units, granularity, seq_len)
-    part, slices, timeline = best
-    cuts = part.cuts
-    bound = lower_bound(cost, unit_work(cost, slices, batch), slices, batch)
+    if not fixed:      # the slicings of the plans `--compare` prints beside this one, with cuts searched too
+        for name, (cuts0, slices0) in baseline_plans(cost, seq_len, batch, granularity).items():
+            try:
+                part, found = by_makespan(slices0, [cuts0, best[2].cuts])
+            except Infeasible:
+                continue
+            if found.value < best[0] * (1 - 1e-9):
+                best = (found.value, part, found, slices0)
+    _, part, found, slices = best
+    cuts = found.cuts
+    timeline = predict(cost, cuts, slices, batch)
+    work = unit_work(cost, slices, batch)
+    bound = lower_bound(cost, work, slices, batch)
     busy = timeline.busy()
+    contiguous = partition_layers(work, np.zeros_like(work)).bottleneck
     predicted = {
         "profile": profile_path, "seq_len": seq_len, "batch": batch, "slices": slices,
         "makespan_s": timeline.makespan, "throughput_tokens_per_s": seq_len * batch / timeline.makespan,
         "stage_busy_s": busy.tolist(), "utilization": (busy / timeline.makespan).tolist(),
         "partition_bottleneck_s": part.bottleneck, "overlap_sends": overlap,
+        "cut_search": {"method": found.method, "candidates": found.evaluated, "algorithm1_cuts": part.cuts,
+                       "algorithm1_makespan_s": predict(cost, part.cuts, slices, batch).makespan},
         "objective": objective,
         "memory_bytes_per_stage": [memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), kv_tokens,
                                                        memory.microbatch_tokens(slices)).total for j in range(d)],
@@ -356,6 +445,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "uniform_makespan_s": predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
         "lower_bound_s": bound.makespan_s, "lower_bound": bound.as_dict(),
         "ratio_to_lower_bound": timeline.makespan / bound.makespan_s,
+        "gap": gap(timeline.makespan, busy.tolist(), bound, contiguous),
     }
     if all(e.get("decode") for e in cost.entries):
         predicted["decode"] = decode_prediction(cost, cuts, batch, seq_len, new_tokens)

@@ -127,3 +127,67 @@ def test_split_orders_keep_every_device_once():
     for v in variants:
         runs = [h for i, (h, _) in enumerate(v) if i == 0 or v[i - 1][0] != h]
         assert len(runs) == 4 and len(set(runs)) == 3
+
+
+def _cut_costs(rng, d, u, m, capacity=None):
+    from hpipe.planner.cuts import CutCosts
+
+    unit = rng.uniform(0.1, 2.0, size=(d, m, u)) * rng.uniform(0.3, 3.0, size=(d, 1, 1))   # devices differ
+    compute = np.concatenate([np.zeros((d, m, 1)), np.cumsum(unit, axis=2)], axis=2)
+    send = rng.uniform(0.0, 1.5, size=(max(d - 1, 0), m, u + 1))
+    mem = rng.uniform(1.0, 3.0, size=u)
+    cap = np.full(d, np.inf) if capacity is None else np.full(d, capacity)
+    return CutCosts(compute=compute, send=send, memory=np.concatenate([[0.0], np.cumsum(mem)]), capacity=cap,
+                    prefill_weight=1.0), unit, send, mem
+
+
+def _simulated(unit, send, cuts):
+    """The plain simulator (simulate.py) on these cuts: the independent reference."""
+    d, m = unit.shape[:2]
+    t = np.stack([unit[j, :, a:b].sum(axis=1) for j, (a, b) in enumerate(zip(cuts, cuts[1:]))], axis=1)
+    comm = np.zeros((m, d))
+    for j in range(d - 1):
+        comm[:, j] = send[j, :, cuts[j + 1]]
+    return simulate(t, comm).makespan
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cut_search_reaches_the_simulators_optimum(seed):
+    from hpipe.planner.cuts import search_cuts
+
+    rng = np.random.default_rng(seed)
+    d, u, m = int(rng.integers(2, 5)), int(rng.integers(5, 11)), int(rng.integers(1, 7))
+    capacity = None if seed % 3 else float(rng.uniform(4.0, 12.0))
+    costs, unit, send, mem = _cut_costs(rng, d, u, m, capacity)
+    best, best_cuts = np.inf, None
+    for interior in itertools.combinations(range(1, u), d - 1):   # brute force with the plain simulator
+        cuts = [0, *interior, u]
+        if capacity is not None and any(mem[a:b].sum() > capacity for a, b in zip(cuts, cuts[1:])):
+            continue
+        value = _simulated(unit, send, cuts)
+        if value < best:
+            best, best_cuts = value, cuts
+    found = search_cuts(costs, [])
+    if best_cuts is None:
+        assert found.value == np.inf
+        return
+    assert found.method == "exhaustive"
+    assert found.value == pytest.approx(best, rel=1e-9)
+    assert _simulated(unit, send, found.cuts) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_local_cut_search_is_never_worse_than_its_starts(seed):
+    from hpipe.planner.cuts import objective_values, search_cuts
+    from hpipe.planner.uniform import uniform_cuts
+
+    rng = np.random.default_rng(100 + seed)
+    d, u, m = 6, 30, 8
+    costs, unit, send, _ = _cut_costs(rng, d, u, m)
+    starts = [[0, *uniform_cuts(u, d), u], [0, *sorted(rng.choice(np.arange(1, u), d - 1, replace=False)), u]]
+    found = search_cuts(costs, starts, exhaustive=1000)
+    assert found.method == "local search"
+    assert found.value <= min(objective_values(costs, starts)) * (1 + 1e-12)
+    assert _simulated(unit, send, found.cuts) == pytest.approx(found.value, rel=1e-9)
+    exact = search_cuts(costs, [])                     # C(29, 5) = 118,755 candidates: all of them
+    assert exact.method == "exhaustive" and exact.value <= found.value * (1 + 1e-12)
