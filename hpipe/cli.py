@@ -120,6 +120,11 @@ def profile(
             raise HpipeError("--devices: name at least one device, e.g. --devices cpu")
         result = profiler.profile_local(model, device_list, out, quick, max_seq_len, dtype, threads=threads,
                                         weights=str(weights))
+    if not estimate and result["devices"]:
+        _note("measuring the runtime's own per-token costs (a small model through 1 and 2 local stages, ~20 s) ...")
+        vocab = int(models.load_config(models.resolve_model(model).path).vocab_size)
+        result["runtime"] = launcher.runtime_costs(vocab)
+        formats.write_profile(result, out)
     typer.echo(profiler.summarize(result))
     typer.echo(f"wrote {out}")
     if result.get("errors"):
@@ -392,6 +397,8 @@ def _print_plan(p, out: str, result=None) -> None:
                f"pipeline fill/drain {g['fill_drain_s']:.3f} s, busiest stage above balance {g['imbalance_s']:.3f} s "
                f"(whole units {g['granularity_s']:.3f} s, traded for fill/drain, links or memory "
                f"{g['balance_traded_s']:.3f} s)")
+    for line in pr.get("assumptions", []):
+        typer.echo(f"assumed: {line}")
     if "decode" in pr:
         dec = pr["decode"]
         typer.echo(f"predicted decode ({pr.get('objective', 'prefill')} objective): {dec['tokens_per_s']:.1f} tokens/s "
@@ -613,9 +620,18 @@ def _print_launch(summary: dict, out: str) -> None:
                    f"{mf['prompt_tokens']} tokens ({check['relative_difference']:+.0%}); stage busy predicted "
                    + ", ".join(f"{x:.2f}" for x in check["predicted_stage_busy_s"] or []) + " s, measured "
                    + ", ".join(f"{x:.2f}" for x in check["measured_stage_busy_s"]) + " s")
-        if check["reprofile_suggested"]:
-            typer.echo("the measured prefill differs from the plan's prediction by more than 15 %: the profile may "
-                       "be stale or made under other conditions; re-run `hpipe profile` and `hpipe plan`", err=True)
+        if check.get("predicted_with_measured_compute_s") is not None:
+            typer.echo(f"prefill with the stages' measured compute in the plan's pipeline: "
+                       f"{check['predicted_with_measured_compute_s']:.3f} s")
+        dec = check.get("decode")
+        if dec:
+            typer.echo(f"decode: predicted {dec['predicted_ms_per_token']:.1f} ms/token, measured "
+                       f"{dec['measured_ms_per_token']:.1f} ({dec['relative_difference']:+.0%}); per term, predicted / "
+                       "measured ms: " + ", ".join(f"{k} {v:.2f} / {dec['measured_terms_ms'].get(k, 0.0):.2f}"
+                                                   for k, v in dec["predicted_terms_ms"].items())
+                       + f"; with the measured compute {dec['predicted_with_measured_compute_ms']:.1f} ms")
+        for line in check["off"]:
+            typer.echo(f"off by more than {check['tolerance']:.0%}: {line}", err=True)
     typer.echo(f"{summary['prompts_done']} prompts done -> {out}; "
                f"{s.get('generated_tokens', 0)} tokens in {s.get('wall_s', 0):.2f} s "
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +

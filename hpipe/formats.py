@@ -758,12 +758,15 @@ def _check_table(path, where, table, context_dependent: bool):
         raise _fail(path, f"{where}.t", "no measured value")
 
 
+RUNTIME_COSTS = ("step_s", "hop_s", "back_s")   # a profile's "runtime": see hpipe.launcher.overheads
+
+
 def validate_profile(data: Any, path: str = "<profile>") -> dict:
     """Checks a profile (as loaded from JSON); returns it. Fields are documented in docs/formats.md."""
     _expect(path, "top level", data, dict, "a JSON object")
     _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "weights",
                                               "max_seq_len",
-                                              "quick", "bytes", "devices", "links", "peers", "errors"})
+                                              "quick", "bytes", "devices", "links", "peers", "errors", "runtime"})
     if data.get("version") != PROFILE_VERSION:
         raise _fail(path, "version", f"this hpipe reads profile version {PROFILE_VERSION}, "
                                      f"the file says {data.get('version')!r}")
@@ -810,6 +813,11 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
         for key in ("decode", "fit_error"):
             if key in d:
                 _expect(path, f"{where}.{key}", d[key], dict, "an object")
+    if "runtime" in data:
+        rt = _expect(path, "runtime", data["runtime"], dict, "an object")
+        for key in RUNTIME_COSTS:
+            if not isinstance(rt.get(key), (int, float)) or not rt[key] >= 0:
+                raise _fail(path, f"runtime.{key}", "expected seconds (a number >= 0)")
     links = _expect(path, "links", data["links"], list, "a list of links")
     for i, link in enumerate(links):
         where = f"links[{i}]"

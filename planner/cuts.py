@@ -12,7 +12,8 @@ recurrence (simulate.py), for thousands of candidates at once:
   of one cut, and every joint move of 2 neighbouring cuts within their neighbours, until no
   move improves.
 
-What is minimized is the planner's objective: the prefill makespan of the batch, plus the decode
+Among cuts whose objective is within 0.1 % of the least, the most balanced are kept (a single
+slice, or a link that dominates, can make many cuts tie). What is minimized is the planner's objective: the prefill makespan of the batch, plus the decode
 of every sequence's new tokens (rounds of the slowest stage's step, or of one trip through every
 stage, whichever binds) when the plan balances decode too.
 """
@@ -25,11 +26,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpipe.planner.simulate import decode_round
+
 __all__ = ["EXHAUSTIVE", "CutCosts", "CutSearch", "objective_values", "search_cuts"]
 
 EXHAUSTIVE = 300_000     # at most this many candidates: all of them, simulated CHUNK at a time
 CHUNK = 20_000
 WIDTH = 2                # local search: joint moves of up to WIDTH neighbouring cuts
+TIE = 1e-3               # objectives this close count as equal: the more balanced cuts are kept
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ class CutCosts:
     decode_groups: int = 1
     decode_compute: np.ndarray | None = None  # [D, U+1]: one decode step of a group, units [0, u)
     decode_send: np.ndarray | None = None     # [D-1, U+1]
-    decode_fixed: np.ndarray | None = None    # [D]: a stage's step time that no cut changes (overheads)
+    decode_back: float = 0.0                  # the way back to stage 0 after a group's last stage
+    prefill_back: float = 0.0                 # the same after the last slice: part of the makespan
 
     @property
     def n_units(self) -> int:
@@ -98,13 +103,11 @@ def _makespans(t: np.ndarray, send: np.ndarray) -> np.ndarray:
 
 
 def _decode_round(costs: CutCosts, cuts: np.ndarray) -> np.ndarray:
-    """One round of decode (a token for every sequence): `groups` steps of the slowest stage, but
-    never less than one group's trip through every stage."""
+    """One round of decode (a token for every sequence) of K candidates (simulate.decode_round)."""
     d = costs.n_stages
     step = np.stack([costs.decode_compute[j][cuts[:, j + 1]] - costs.decode_compute[j][cuts[:, j]]
-                     + costs.decode_fixed[j] + (costs.decode_send[j][cuts[:, j + 1]] if j < d - 1 else 0.0)
-                     for j in range(d)], axis=1)
-    return np.maximum(costs.decode_groups * step.max(axis=1), step.sum(axis=1))
+                     + (costs.decode_send[j][cuts[:, j + 1]] if j < d - 1 else 0.0) for j in range(d)], axis=1)
+    return decode_round(step, costs.decode_back, costs.decode_groups)
 
 
 def objective_values(costs: CutCosts, cuts) -> np.ndarray:
@@ -113,7 +116,7 @@ def objective_values(costs: CutCosts, cuts) -> np.ndarray:
     cuts = np.atleast_2d(np.asarray(cuts, dtype=np.int64))
     value = np.zeros(cuts.shape[0])
     if costs.prefill_weight:
-        value += costs.prefill_weight * _makespans(*_stage_times(costs, cuts))
+        value += costs.prefill_weight * (_makespans(*_stage_times(costs, cuts)) + costs.prefill_back)
     if costs.decode_tokens:
         value += costs.decode_tokens * _decode_round(costs, cuts)
     used = costs.memory[cuts[:, 1:]] - costs.memory[cuts[:, :-1]]
@@ -126,21 +129,36 @@ def _with_ends(interior: np.ndarray, n_units: int) -> np.ndarray:
     return np.concatenate([np.zeros((k, 1), np.int64), interior, np.full((k, 1), n_units, np.int64)], axis=1)
 
 
-def _exhaustive(costs: CutCosts) -> CutSearch:
+def _busiest(costs: CutCosts, cuts: np.ndarray) -> np.ndarray:
+    """[K]: the busiest stage's compute over all slices (what a decode step's pace follows too)."""
+    return np.max(np.stack([(costs.compute[j][:, cuts[:, j + 1]] - costs.compute[j][:, cuts[:, j]]).sum(axis=0)
+                            for j in range(costs.n_stages)]), axis=0)
+
+
+def _pick(costs: CutCosts, cand: np.ndarray, values: np.ndarray, ceiling: float) -> int:
+    """The least objective; among the candidates within TIE of it (and no worse than `ceiling`, the
+    best start's), the most balanced. A single slice (a short prompt) makes every cut the same
+    makespan: then the balanced cuts, not the first ones, are kept."""
+    best = float(np.min(values))
+    if not np.isfinite(best):
+        return int(np.argmin(values))
+    near = np.flatnonzero(values <= max(best, min(best * (1 + TIE), ceiling)))
+    return int(near[np.argmin(_busiest(costs, cand[near]))])
+
+
+def _exhaustive(costs: CutCosts, ceiling: float) -> CutSearch:
     u, d = costs.n_units, costs.n_stages
     combos = itertools.combinations(range(1, u), d - 1)
-    best, best_value, seen = None, np.inf, 0
+    cands, values = [], []
     while True:
         chunk = np.fromiter(itertools.chain.from_iterable(itertools.islice(combos, CHUNK)), dtype=np.int64)
         if chunk.size == 0:
             break
-        cand = _with_ends(chunk.reshape(-1, d - 1), u)
-        values = objective_values(costs, cand)
-        seen += len(cand)
-        k = int(np.argmin(values))
-        if values[k] < best_value:
-            best, best_value = cand[k].tolist(), float(values[k])
-    return CutSearch(best, best_value, "exhaustive", seen)
+        cands.append(_with_ends(chunk.reshape(-1, d - 1), u))
+        values.append(objective_values(costs, cands[-1]))
+    cand, value = np.concatenate(cands), np.concatenate(values)
+    k = _pick(costs, cand, value, ceiling)
+    return CutSearch(cand[k].tolist(), float(value[k]), "exhaustive", len(cand))
 
 
 def _moves(cuts: list[int], width: int) -> np.ndarray:
@@ -158,9 +176,9 @@ def _moves(cuts: list[int], width: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, d + 1), np.int64)
 
 
-def _local(costs: CutCosts, starts: list[list[int]]) -> CutSearch:
+def _local(costs: CutCosts, starts: list[list[int]], ceiling: float) -> CutSearch:
     d = costs.n_stages
-    best, best_value, seen = None, np.inf, 0
+    ends, seen = [], 0
     for start in dict.fromkeys(tuple(x) for x in starts):
         cuts = list(start)
         value = float(objective_values(costs, [cuts])[0])
@@ -173,9 +191,10 @@ def _local(costs: CutCosts, starts: list[list[int]]) -> CutSearch:
             if not values[k] < value * (1 - 1e-12):
                 break
             cuts, value = cand[k].tolist(), float(values[k])
-        if value < best_value:
-            best, best_value = cuts, value
-    return CutSearch(best, best_value, "local search", seen)
+        ends.append(cuts)
+    ends = np.array(ends, dtype=np.int64)
+    k = _pick(costs, ends, objective_values(costs, ends), ceiling)
+    return CutSearch(ends[k].tolist(), float(objective_values(costs, ends[k:k + 1])[0]), "local search", seen)
 
 
 def search_cuts(costs: CutCosts, starts: list[list[int]], exhaustive: int = EXHAUSTIVE) -> CutSearch:
@@ -186,6 +205,7 @@ def search_cuts(costs: CutCosts, starts: list[list[int]], exhaustive: int = EXHA
     if d == 1:
         cuts = [0, u]
         return CutSearch(cuts, float(objective_values(costs, [cuts])[0]), "exhaustive", 1)
+    ceiling = float(np.min(objective_values(costs, starts))) if starts else np.inf
     if math.comb(u - 1, d - 1) <= exhaustive:
-        return _exhaustive(costs)
-    return _local(costs, starts)
+        return _exhaustive(costs, ceiling)
+    return _local(costs, starts, ceiling)

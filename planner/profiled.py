@@ -13,6 +13,7 @@ the cut) / beta of that link.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,9 +22,9 @@ from hpipe import __version__, formats, memory, models, quant
 from hpipe.errors import HpipeError
 from hpipe.grid import GridModel
 from hpipe.planner.bound import LowerBound, gap, lower_bound
-from hpipe.planner.cuts import CutCosts, CutSearch, search_cuts
+from hpipe.planner.cuts import CutCosts, CutSearch, objective_values, search_cuts
 from hpipe.planner.partition import Infeasible, Partition, partition_layers
-from hpipe.planner.simulate import Timeline, simulate
+from hpipe.planner.simulate import Sharing, Timeline, decode_round, simulate, simulate_shared
 from hpipe.planner.slicing import slice_sequence
 from hpipe.planner.speculative import speculative_decode
 from hpipe.planner.uniform import model_identity
@@ -58,6 +59,34 @@ class CostModel:
                 self.fits[e["id"]] = {k: GridModel(t["s"], t["c"], t["t"]) for k, t in e["compute"].items()}
         self.bytes = profile["bytes"]
         self.links = {(x["src"], x["dst"]): (x["alpha_s"], x["beta_bytes_per_s"]) for x in profile["links"]}
+        # the runtime's own costs per step (hpipe.launcher.overheads); a profile without them counts 0
+        self.measured_runtime = "runtime" in profile
+        self.runtime = {k: float(profile.get("runtime", {}).get(k, 0.0)) for k in formats.RUNTIME_COSTS}
+        self.hop_s = self.runtime["hop_s"]
+
+    def way_back(self) -> float:
+        """From the last stage's compute end to stage 0's next step: the sampling, the ids' trip to
+        stage 0 (the link's latency) and the commit; with one stage, the step's own machinery."""
+        if len(self.entries) == 1:
+            return self.runtime["step_s"]
+        back = (self.entries[-1]["id"], self.entries[0]["id"])
+        return self.runtime["back_s"] + (self.links[back][0] if back in self.links else 0.0)
+
+    def sharing(self) -> Sharing:
+        """Which stages compete for one machine's cores: CPU stages on the same machine (the profile's
+        boot id, else the host), with the threads they were measured with."""
+        machine, threads, cores = [], [], {}
+        for e in self.entries:
+            ident = e.get("identity", {})
+            if e["device"] != "cpu" or not ident.get("cores"):
+                machine.append(None)
+                threads.append(1)
+                continue
+            name = ident.get("machine") or e["host"]
+            machine.append(name)
+            threads.append(int(ident.get("threads") or ident["cores"]))
+            cores[name] = int(ident["cores"])
+        return Sharing(tuple(machine), tuple(threads), cores)
 
     def _entry(self, host: str, device: str) -> dict:
         devs = self.profile["devices"]
@@ -87,7 +116,7 @@ class CostModel:
             out = out + count * fits[kind](s, c if kind == "attn" else 0.0)
         if not last:
             alpha, beta = self.link(j)
-            send = alpha + s * self.bytes["activation_per_token_at_cut"][b] / beta
+            send = alpha + self.hop_s + s * self.bytes["activation_per_token_at_cut"][b] / beta
             out = np.maximum(out, send) if overlap else out + send
         return out
 
@@ -98,8 +127,10 @@ class CostModel:
         return self.links[(a, b)]
 
     def send_time(self, j: int, cut: int, s: int) -> float:
+        """Stage j's send of s tokens' hidden states at `cut`, as the runtime pays it (the link's
+        latency and bandwidth, and the runtime's own hop)."""
         alpha, beta = self.link(j)
-        return alpha + s * self.bytes["activation_per_token_at_cut"][cut] / beta
+        return alpha + self.hop_s + s * self.bytes["activation_per_token_at_cut"][cut] / beta
 
 
 def workload(cost: CostModel, slices: list[int], batch: int):
@@ -162,25 +193,34 @@ def decode_workload(cost: CostModel, batch: int, seq_len: int, new_tokens: int):
 
 def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int, new_tokens: int,
                       speculation: tuple[int, float] | None = None) -> dict:
-    """The runtime's steady decode on these cuts: per stage, one group's step (compute and send).
-    A round (one token per sequence) takes `groups` steps of the slowest stage, but never less than
-    one group's round trip through every stage (sampling and the hop back, not in the profile, come
-    on top: with as many groups as stages that round trip is what binds once the stages balance).
-    speculation: (K, the measured share of proposals accepted): the same with speculative decoding
-    (`hpipe.planner.speculative`), under "speculative"."""
+    """The runtime's steady decode on these cuts: per stage, one group's step (its compute, and its
+    send with the runtime's hop). A round (one token per sequence) takes `groups` steps of the
+    slowest stage, but never less than one group's trip: every stage's step, then the way back to
+    stage 0 (sampling, the ids' trip, the commit: `CostModel.way_back`); with as many groups as
+    stages that trip is what binds once the stages balance. `terms` keeps the parts, for the run's
+    predicted-against-measured check. speculation: (K, the measured share of proposals accepted):
+    the same with speculative decoding (`hpipe.planner.speculative`), under "speculative"."""
     d = len(cuts) - 1
     rows, groups = decode_groups(batch, d)
     context = seq_len + new_tokens / 2
+    back = cost.way_back()
+
+    def compute(r: float) -> list[float]:
+        return [float(np.sum(decode_unit_times(cost, j, r, context)[cuts[j]:cuts[j + 1]])) for j in range(d)]
+
+    def sends(r: float) -> list[float]:
+        return [cost.send_time(j, cuts[j + 1], r) for j in range(d - 1)]
 
     def steps(r: float) -> list[float]:
-        return [float(np.sum(decode_unit_times(cost, j, r, context)[cuts[j]:cuts[j + 1]]))
-                + (cost.send_time(j, cuts[j + 1], r) if j < d - 1 else 0.0) for j in range(d)]
+        return [c + s for c, s in zip(compute(r), [*sends(r), 0.0])]
     step = steps(rows)
-    round_s = max(groups * max(step), sum(step), 1e-12)
+    round_s = float(decode_round(step, back, groups))
     out = {"new_tokens": new_tokens, "rows_per_group": rows, "groups": groups, "context": context,
-           "stage_step_s": step, "round_s": round_s, "tokens_per_s": batch / round_s}
+           "stage_step_s": step, "round_s": round_s, "tokens_per_s": batch / round_s,
+           "terms": {"compute_s": compute(rows), "send_s": sends(rows), "back_s": back,
+                     "runtime_costs": "measured" if cost.measured_runtime else "not in the profile: counted as 0"}}
     if speculation is not None:
-        out["speculative"] = speculative_decode(batch, rows, groups, steps, *speculation)
+        out["speculative"] = speculative_decode(batch, rows, groups, steps, *speculation, back_s=back)
     return out
 
 
@@ -206,7 +246,7 @@ def cut_costs(cost: CostModel, slices: list[int], batch: int, unit_mem: np.ndarr
     send = np.zeros((max(d - 1, 0), len(slices), n_units + 1))
     for j in range(d - 1):
         alpha, beta = cost.link(j)
-        send[j] = alpha + s[:, None] * act[None, :] / beta
+        send[j] = alpha + cost.hop_s + s[:, None] * act[None, :] / beta
     prefix = np.concatenate([[0.0], np.cumsum(unit_mem)])
     kw = {}
     if objective != "prefill":
@@ -215,11 +255,11 @@ def cut_costs(cost: CostModel, slices: list[int], batch: int, unit_mem: np.ndarr
         kw = {"decode_tokens": float(new_tokens), "decode_groups": groups,
               "decode_compute": np.stack([np.concatenate([[0.0], np.cumsum(decode_unit_times(cost, j, rows, context))])
                                           for j in range(d)]),
-              "decode_send": np.stack([cost.link(j)[0] + rows * act / cost.link(j)[1] for j in range(d - 1)])
-              if d > 1 else np.zeros((0, n_units + 1)),
-              "decode_fixed": np.zeros(d)}
+              "decode_send": np.stack([cost.link(j)[0] + cost.hop_s + rows * act / cost.link(j)[1]
+                                       for j in range(d - 1)]) if d > 1 else np.zeros((0, n_units + 1)),
+              "decode_back": cost.way_back()}
     return CutCosts(compute=compute[:, order], send=send[:, order], memory=prefix, capacity=np.asarray(device_mem, float),
-                    prefill_weight=0.0 if objective == "decode" else 1.0, **kw)
+                    prefill_weight=0.0 if objective == "decode" else 1.0, prefill_back=cost.way_back(), **kw)
 
 
 def objective_seconds(result: "PlanResult") -> float:
@@ -231,8 +271,9 @@ def objective_seconds(result: "PlanResult") -> float:
     return decode + (pr["makespan_s"] if objective != "decode" else 0.0)
 
 
-def predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> Timeline:
-    """The simulated pipeline of one batch: every sequence's slices in order through the stages."""
+def pipeline_times(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """[m, D] every slice's compute on every stage (each alone on its device) and [m, D] its send to
+    the next stage, the batch's sequences one after another (m = slices x batch)."""
     d = len(cuts) - 1
     starts = np.cumsum([0] + slices[:-1])
     t = np.zeros((len(slices) * batch, d))
@@ -243,7 +284,17 @@ def predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> 
         if j < d - 1:
             send = cost.stage_time(j, cuts[j + 1], cuts[j + 1], slices, starts, last=False)
             comm[:, j] = np.tile(send, batch)
-    return simulate(t, comm)
+    return t, comm
+
+
+def predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> Timeline:
+    """The simulated pipeline of one batch: every sequence's slices in order through the stages
+    (stages that share a machine's cores slowed while they run at once), then the first token's way
+    back to stage 0."""
+    t, comm = pipeline_times(cost, cuts, slices, batch)
+    sharing = cost.sharing()
+    tl = simulate_shared(t, comm, sharing) if sharing.oversubscribed else simulate(t, comm)
+    return dataclasses.replace(tl, makespan=tl.makespan + cost.way_back())
 
 
 def slice_time_table(cost: CostModel, cuts: list[int], seq_len: int, g: int, overlap: bool = False) -> np.ndarray:
@@ -346,6 +397,28 @@ class PlanResult:
         return list(self.plan.predicted["slices"])
 
 
+def assumptions(cost: CostModel, sharing: Sharing) -> list[str]:
+    """What the prediction takes for granted that a run can break, one line each (printed by
+    `hpipe plan`, kept in the plan)."""
+    out = []
+    names = [e["id"] for e in cost.entries]
+    groups: dict[str, list[int]] = {}
+    for j, m in enumerate(sharing.machine):
+        if m is not None:
+            groups.setdefault(m, []).append(j)
+    for m, stages in groups.items():
+        threads = sum(sharing.threads[j] for j in stages)
+        if threads > sharing.cores[m]:
+            who = ", ".join(dict.fromkeys(names[j] for j in stages))
+            out.append(f"stages {', '.join(map(str, stages))} ({who}) share one machine's {sharing.cores[m]} cores "
+                       f"with {threads} threads: while they run at once each gets its share (simulated); a decode "
+                       f"step runs alone")
+    if not cost.measured_runtime:
+        out.append("the profile has no runtime costs (hop, way back, per-step machinery): counted as 0; "
+                   "profile again with this version to measure them")
+    return out
+
+
 def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
                       margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
@@ -394,6 +467,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         return partition_layers(unit_time, out_comm, unit_mem, device_mem(slices), names, overlap=overlap)
 
     uniform = [0, *uniform_cuts(n_units, d), n_units]
+    sharing = cost.sharing()
 
     def by_makespan(slices, starts) -> tuple[Partition, CutSearch]:
         """Algorithm 1's cuts for these slices, then the cuts that minimize the simulated objective
@@ -402,7 +476,15 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         if objective == "mixed":      # one workload, prefill and decode interleaved: Algorithm 1 is exact for it
             return part, CutSearch(part.cuts, part.bottleneck, "algorithm 1 (mixed: the busiest stage's work)", 1)
         costs = cut_costs(cost, slices, batch, unit_mem, device_mem(slices), objective, seq_len, new_tokens)
-        return part, search_cuts(costs, [part.cuts, uniform, *starts])
+        found = search_cuts(costs, [part.cuts, uniform, *starts])
+        if sharing.oversubscribed and objective == "prefill":
+            # the search runs every stage at full speed; where stages share cores the processor-
+            # sharing simulation (`predict`) decides between its result and the starts
+            cands = [list(c) for c in dict.fromkeys(tuple(c) for c in [found.cuts, part.cuts, uniform, *starts])]
+            fits = np.isfinite(objective_values(costs, cands))
+            value, cuts = min((predict(cost, c, slices, batch).makespan, c) for c, ok in zip(cands, fits) if ok)
+            found = CutSearch(cuts, value, f"{found.method}, then shared cores", found.evaluated + len(cands))
+        return part, found
 
     fixed = slicing is not None
     slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
@@ -428,6 +510,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     cuts = found.cuts
     timeline = predict(cost, cuts, slices, batch)
     work = unit_work(cost, slices, batch)
+    slice_compute, slice_send = pipeline_times(cost, cuts, slices, batch)
     bound = lower_bound(cost, work, slices, batch)
     busy = timeline.busy()
     contiguous = partition_layers(work, np.zeros_like(work)).bottleneck
@@ -435,6 +518,8 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "profile": profile_path, "seq_len": seq_len, "batch": batch, "slices": slices,
         "makespan_s": timeline.makespan, "throughput_tokens_per_s": seq_len * batch / timeline.makespan,
         "stage_busy_s": busy.tolist(), "utilization": (busy / timeline.makespan).tolist(),
+        # per slice, for the run's check (a re-simulation with the stages' measured computes)
+        "slice_compute_s": slice_compute.tolist(), "slice_send_s": slice_send.tolist(), "way_back_s": cost.way_back(),
         "partition_bottleneck_s": part.bottleneck, "overlap_sends": overlap,
         "cut_search": {"method": found.method, "candidates": found.evaluated, "algorithm1_cuts": part.cuts,
                        "algorithm1_makespan_s": predict(cost, part.cuts, slices, batch).makespan},
@@ -446,6 +531,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "lower_bound_s": bound.makespan_s, "lower_bound": bound.as_dict(),
         "ratio_to_lower_bound": timeline.makespan / bound.makespan_s,
         "gap": gap(timeline.makespan, busy.tolist(), bound, contiguous),
+        "assumptions": assumptions(cost, sharing),
     }
     if all(e.get("decode") for e in cost.entries):
         predicted["decode"] = decode_prediction(cost, cuts, batch, seq_len, new_tokens)

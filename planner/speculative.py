@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpipe.planner.simulate import decode_round
+
 from hpipe.errors import HpipeError
 from hpipe.runtime.speculative import SPEC_ROWS, next_k
 
@@ -62,13 +64,14 @@ def adaptive_proposals(k_max: int, acceptance: float) -> dict:
             "tokens_per_step": 1.0 + a}
 
 
-def speculative_decode(batch: int, rows: int, groups: int, step_s, k_max: int, acceptance: float) -> dict:
+def speculative_decode(batch: int, rows: int, groups: int, step_s, k_max: int, acceptance: float,
+                       back_s: float = 0.0) -> dict:
     """Decode of `batch` sequences in `groups` groups of `rows` with speculation: step_s(r) gives
-    every stage's step (compute and send) for r rows per group."""
+    every stage's step (compute and send) for r rows per group; back_s the way back to stage 0."""
     chain = adaptive_proposals(k_max, acceptance)
     proposed = min(chain["proposed_per_step"], max(0.0, SPEC_ROWS / batch - 1.0))
     extra = (chain["tokens_per_step"] - 1.0) * proposed / chain["proposed_per_step"]
     step = step_s(rows * (1.0 + proposed))
-    round_s = max(groups * max(step), sum(step), 1e-12)
+    round_s = float(decode_round(step, back_s, groups))
     return {**chain, "proposed_per_step": proposed, "tokens_per_step": 1.0 + extra, "stage_step_s": step,
             "round_s": round_s, "tokens_per_s": batch * (1.0 + extra) / round_s}

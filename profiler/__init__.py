@@ -6,6 +6,7 @@ unchanged on remote hosts over SSH); `run` orchestrates them; `catalog` holds de
 estimated profiles. See profiler/README.md.
 """
 
+from hpipe.profiler.measure import probe
 from hpipe.profiler.run import profile_cluster, profile_estimate, profile_local, summarize
 
-__all__ = ["profile_cluster", "profile_estimate", "profile_local", "summarize"]
+__all__ = ["probe", "profile_cluster", "profile_estimate", "profile_local", "summarize"]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from hpipe.planner.partition import Infeasible, partition_layers
 from hpipe.planner.simulate import simulate
@@ -129,6 +130,9 @@ def test_split_orders_keep_every_device_once():
         assert len(runs) == 4 and len(set(runs)) == 3
 
 
+from hpipe.planner.cuts import TIE  # noqa: E402
+
+
 def _cut_costs(rng, d, u, m, capacity=None):
     from hpipe.planner.cuts import CutCosts
 
@@ -172,8 +176,8 @@ def test_cut_search_reaches_the_simulators_optimum(seed):
         assert found.value == np.inf
         return
     assert found.method == "exhaustive"
-    assert found.value == pytest.approx(best, rel=1e-9)
-    assert _simulated(unit, send, found.cuts) == pytest.approx(best, rel=1e-9)
+    assert best * (1 - 1e-12) <= found.value <= best * (1 + TIE)       # ties within TIE go to the balanced cuts
+    assert _simulated(unit, send, found.cuts) == pytest.approx(found.value, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -190,4 +194,29 @@ def test_local_cut_search_is_never_worse_than_its_starts(seed):
     assert found.value <= min(objective_values(costs, starts)) * (1 + 1e-12)
     assert _simulated(unit, send, found.cuts) == pytest.approx(found.value, rel=1e-9)
     exact = search_cuts(costs, [])                     # C(29, 5) = 118,755 candidates: all of them
-    assert exact.method == "exhaustive" and exact.value <= found.value * (1 + 1e-12)
+    assert exact.method == "exhaustive" and exact.value <= found.value * (1 + TIE)
+
+
+@settings(max_examples=100, deadline=None)
+@given(t=arrays(np.float64, st.tuples(st.integers(1, 6), st.integers(1, 4)), elements=st.floats(0.01, 5.0)),
+       data=st.data())
+def test_shared_cores_are_the_recurrence_while_nobody_waits_for_a_core(t, data):
+    from hpipe.planner.simulate import Sharing, simulate_shared
+
+    comm = np.array(data.draw(arrays(np.float64, t.shape, elements=st.floats(0.0, 2.0))))
+    d = t.shape[1]
+    enough = Sharing(tuple("m" for _ in range(d)), tuple(1 for _ in range(d)), {"m": d})
+    a, b = simulate(t, comm), simulate_shared(t, comm, enough)
+    assert np.allclose(a.start, b.start) and np.allclose(a.end, b.end) and b.makespan == pytest.approx(a.makespan)
+
+
+def test_stages_sharing_one_core_split_it():
+    """Processor sharing, by hand: two stages on one core, two slices of 1 s each. Slice 0 runs alone
+    on stage 0 (0-1 s); then slice 1 on stage 0 and slice 0 on stage 1 share the core (1-3 s, half
+    speed each); slice 1 on stage 1 runs alone (3-4 s). A GPU stage (machine None) never waits."""
+    from hpipe.planner.simulate import Sharing, simulate_shared
+
+    tl = simulate_shared(np.ones((2, 2)), None, Sharing(("m", "m"), (1, 1), {"m": 1}))
+    assert tl.start.tolist() == [[0, 1], [1, 3]] and tl.end.tolist() == [[1, 3], [3, 4]] and tl.makespan == 4
+    free = simulate_shared(np.ones((2, 2)), None, Sharing(("m", None), (1, 1), {"m": 1}))
+    assert free.makespan == simulate(np.ones((2, 2))).makespan == 3

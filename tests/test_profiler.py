@@ -98,6 +98,25 @@ def test_local_profile_validates_and_reports_a_failing_device(tiny_models, tmp_p
     (link,) = profile["links"]
     assert link["src"] == link["dst"] == "local/cpu" and link["beta_bytes_per_s"] > 1e7
     assert [p[0] for p in link["points"]][-1] >= 16 * 2 ** 20
+    # the machine (stages sharing its cores) and the runtime's own per-token costs, measured by a run
+    assert dev["identity"]["machine"] and dev["identity"]["cores"] >= 1
+    rt = profile["runtime"]
+    assert 0 < rt["hop_s"] < 0.05 and 0 < rt["step_s"] < 0.05 and 0 < rt["back_s"] < 0.05
+
+    # a plan from this profile, run: the summary checks the prediction term by term
+    plan, prompts, results = tmp_path / "plan.json", tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    assert main(["plan", "--model", str(tiny_models["llama"]), "--stages", "2", "--profile", str(out),
+                 "--seq-len", "64", "-o", str(plan)]) == 0
+    prompts.write_text(json.dumps({"id": "a", "input_ids": [5 + j for j in range(64)]}) + "\n")
+    assert main(["launch", str(plan), "--local", "--prompts", str(prompts), "--out", str(results),
+                 "--max-new-tokens", "24"]) == 0
+    assert len(json.loads(results.read_text())["output_ids"]) == 24
+    check = json.loads(Path(f"{results}.summary.json").read_text())["plan_check"]
+    terms = check["decode"]["predicted_terms_ms"]
+    assert set(terms) == {"compute 0", "compute 1", "hop 0->1", "back"}
+    assert set(check["decode"]["measured_terms_ms"]) == set(terms) and check["decode"]["measured_ms_per_token"] > 0
+    assert abs(check["decode"]["relative_difference"]) <= check["tolerance"] or check["off"]
+    assert all(isinstance(x, str) and x for x in check["off"])
 
 
 def test_estimated_profile_of_the_paper_testbed(tmp_path):
