@@ -99,6 +99,11 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
                    "tpot_ms": round(1000 * r["tpot_s"], 3),
                    "decode_error": round((dec["predicted_ms_per_token"] - dec["measured_ms_per_token"])
                                          / dec["measured_ms_per_token"], 4) if dec else None,
+                   # the model's own error: the plan's pipeline with the stages' compute as this run measured it
+                   "prefill_model_error": round((check["predicted_with_measured_compute_s"] - r["ttft_s"]) / r["ttft_s"], 4)
+                   if check.get("predicted_with_measured_compute_s") else None,
+                   "decode_model_error": round((dec["predicted_with_measured_compute_ms"] - dec["measured_ms_per_token"])
+                                               / dec["measured_ms_per_token"], 4) if dec else None,
                    "decode_terms_ms": {k: [round(v, 3), round(dec["measured_terms_ms"].get(k, 0.0), 3)]
                                        for k, v in dec.get("predicted_terms_ms", {}).items()},
                    "prefill_stage_busy_s": {"predicted": [round(x, 4) for x in pr["stage_busy_s"]],
@@ -106,7 +111,8 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
                    "assumptions": pr.get("assumptions", []), "off": check.get("off", []),
                    "launch_said": stdout.splitlines()[:3]}
             out["runs"].append(row)
-            print(f"{name} {n}: prefill {row['prefill_predicted_s']:.3f} vs {row['prefill_measured_s']:.3f} s "
+            print(f"{name} {n}: (model error prefill {row['prefill_model_error']}, decode {row['decode_model_error']}) "
+                  f"prefill {row['prefill_predicted_s']:.3f} vs {row['prefill_measured_s']:.3f} s "
                   f"({row['prefill_error']:+.1%}), decode {row['decode_predicted_ms']} vs {row['decode_measured_ms']} ms "
                   f"({row['decode_error'] if row['decode_error'] is None else format(row['decode_error'], '+.1%')})",
                   flush=True)
@@ -136,12 +142,15 @@ def main() -> None:
                                                    Path(keep[name]).resolve() if name in keep else None)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     worst = collections.defaultdict(float)
+    model = collections.defaultdict(float)
     for name, s in report["settings"].items():
         for r in s.get("runs", []):
             worst[name] = max(worst[name], abs(r["prefill_error"]), abs(r["decode_error"] or 0))
+            model[name] = max(model[name], abs(r["prefill_model_error"] or 0), abs(r["decode_model_error"] or 0))
     report["worst_abs_error"] = dict(worst)
+    report["worst_abs_model_error"] = dict(model)   # with the stages' measured compute put in
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["worst_abs_error"]))
+    print(json.dumps({"raw": report["worst_abs_error"], "with measured compute": report["worst_abs_model_error"]}))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # `hpipe profile --cluster --quick --threads 1 --max-seq-len 2048` on 3 emulated hosts (one thread
 # each, h2's link at 100 Mbit/s), bench/fidelity.py's hosts-3 setting, 2026-11-25
 MEASURED = ROOT / "tests" / "data" / "profile-3hosts.json"
-LOCAL = ROOT / "profiles" / "smollm2-cpu-1thread-quick.json"
+# the shipped one-thread profile as it was on 2026-11-23 (kept: the constructed case is made from it)
+LOCAL = ROOT / "tests" / "data" / "profile-1thread-2026-11-23.json"
 
 
 @pytest.fixture(scope="module")
