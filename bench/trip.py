@@ -25,12 +25,10 @@ Writes bench/results/trip.json (or --out).
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,23 +47,11 @@ PROMPT, NEW, PREFILL = 256, 128, 2048
 
 
 def per_token(timeline: dict) -> dict:
-    """Medians over the steady decode tokens: compute per stage, hops, the way back, the token."""
-    compute = {}
-    for st in timeline["stages"]:
-        for i in st["intervals"]:
-            if i["what"] == "compute" and i.get("kind") == "decode":
-                compute[(st["rank"], i["mb"])] = (i["start"], i["end"])
-    n = len(timeline["stages"])
-    ids = sorted(m for r, m in compute if r == 0 and all((s, m) in compute for s in range(n)))
-    parts = collections.defaultdict(list)
-    for a, b in zip(ids[8:-4], ids[9:-3]):
-        for r in range(n):
-            parts[f"compute {r}"].append(compute[(r, a)][1] - compute[(r, a)][0])
-            if r + 1 < n:
-                parts[f"hop {r}->{r + 1}"].append(compute[(r + 1, a)][0] - compute[(r, a)][1])
-        parts["back (sample, ids to stage 0, commit)"].append(compute[(0, b)][0] - compute[(n - 1, a)][1])
-        parts["token"].append(compute[(0, b)][0] - compute[(0, a)][0])
-    return {k: round(1000 * statistics.median(v), 3) for k, v in parts.items()}
+    """Medians over the steady decode tokens (ms): compute per stage, hops, the way back (sampling,
+    the ids to stage 0, the commit), the token: the run summary's own reading of a timeline."""
+    from hpipe.launcher import decode_terms
+
+    return {k: round(1000 * v, 3) for k, v in decode_terms(timeline["stages"]).items()}
 
 
 def run_hpipe(model: str, stages: int, extra: list[str], work: Path) -> dict:
