@@ -575,6 +575,8 @@ def serve(
             server.run()
     finally:
         client.close()
+        # the service's single streams against the plan's decode prediction (Ctrl-C ends here too)
+        _print_decode_check(launcher.decode_check(job.plan, client.output.timelines))
     if client.failure is not None:     # a stage failed (a shutdown asked for is not a failure)
         raise HpipeError(client.failure)
 
@@ -611,6 +613,21 @@ def _print_replicas(report, out: str) -> None:
                        for r in report.replicas))
 
 
+def _print_decode_check(dec: dict | None, echo: bool = False) -> None:
+    """A single stream's decode, predicted against measured term by term (`launcher.decode_check`),
+    and beyond the tolerance the terms that are off."""
+    if not dec:
+        return
+    say = typer.echo if echo else _note
+    say(f"decode: predicted {dec['predicted_ms_per_token']:.1f} ms/token, measured "
+        f"{dec['measured_ms_per_token']:.1f} ({dec['relative_difference']:+.0%}); per term, predicted / measured ms: "
+        + ", ".join(f"{k} {v:.2f} / {dec['measured_terms_ms'].get(k, 0.0):.2f}" for k, v in dec["predicted_terms_ms"].items())
+        + f"; with the measured compute {dec['predicted_with_measured_compute_ms']:.1f} ms")
+    if abs(dec["relative_difference"]) > launcher.TOLERANCE:
+        for line in dec["off"]:
+            typer.echo(f"off by more than {launcher.TOLERANCE:.0%}: {line}", err=True)
+
+
 def _print_launch(summary: dict, out: str) -> None:
     check, s, busy = summary["plan_check"], summary["run"], summary["busy_fraction"]
     if check:
@@ -623,15 +640,10 @@ def _print_launch(summary: dict, out: str) -> None:
         if check.get("predicted_with_measured_compute_s") is not None:
             typer.echo(f"prefill with the stages' measured compute in the plan's pipeline: "
                        f"{check['predicted_with_measured_compute_s']:.3f} s")
-        dec = check.get("decode")
-        if dec:
-            typer.echo(f"decode: predicted {dec['predicted_ms_per_token']:.1f} ms/token, measured "
-                       f"{dec['measured_ms_per_token']:.1f} ({dec['relative_difference']:+.0%}); per term, predicted / "
-                       "measured ms: " + ", ".join(f"{k} {v:.2f} / {dec['measured_terms_ms'].get(k, 0.0):.2f}"
-                                                   for k, v in dec["predicted_terms_ms"].items())
-                       + f"; with the measured compute {dec['predicted_with_measured_compute_ms']:.1f} ms")
+        _print_decode_check(check.get("decode"), echo=True)
         for line in check["off"]:
-            typer.echo(f"off by more than {check['tolerance']:.0%}: {line}", err=True)
+            if not line.startswith("decode"):
+                typer.echo(f"off by more than {check['tolerance']:.0%}: {line}", err=True)
     typer.echo(f"{summary['prompts_done']} prompts done -> {out}; "
                f"{s.get('generated_tokens', 0)} tokens in {s.get('wall_s', 0):.2f} s "
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +

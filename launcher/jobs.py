@@ -278,6 +278,12 @@ def _prefill_off(pr: dict, busy: list[float], measured: float, modelled: float |
     return out
 
 
+def decode_check(plan: formats.Plan, timelines: dict[int, dict]) -> dict | None:
+    """`plan_check`'s decode part alone, for a service (`hpipe serve` at its end): the steady tokens
+    of single streams, when the plan predicts them (one row per group) and the run had them."""
+    return _decode_check((plan.predicted or {}).get("decode"), [timelines[r] for r in sorted(timelines)])
+
+
 def _decode_check(dec: dict | None, timelines: list[dict]) -> dict | None:
     if not dec or "terms" not in dec or dec.get("rows_per_group") != 1:
         return None
