@@ -226,25 +226,34 @@ def test_profile_plan_launch_end_to_end(cluster, tmp_path):
 
 
 def assert_cuts_are_the_optimum_for(profile: dict, plan: dict) -> None:
-    """The plan's cuts are what HPipe's Algorithm 1 must choose for the measured profile: no other
-    pair of cuts (brute force) has a smaller largest stage time (compute of the plan's slices plus
-    the send after the stage, eq. 3), computed here from the profile's own numbers. Which host gets
-    more units follows from those numbers (and the LM head's weight), not from the emulated limits
-    alone: a quick profile on a busy machine can measure any host a little slower."""
+    """The plan starts from HPipe's Algorithm 1: the cuts it records as Algorithm 1's must be the ones
+    no other pair of cuts beats (brute force) on the largest stage time (compute of the plan's
+    slices plus the send after the stage, eq. 3), computed here from the profile's own numbers.
+    Which host gets more units follows from those numbers (and the LM head's weight), not from the
+    emulated limits alone: a quick profile on a busy machine can measure any host a little slower.
+    The cuts it keeps are predicted (its own simulator, the three hosts sharing this machine's cores)
+    no slower than Algorithm 1's or uniform cuts."""
     from hpipe import models
     from hpipe.planner.partition import stage_time
-    from hpipe.planner.profiled import CostModel, workload
+    from hpipe.planner.profiled import CostModel, predict, workload
+    from hpipe.planner.uniform import uniform_cuts
     config = models.load_config(models.resolve_model("smollm2").path)
     cost = CostModel(profile, config, [(st["host"], st["device"]) for st in plan["stages"]])
-    unit_time, out_comm = workload(cost, plan["predicted"]["slices"], plan["predicted"]["batch"])
+    pr = plan["predicted"]
+    unit_time, out_comm = workload(cost, pr["slices"], pr["batch"])
     n = unit_time.shape[1]
 
     def largest_stage(cuts):
         return max(stage_time(unit_time, out_comm, j, cuts[j], cuts[j + 1]) for j in range(3))
 
-    cuts = [st["units"][0] for st in plan["stages"]] + [n]
+    algorithm1 = pr["cut_search"]["algorithm1_cuts"]
     best = min(largest_stage([0, a, b, n]) for a in range(1, n - 1) for b in range(a + 1, n))
-    assert largest_stage(cuts) <= best * (1 + 1e-9), (cuts, largest_stage(cuts), best)
+    assert largest_stage(algorithm1) <= best * (1 + 1e-9), (algorithm1, largest_stage(algorithm1), best)
+    cuts = [st["units"][0] for st in plan["stages"]] + [n]
+    kept = predict(cost, cuts, pr["slices"], pr["batch"]).makespan
+    assert kept == pytest.approx(pr["makespan_s"], rel=1e-9)
+    for other in (algorithm1, [0, *uniform_cuts(n, 3), n]):
+        assert kept <= predict(cost, other, pr["slices"], pr["batch"]).makespan * (1 + 1e-9), (cuts, other)
 
 
 def spawn_launch(cluster, plan_and_prompts, tmp_path, *extra):
