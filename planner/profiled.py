@@ -14,6 +14,7 @@ the cut) / beta of that link.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,7 @@ class CostModel:
         back = (self.entries[-1]["id"], self.entries[0]["id"])
         return self.runtime["back_s"] + (self.links[back][0] if back in self.links else 0.0)
 
+    @functools.cached_property
     def sharing(self) -> Sharing:
         """Which stages compete for one machine's cores: CPU stages on the same machine (the profile's
         boot id, else the host), with the threads they were measured with."""
@@ -292,7 +294,7 @@ def predict(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> 
     (stages that share a machine's cores slowed while they run at once), then the first token's way
     back to stage 0."""
     t, comm = pipeline_times(cost, cuts, slices, batch)
-    sharing = cost.sharing()
+    sharing = cost.sharing
     tl = simulate_shared(t, comm, sharing) if sharing.oversubscribed else simulate(t, comm)
     return dataclasses.replace(tl, makespan=tl.makespan + cost.way_back())
 
@@ -467,7 +469,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         return partition_layers(unit_time, out_comm, unit_mem, device_mem(slices), names, overlap=overlap)
 
     uniform = [0, *uniform_cuts(n_units, d), n_units]
-    sharing = cost.sharing()
+    sharing = cost.sharing
 
     def by_makespan(slices, starts) -> tuple[Partition, CutSearch]:
         """Algorithm 1's cuts for these slices, then the cuts that minimize the simulated objective
