@@ -128,9 +128,11 @@ SWITCHES = [(tsem, sat, sampling) for tsem in (False, True) for sat in (False, T
 
 def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
     """With TSEM the CPU executor runs as a thread (as on CUDA stages); all on also takes the static
-    decode path (the CUDA-graph path, eager on a CPU), and with the sampler pool through
-    torch.compile (`--compile on`)."""
-    static = [] if not (tsem and sat) else ["--compile", "on"] if sampling == "cpu" else ["--static-decode", "on"]
+    decode path (the CUDA-graph path, eager on a CPU), and with the sampler pool its steps' halves
+    through torch.compile (`--compile on`); TSEM alone takes the compiled halves on the dynamic path."""
+    static = ["--static-decode", "on"] if tsem and sat else []
+    if tsem and (sampling == "cpu" or not sat):
+        static += ["--compile", "on"]
     return (["--sampling", sampling] + (["--prepare-thread", "on"] if tsem else ["--no-tsem"])
             + ([] if sat else ["--no-sat"]) + ["--no-cuda-graphs"] + static)
 

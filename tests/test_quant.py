@@ -276,10 +276,11 @@ def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_
 
 @pytest.mark.parametrize("fmt", ["none", "int4:32"])
 def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models):
-    """`--compile on`: the static decode step through torch.compile (inductor), on 2 stages with a
-    mid-block cut and batches of 1-3 rows (both compiled graphs: one row, and any other number),
-    against one process running the same modules eagerly. Float32 weights within float32 summation
-    noise; quantized within the bf16 grid of the kernels' results."""
+    """`--compile on`: decode steps through the halves compiled once for every block (inductor), on 2
+    stages with a mid-block cut and batches of 1-3 rows (both graphs of each half: one row, and any
+    other number), on the dynamic path and on the static one, against one process running the same
+    modules eagerly. Float32 weights within float32 summation noise; quantized within the bf16 grid
+    of the kernels' results."""
     path = tiny_models["llama"]
     config = models.load_config(path)
     weights = quant.WeightFormat.parse(fmt)
@@ -287,12 +288,20 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     tol = QUANT_TOL if weights.quantized else 1e-4
     rng = random.Random(f"compile-{fmt}")
     n_units = models.num_units(config)
-    runners = [StageRunner(path, config, range(a, b), weights=weights) for a, b in ((0, 4), (4, n_units))]
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(3)]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=8 + 4 * i, eos_ids=frozenset())
                 for i, p in enumerate(prompts)]
-    results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
-                            static=True, compiled=True)
+    for static in (False, True):
+        runners = [StageRunner(path, config, range(a, b), weights=weights, compiled=True)
+                   for a, b in ((0, 4), (4, n_units))]
+        # one graph per half and kind of block, shared by the blocks (regional), not one per block
+        assert [r.decode_halves.graphs for r in runners] == [2, 2]
+        results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3,
+                                keep_logits=True, static=static)
+        check_against_reference(reference, requests, results, tol)
+
+
+def check_against_reference(reference, requests, results, tol):
     for r in requests:
         out = results[r.id]["output_ids"]
         ref = reference_logits(reference, list(r.input_ids), out)

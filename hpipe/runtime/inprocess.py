@@ -19,12 +19,11 @@ from hpipe.sampling import RequestSampler
 
 def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_for: Callable[[int], list[int]],
                   max_batch: int = DEFAULTS.max_batch, n_stages: int | None = None, keep_logits: bool = False,
-                  static: bool = False, graphs: bool = False, compiled: bool = False, policy: Policy | None = None,
+                  static: bool = False, graphs: bool = False, policy: Policy | None = None,
                   pages: int | None = None, page_size: int = DEFAULTS.page_size,
                   speculation: Speculation = Speculation()) -> dict:
     """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}. static: decode
-    micro-batches take the static-shape path (replayed from CUDA graphs on CUDA with `graphs`, through
-    torch.compile with `compiled`). pages:
+    micro-batches take the static-shape path (replayed from CUDA graphs on CUDA with `graphs`). pages:
     the KV pool (None: room for max_batch of the longest request)."""
     ids = {r.index: r.id for r in requests}
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch, policy=policy, pages=pages,
@@ -37,7 +36,7 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
     statics: list[StaticDecode | None] = [None] * len(runners)
     if static:
         longest = max(len(r.input_ids) + r.max_new_tokens for r in requests)
-        statics = [StaticDecode(runner, max_batch, graphs, longest, compiled) for runner in runners]
+        statics = [StaticDecode(runner, max_batch, graphs, longest) for runner in runners]
         for runner, static in zip(runners, statics):
             static.capture()
             runner.kv.frozen = True

@@ -23,7 +23,7 @@ import torch
 
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
 
-__all__ = ["BatchCache", "KVStore", "flat_positions"]
+__all__ = ["BatchCache", "KVStore", "LayerKV", "flat_positions"]
 
 
 class KVStore:
@@ -93,6 +93,7 @@ class BatchCache:
     def __init__(self, store: KVStore, segments: list[Segment]):
         self.store = store
         self.segments = segments
+        self.rows = len(segments)
         self.layout = layout_of(segments)
         P, dev = store.page_size, store.device
         tables = [list(store.pages_of(s)) for s in segments]
@@ -116,7 +117,14 @@ class BatchCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, kv_heads, tokens, head_dim] of the new tokens."""
-        keys, values = self.store._layer(layer_idx, key_states)
+        return self.write_read(*self.store._layer(layer_idx, key_states), key_states, value_states)
+
+    def layer(self, layer_idx: int) -> "LayerKV":
+        return LayerKV(self, self.store.keys[layer_idx], self.store.values[layer_idx])
+
+    def write_read(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
+                   value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new keys and values into one layer's pages; returns what its attention reads."""
         heads, d = keys.shape[2], keys.shape[3]
         kf, vf = keys.view(-1, heads, d), values.view(-1, heads, d)
         kf.index_copy_(0, self._write, key_states.transpose(1, 2).reshape(-1, heads, d))
@@ -126,11 +134,26 @@ class BatchCache:
         else:
             k, v = kf.index_select(0, self._read), vf.index_select(0, self._read)
         if self.layout == "rows":
-            n = len(self.segments)
-            return (k.view(n, self._max_end, heads, d).transpose(1, 2),
-                    v.view(n, self._max_end, heads, d).transpose(1, 2))
+            return (k.view(self.rows, self._max_end, heads, d).transpose(1, 2),
+                    v.view(self.rows, self._max_end, heads, d).transpose(1, 2))
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
 
     # transformers' attention code may ask these of a cache object
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._max_end
+
+
+class LayerKV:
+    """One attention layer's part of a micro-batch's cache (a `BatchCache` or a static step's
+    `StaticKV`), that layer's K/V tensors bound: the `past_key_values` of a compiled attention half.
+    transformers passes the layer's index to `update`; a graph that every block shares must not read
+    it (it would be baked in as a constant), so this object ignores it."""
+
+    def __init__(self, cache, keys: torch.Tensor, values: torch.Tensor):
+        self.cache, self.keys, self.values = cache, keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.cache.write_read(self.keys, self.values, key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.cache.get_seq_length()

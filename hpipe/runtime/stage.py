@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,12 +35,15 @@ class StageInputs:
     rotary: tuple | None              # (cos, sin) for RoPE models
     cache: BatchCache | None
     sample_rows: torch.Tensor         # flat token indices whose logits are taken: sampled, then scored
+    decode: bool = False              # one new token per row: the compiled halves' micro-batch
 
 
 class StageRunner:
     def __init__(self, model: models.ModelSource | Path, config, units: range, device: str = "cpu",
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
-                 page_size: int = DEFAULTS.page_size, weights=None):
+                 page_size: int = DEFAULTS.page_size, weights=None, compiled: bool = False):
+        """compiled: decode steps run the halves through torch.compile where `compiled_halves_refused` allows
+        (`--compile`); everything else, and every other stage, eagerly."""
         self.config = config
         self.units = units
         self.device = torch.device(device)
@@ -63,6 +67,9 @@ class StageRunner:
         self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
         attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
         self.cache_argument = models.cache_argument(attention)
+        self.eager = Halves(self.cache_argument)
+        self.compile_refused = compiled_halves_refused(self) if compiled else None
+        self.decode_halves = CompiledHalves(self) if compiled and self.compile_refused is None else self.eager
 
     @property
     def first(self) -> bool:
@@ -80,6 +87,7 @@ class StageRunner:
         """Runs `modules[b]` in place of block b's MLP module (SiDP's owned and remote MLP halves)."""
         for b, module in modules.items():
             self._mods[2 + 2 * b][1] = module
+        self.decode_halves = self.eager      # their fetches and sends are Python a graph does not hold
 
     # ---------------------------------------------------------------- step 1: input preparation
     def prepare_inputs(self, segments: list[Segment]) -> StageInputs:
@@ -124,7 +132,8 @@ class StageRunner:
         sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         shape = (len(segments), segments[0].length) if layout == "rows" else (1, ends[-1])
         cache = BatchCache(self.kv, segments) if self.blocks else None
-        return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
+        decode = layout == "rows" and shape[1] == 1
+        return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows, decode)
 
     def _mask_for_attention(self, allowed: torch.Tensor) -> torch.Tensor:
         """SDPA takes the boolean mask; eager attention adds a float mask (0 or the dtype's min)."""
@@ -149,13 +158,16 @@ class StageRunner:
                                                         inputs.positions))
         h = x.to(self.device).view(rows, per_row) if self.first else \
             x.to(self.device, self.dtype).view(rows, per_row, self.hidden_size)
+        halves = self.decode_halves if inputs.decode else self.eager
+        if halves is not self.eager and torch.is_inference_mode_enabled() and not h.is_inference():
+            h = h.clone()       # received hidden states: a graph made for inference tensors serves them too
         for u in self.units:
-            h = self._run_unit(u, h, inputs)
+            h = self._run_unit(u, h, inputs, halves)
         if self.last:
             return h.float()
         return h.reshape(rows * per_row, self.hidden_size)
 
-    def _run_unit(self, u: int, h: torch.Tensor, inputs: StageInputs) -> torch.Tensor:
+    def _run_unit(self, u: int, h: torch.Tensor, inputs: StageInputs, halves: "Halves") -> torch.Tensor:
         mods = self._mods[u]
         if u == 0:
             if self.gpt2:
@@ -171,13 +183,114 @@ class StageRunner:
         residual = h
         if u % 2 == 1:  # attention half
             mask = inputs.masks[models.sliding_window_of_block(self.config, block)]
-            cache = {self.cache_argument: inputs.cache}
             if self.gpt2:
-                out, _ = module(norm(h), attention_mask=mask, **cache)
-            else:
-                out, _ = module(hidden_states=norm(h), position_embeddings=inputs.rotary, attention_mask=mask, **cache)
-            return residual + out
-        return residual + module(norm(h))
+                out, _ = module(norm(h), attention_mask=mask, **{self.cache_argument: inputs.cache})
+                return residual + out
+            return halves.attention(u, norm, module, h, inputs.rotary, mask, inputs.cache, block)
+        return halves.mlp(u, norm, module, h)
+
+
+def attention_half(norm, attention, h, rotary, mask, cache_kw: dict):
+    out, _ = attention(hidden_states=norm(h), position_embeddings=rotary, attention_mask=mask, **cache_kw)
+    return h + out
+
+
+def mlp_half(norm, mlp, h):
+    return h + mlp(norm(h))
+
+
+class Halves:
+    """How a stage runs a block's attention and MLP halves: transformers' modules called as they are,
+    the micro-batch's cache object told the layer by transformers. Chosen once per stage and kind of
+    micro-batch (decode steps may take `CompiledHalves`)."""
+
+    def __init__(self, cache_argument: str):
+        self.cache_argument = cache_argument
+
+    def attention(self, u, norm, module, h, rotary, mask, cache, block):
+        return attention_half(norm, module, h, rotary, mask, {self.cache_argument: cache})
+
+    def mlp(self, u, norm, module, h):
+        return mlp_half(norm, module, h)
+
+
+_COPIES = itertools.count()        # names the compiled copies of the halves apart
+
+
+def compiled_halves_refused(runner) -> str | None:
+    """Why a stage's decode steps cannot share one graph per half among its blocks, or None."""
+    if runner.device.type != "cpu":
+        return f"{runner.device.type} stages replay CUDA graphs of the static step instead"
+    if runner.config.model_type not in models.LLAMA_LIKE:
+        return f"{runner.config.model_type} blocks are not compiled (llama-like models are)"
+    if not runner.blocks:
+        return "the stage holds no block"
+    return None
+
+
+class CompiledHalves(Halves):
+    """Decode steps through torch.compile (inductor), regionally: one graph per half and kind of
+    block, shared by every block of that kind (30 blocks compile once, not 30 times; a whole-stage
+    graph took 40-75 s to compile here, a half's a few seconds). Guards skip the modules (checking
+    every parameter of a half on every call cost more than its norms); so that a graph never runs
+    on modules it was not made for, blocks share one only where their modules' classes, plain
+    attributes and tensor shapes agree (`_signature`), and each stage compiles its own copies of the
+    functions (two stages or two models in one process never run each other's graphs). The layer
+    index is the one attribute left out: transformers hands it to the cache, and a `LayerKV` binds
+    that layer's tensors instead. Dynamic shapes from the first call: one graph serves every context
+    length and number of rows. Inductor's artifacts are kept under hpipe's cache directory."""
+
+    def __init__(self, runner):
+        super().__init__(runner.cache_argument)
+        use_inductor_cache()
+        self.fns: dict[int, object] = {}
+        copies: dict[tuple, object] = {}
+        for u in runner.units:
+            if not 0 < u < runner.n_units - 1:
+                continue
+            fn = attention_half if u % 2 == 1 else mlp_half
+            key = (fn.__name__, _signature(*runner._mods[u]))
+            if key not in copies:
+                copies[key] = _compiled_copy(fn)
+            self.fns[u] = copies[key]
+        self.graphs = len(copies)
+
+    def attention(self, u, norm, module, h, rotary, mask, cache, block):
+        if block not in cache.store.keys:       # a layer's pages are made by its first write (eager)
+            return super().attention(u, norm, module, h, rotary, mask, cache, block)
+        return self.fns[u](norm, module, h, rotary, mask, {self.cache_argument: cache.layer(block)})
+
+    def mlp(self, u, norm, module, h):
+        return self.fns[u](norm, module, h)
+
+
+def _compiled_copy(fn):
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_COPIES)}")     # equal code objects share a cache
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, dynamic=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def _signature(*modules) -> tuple:
+    """What a graph shared by several blocks bakes in from their modules: classes, plain attributes
+    (but the layer index, see `CompiledHalves`), tensor names, shapes and dtypes."""
+    out = []
+    for top in modules:
+        for name, m in top.named_modules():
+            attrs = tuple(sorted((k, v) for k, v in vars(m).items()
+                                 if isinstance(v, (int, float, str, bool, type(None))) and k != "layer_idx"))
+            tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in itertools.chain(m._parameters.items(),
+                                                                                  m._buffers.items()) if t is not None)
+            out.append((name, type(m), attrs, tensors))
+    return tuple(out)
+
+
+def use_inductor_cache() -> None:
+    """Inductor's artifacts under hpipe's cache directory (torch's default is a temporary one), so a
+    second start loads what the first compiled; a user's own TORCHINDUCTOR_CACHE_DIR stays."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
 
 
 def _plain_causal(segments: list[Segment], layout: str, window: int | None) -> bool:

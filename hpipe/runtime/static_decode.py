@@ -17,27 +17,17 @@ memory on a copy stream that waits for the last replay of the same version (its 
 a replay waits for its version's copy (`ready`): the write-after-read hazard of SiPipe §3.2 is
 excluded by these two events, not by synchronising the host. On a CPU the same code runs eagerly.
 
-`compiled` (`--compile on`) traces the step once with torch.compile (inductor): the decode step's
-few hundred small operations (norms, rotary, residuals, casts around the weight-only kernels) become
-a few fused kernels and one Python call. Two graphs serve every padded batch: one row (torch
-specialises size 1) and any other number of rows (dynamic after the second size it sees). Both
-are compiled in `capture()`, before the clock starts; inductor's artifacts are kept under hpipe's
-cache directory, so a second start loads them instead of compiling. Guards on the modules'
-parameters are skipped: a stage never swaps its weights during a run, and checking ~300 of them
-took longer than the step's norms.
+With `--compile on` the stage's halves run compiled inside the step as in any decode step
+(`hpipe.runtime.stage.CompiledHalves`).
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import types
 from dataclasses import dataclass
 
 import torch
 
-from hpipe import models
-from hpipe.runtime.kv import KVStore, flat_positions
+from hpipe.runtime.kv import KVStore, LayerKV, flat_positions
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, pages_needed
 from hpipe.runtime.stage import StageInputs
 
@@ -45,7 +35,6 @@ __all__ = ["BATCH_SIZES", "StaticDecode", "StaticKV", "unsupported"]
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 VERSIONS = 2
-_COMPILED = itertools.count()          # names the compiled copies of StaticDecode._decode apart
 
 
 class StaticKV:
@@ -61,7 +50,12 @@ class StaticKV:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states: [rows, kv_heads, 1, head_dim]. Returns [rows, kv_heads, capacity, head_dim]."""
-        keys, values = self.store._layer(layer_idx, key_states)
+        return self.write_read(*self.store._layer(layer_idx, key_states), key_states, value_states)
+
+    def layer(self, layer_idx: int) -> LayerKV:
+        return LayerKV(self, self.store.keys[layer_idx], self.store.values[layer_idx])
+
+    def write_read(self, keys, values, key_states, value_states):
         heads, d = keys.shape[2], keys.shape[3]
         kf, vf = keys.view(-1, heads, d), values.view(-1, heads, d)
         kf.index_copy_(0, self.write, key_states[:, :, 0])
@@ -100,10 +94,9 @@ def unsupported(runner) -> str | None:
 
 
 class StaticDecode:
-    def __init__(self, runner, max_batch: int, graphs: bool, max_len: int, compiled: bool = False):
+    def __init__(self, runner, max_batch: int, graphs: bool, max_len: int):
         """runner: the stage's StageRunner, its KV pool already sized (not grown after this);
-        max_len: the longest sequence (prompt and output) a row may hold; compiled: the step
-        through torch.compile."""
+        max_len: the longest sequence (prompt and output) a row may hold."""
         self.runner = runner
         self.width = pages_needed(max_len, runner.kv.page_size)      # pages per row
         self.capacity = self.width * runner.kv.page_size
@@ -113,8 +106,6 @@ class StaticDecode:
         self.buffers = [self._allocate() for _ in range(VERSIONS)]
         self.graph: dict[tuple[int, int], tuple] = {}      # (version, rows) -> (graph, output)
         self.row_ids = torch.arange(self.max_rows, device=runner.device)
-        self.compiled = compiled
-        self._step = self._compiled_step() if compiled else self._eager_step
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(runner.device)
             self.ready = [torch.cuda.Event() for _ in range(VERSIONS)]
@@ -189,32 +180,12 @@ class StaticDecode:
     def _decode(self, x, positions, tables, masks, sample_rows) -> torch.Tensor:
         inputs = StageInputs(segments=[], layout="rows", shape=(x.shape[0], 1), positions=positions, masks=masks,
                              rotary=None, cache=StaticKV(self.runner.kv, tables, positions[:, 0]),
-                             sample_rows=sample_rows)
+                             sample_rows=sample_rows, decode=True)
         return self.runner.compute(inputs, x)
 
-    def _eager_step(self, version: int, rows: int) -> torch.Tensor:
+    def _step(self, version: int, rows: int) -> torch.Tensor:
         with torch.inference_mode():
             return self._decode(*self._rows(version, rows))
-
-    def _compiled_step(self):
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-            # the user's own setting stays; torch's default is a temporary directory
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
-        # Guards skip the modules (see the module's docstring), and torch.compile keeps its graphs per
-        # code object: each instance compiles its own copy of `_decode`, so that two stages in one
-        # process (or two models in one test) never run each other's graphs.
-        fn = StaticDecode._decode
-        code = fn.__code__.replace(co_name=f"_decode_{next(_COMPILED)}")     # equal code objects share a cache too
-        own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-        decode = torch.compile(types.MethodType(own, self), options={
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-
-        def step(version: int, rows: int) -> torch.Tensor:
-            # torch.compile cannot trace inference tensors: the buffers, weights and KV pool are plain
-            with torch.inference_mode(False), torch.no_grad():
-                return decode(*self._rows(version, rows))
-        return step
 
     def run(self, handle: tuple[int, int, int], x: torch.Tensor) -> torch.Tensor:
         """x: the n real rows' token ids or hidden states. Returns the n rows' output (a copy)."""
@@ -246,16 +217,11 @@ class StaticDecode:
                 m[..., 0] = True
 
     def capture(self) -> int:
-        """Compiles the step (`compiled`: one row, then two), then on CUDA records one graph per
-        (version, padded batch size) up to the largest, on a side stream after warm-up replays (the
-        scratch page takes every write). Returns the CUDA graphs made."""
-        if self.compiled or self.graphs:
-            self._point_at_scratch()
-        if self.compiled:
-            for rows in sorted({1, min(2, self.max_rows)}):
-                self._step(0, rows)
+        """On CUDA records one graph per (version, padded batch size) up to the largest, on a side
+        stream after warm-up replays (the scratch page takes every write). Returns the CUDA graphs made."""
         if not self.graphs:
             return 0
+        self._point_at_scratch()
         dev = self.runner.device
         torch.cuda.synchronize(dev)
         side = torch.cuda.Stream(dev)

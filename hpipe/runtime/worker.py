@@ -334,7 +334,9 @@ class StageWorker:
         self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
-                                           weights=self.weights)
+                                           weights=self.weights, compiled=config.compile == "on")
+        if runner.compile_refused:
+            log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
         self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
         self.policy = Policy.resolve(config, [s.device for s in self.stages])
         self.speculation = Speculation.parse(config.speculation)
@@ -346,8 +348,8 @@ class StageWorker:
         self.pages = self._agree_kv_pages()
         runner.kv.allocate(self.pages)
         warm_up(runner, self.requests.max_len)
-        static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs, self.requests.max_len,
-                                     compiled=config.compile == "on") if static else None
+        static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs,
+                                     self.requests.max_len) if static else None
         self.graphs = static_decode.capture() if static_decode is not None else 0
         runner.kv.frozen = True             # sized once: a growth mid-run would be a bug (and move the graphs' KV)
         max_segments = config.max_batch + 1
@@ -377,12 +379,11 @@ class StageWorker:
         modes = Modes(tsem=config.tsem, sat=config.sat, prepare_thread=prepare_thread,
                       sampling=choose_sampling(config.sampling, self.stage_plan.device, self.world),
                       cuda_graphs=config.cuda_graphs and device.type == "cuda")
-        static = config.static_decode == "on" or config.compile == "on" or \
-            (config.static_decode == "auto" and modes.cuda_graphs)
+        static = config.static_decode == "on" or (config.static_decode == "auto" and modes.cuda_graphs)
         self.grouped = self.seat is not None and not runs_plain(self.seat.group, config.sidp_mode)
         why = "a SiDP replica's MLP halves run through WaS or CaS" if self.grouped else unsupported(self.runner)
         if static and why:
-            log(f"stage {self.rank}: decode runs eagerly, not on the static path (CUDA graphs, --compile): {why}")
+            log(f"stage {self.rank}: decode runs eagerly, not on the static path (CUDA graphs): {why}")
             static = False
             modes = dataclasses.replace(modes, cuda_graphs=False)
         return modes, static
@@ -468,7 +469,7 @@ class StageWorker:
         return protocol.Summary(**run, requests=len(requests.requests), prompt_tokens=sum(
             len(r.input_ids) for r in requests.requests),
             options={**dataclasses.asdict(self.modes), "static_decode": self.ex.static is not None,
-                     "compiled": self.ex.static is not None and self.ex.static.compiled,
+                     "compiled": self.runner.decode_halves is not self.runner.eager,
                      "weights": str(self.weights)},
             policy=dataclasses.asdict(self.policy), kv_pages=self.pages - 1, page_size=config.page_size,
             config=dataclasses.asdict(config), sidp=self.replica.report() if self.replica is not None else None)
@@ -535,10 +536,25 @@ def longest_microbatch(lengths: list[int], plan, max_batch: int, policy: Policy)
 
 def warm_up(runner, max_len: int) -> None:
     """Before the clock starts (the KV pool is allocated): one small slice through the stage's units
-    (kernel selection, thread pools, first-touch allocations)."""
+    (kernel selection, thread pools, first-touch allocations); with compiled halves, the decode
+    steps that compile them: one row (its context read in place), two rows of different lengths
+    (under a mask). Every step stays inside the slice's own pages."""
     n = max(1, min(16, max_len))
-    x = torch.zeros(n, dtype=torch.long) if runner.first else torch.zeros(n, runner.hidden_size, dtype=runner.dtype)
-    runner.forward(runner.prepare_inputs([Segment(0, 0, 0, n, True)]), x)
+
+    @torch.inference_mode()      # as the run prepares and computes (a compiled graph tells the two apart)
+    def step(segments):
+        rows = sum(s.length for s in segments)
+        x = torch.zeros(rows, dtype=torch.long) if runner.first else \
+            torch.zeros(rows, runner.hidden_size, dtype=runner.dtype)
+        runner.forward(runner.prepare_inputs(segments), x)
+
+    step([Segment(0, 0, 0, n, True)])
+    if runner.decode_halves is not runner.eager and n > 2:
+        t = time.time()
+        step([Segment(0, 0, n - 1, 1, True)])
+        step([Segment(0, 0, n - 1, 1, True), Segment(1, 0, n - 2, 1, True)])
+        log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode halves compiled in {time.time() - t:.1f} s "
+            f"({runner.decode_halves.graphs} kinds of half)")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 
