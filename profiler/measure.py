@@ -229,8 +229,8 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
             x = torch.randn(rows, per_row, hidden, device=dev, dtype=runner.dtype)
         if runner is body and u > 0:          # the same half of the next block each call
             units = itertools.cycle(range(u, 1 + 2 * cycle, 2))
-            return lambda: runner._run_unit(next(units), x, inputs)
-        return lambda: runner._run_unit(u, x, inputs)
+            return lambda: runner._run_unit(next(units), x, inputs, runner.eager)
+        return lambda: runner._run_unit(u, x, inputs, runner.eager)
 
     points = [(s, c) for c in c_grid for s in s_grid if s + c <= n]
     decode_batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
@@ -322,7 +322,7 @@ def probe(model: str, device_entry: dict, threads: int, weights: str, dtype: str
         inputs = runner.prepare_inputs([Segment(0, 0, 0, PROBE_TOKENS, True)])
         x = torch.randn(1, PROBE_TOKENS, int(config.hidden_size), dtype=runner.dtype)
         with torch.inference_mode():
-            took = sum(median_time(lambda u=u: runner._run_unit(u, x, inputs), lambda: None, 9) for u in (1, 2))
+            took = sum(median_time(lambda u=u: runner._run_unit(u, x, inputs, runner.eager), lambda: None, 9) for u in (1, 2))
     finally:
         torch.set_num_threads(before)
     s, c = np.array([PROBE_TOKENS]), np.array([0])
