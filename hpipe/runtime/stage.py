@@ -35,7 +35,11 @@ class StageInputs:
     rotary: tuple | None              # (cos, sin) for RoPE models
     cache: BatchCache | None
     sample_rows: torch.Tensor         # flat token indices whose logits are taken: sampled, then scored
-    decode: bool = False              # one new token per row: the compiled halves' micro-batch
+
+    @property
+    def decode(self) -> bool:
+        """One new token per row: the compiled halves' micro-batch."""
+        return self.layout == "rows" and self.shape[1] == 1
 
 
 class StageRunner:
@@ -132,8 +136,7 @@ class StageRunner:
         sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         shape = (len(segments), segments[0].length) if layout == "rows" else (1, ends[-1])
         cache = BatchCache(self.kv, segments) if self.blocks else None
-        decode = layout == "rows" and shape[1] == 1
-        return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows, decode)
+        return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
 
     def _mask_for_attention(self, allowed: torch.Tensor) -> torch.Tensor:
         """SDPA takes the boolean mask; eager attention adds a float mask (0 or the dtype's min)."""
@@ -180,12 +183,11 @@ class StageRunner:
             return head(norm(flat))
         block = (u - 1) // 2
         norm, module = mods
-        residual = h
         if u % 2 == 1:  # attention half
             mask = inputs.masks[models.sliding_window_of_block(self.config, block)]
             if self.gpt2:
                 out, _ = module(norm(h), attention_mask=mask, **{self.cache_argument: inputs.cache})
-                return residual + out
+                return h + out
             return halves.attention(u, norm, module, h, inputs.rotary, mask, inputs.cache, block)
         return halves.mlp(u, norm, module, h)
 

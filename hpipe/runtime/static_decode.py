@@ -180,7 +180,7 @@ class StaticDecode:
     def _decode(self, x, positions, tables, masks, sample_rows) -> torch.Tensor:
         inputs = StageInputs(segments=[], layout="rows", shape=(x.shape[0], 1), positions=positions, masks=masks,
                              rotary=None, cache=StaticKV(self.runner.kv, tables, positions[:, 0]),
-                             sample_rows=sample_rows, decode=True)
+                             sample_rows=sample_rows)
         return self.runner.compute(inputs, x)
 
     def _step(self, version: int, rows: int) -> torch.Tensor:
