@@ -566,7 +566,7 @@ def serve(
     try:
         client.start()
         ready = client.info
-        app = create_app(client, job.tokenizer, name, int(job.config.vocab_size), api_key, max_queue)
+        app = create_app(client, job.tokenizer, name, int(job.config.vocab_size), api_key)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
         _note(f"serving {name} on http://{host}:{port}/v1 ({len(job.plan.stages)} stages, policy {runtime.policy}, "
               f"KV pool {ready.kv_pages} pages x {ready.page_size} tokens, max model length {ready.max_model_len}); "

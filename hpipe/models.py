@@ -632,10 +632,12 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                 full = f"{mod_path}.{name}" if name else mod_path
                 parent_path, _, child = full.rpartition(".")
                 if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
-                    mine = tensors if not tied(f"{full}.weight") else \
-                        {k.replace(unit_modules(config, 0)[0], full): v
-                         for k, v in unit_tensors(0).items()}
-                    parts = {k[len(full) + 1:]: v for k, v in mine.items() if k.startswith(full + ".")}
+                    parts = {k[len(full) + 1:]: v for k, v in tensors.items() if k.startswith(full + ".")}
+                    if not parts and f"{full}.weight" == "lm_head.weight":
+                        # a tied head's unit holds none of its own (pack_unit skipped them): the
+                        # embedding's, read from unit 0's file (no GGUF parse when the cache is warm)
+                        parts = {k[len(unit_modules(config, 0)[0]) + 1:]: v for k, v in unit_tensors(0).items()
+                                 if k.startswith(unit_modules(config, 0)[0] + ".")}
                     bias = parts.pop("bias", None)
                     bias = None if bias is None else bias.to(device, tdtype)
                     new = quant.embedding_module(parts, device, tdtype) if isinstance(sub, torch.nn.Embedding) \
@@ -700,6 +702,12 @@ def eos_token_ids(path: Path, config) -> list[int]:
 
 def context_length(config) -> int:
     return int(getattr(config, "max_position_embeddings", None) or config.n_positions)
+
+
+def max_model_len(asked: int, config) -> int:
+    """The longest prompt + output a request may have: --max-model-len (`asked`, 0: unset) within
+    the model's context. The one resolution, for the launcher, the server and the workers."""
+    return min(asked or context_length(config), context_length(config))
 
 
 def peak_rss_bytes() -> int:

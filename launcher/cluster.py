@@ -242,7 +242,7 @@ def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory
     try:
         runtime = settings.runtime
         if settings.serve:    # the KV pool sizes itself from free memory: room for one longest sequence
-            kv_tokens = runtime.max_model_len or models.context_length(job.config)
+            kv_tokens = models.max_model_len(runtime.max_model_len, job.config)
             microbatch = memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], runtime.max_batch)
         else:
             kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)

@@ -93,7 +93,7 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
                              f"it holds, or choose another --out")
         done_ids = {r["id"] for r in formats.load_results(out_path)}
     eos = frozenset(models.eos_token_ids(source.path, config))
-    ctx = min(settings.runtime.max_model_len or models.context_length(config), models.context_length(config))
+    ctx = models.max_model_len(settings.runtime.max_model_len, config)
     limit = "--max-model-len" if ctx < models.context_length(config) else "the model's context"
     vocab = int(config.vocab_size)
     requests = []

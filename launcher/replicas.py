@@ -161,12 +161,9 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
             await room.wait_for(lambda: pick() is not None)
             r = pick()
             handle = clients[r].submit_request(request, loop)
-        while True:
-            kind, value = await handle.queue.get()
-            if kind == "error":
-                raise HpipeError(f"replica {r} ({report.replicas[r]['device']}): {value}")
-            if kind == "end":
-                break
+        kind, value, _ = await handle.queue.get()     # no output assembled: the end or an error alone
+        if kind == "error":
+            raise HpipeError(f"replica {r} ({report.replicas[r]['device']}): {value}")
         result = handle.result
         fields = protocol.as_dict(result)
         del fields["index"]

@@ -4,9 +4,10 @@ requests go to stage 0 as `hpipe.protocol` ops on its stdin, tokens come back as
 stdout as they are sampled.
 
 `PipelineClient` is what the HTTP front end (`hpipe.launcher.api`) talks to; it knows nothing of
-HTTP: `submit()` turns a request into a `Handle` whose events (tokens, the end, an error) arrive on
-the caller's asyncio loop; `abort()` ends one at once (its KV pages are freed by stage 0's
-scheduler); `stats` and `metrics` are what /metrics shows. A request's index is its one key, from
+HTTP: `submit_request()` turns a request into a `Handle` whose events arrive on the caller's
+asyncio loop, as the request's `RequestOutput` assembles them from the stages' reports (text with
+its log-probabilities, the end, an error: launcher/output.py); `abort()` ends one at once (its KV
+pages are freed by stage 0's scheduler); `stats` and `metrics` are what /metrics shows. A request's index is its one key, from
 the handler to the sampler. When a stage fails, every open request ends with the launcher's
 one-line cause and `failure` holds it.
 """
@@ -26,6 +27,7 @@ from hpipe.errors import HpipeError
 from hpipe.launcher.cluster import start_cluster
 from hpipe.launcher.jobs import LaunchSettings, PreparedJob, StageReports
 from hpipe.launcher.local import start_local
+from hpipe.launcher.output import RequestOutput
 from hpipe.request import Request, SamplingParams
 
 __all__ = ["Handle", "Metrics", "PipelineClient"]
@@ -37,28 +39,30 @@ TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 @dataclass
 class Handle:
-    """One request in flight: its events go to `queue` on `loop` as ("token", id), ("end",
-    finish_reason) or ("error", message), and, when it asked for log-probabilities, ("logprob",
-    [token, log-probability, top]) from the last stage in sampling order (before or after the
-    token they belong to: two stages report them) and ("prompt_logprob", [position, token,
-    log-probability, top]) for its prompt's tokens after the first."""
+    """One request in flight. Its events go to `queue` on `loop`, as its `RequestOutput` makes them
+    (launcher/output.py): ("text", piece, entries), then ("finish", reason, entries) or ("error",
+    message, ()). A request submitted without an output (a batch job's, which reads `result`) gets
+    ("finish", stage 0's reason, ()) alone, or the error."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    output: RequestOutput | None = None
     result: protocol.Result | None = None       # stage 0's report of its end (timings)
     started: asyncio.Event = field(default_factory=asyncio.Event)   # its first token, its end or an error came
 
-    def put(self, event: tuple) -> None:
-        if not self.loop.is_closed():         # its reader is gone (a batch job that already stopped)
-            self.loop.call_soon_threadsafe(self._arrive, event)
+    def put(self, events: list[tuple], started: bool = False) -> None:
+        if (events or started) and not self.loop.is_closed():   # its reader is gone (a batch job that stopped)
+            self.loop.call_soon_threadsafe(self._arrive, events)
 
-    def _arrive(self, event: tuple) -> None:
-        self.queue.put_nowait(event)
-        if event[0] in ("token", "end", "error"):
-            self.started.set()
+    def _arrive(self, events: list[tuple]) -> None:
+        for event in events:
+            self.queue.put_nowait(event)
+        self.started.set()
+
+    @property
+    def done(self) -> bool:
+        return self.output is None or self.output.done
 
 
 class Histogram:
@@ -130,7 +134,7 @@ class PipelineClient:
         self.eos = frozenset()
         self.lock = threading.Lock()
         self.open: dict[int, Handle] = {}      # by request index
-        self.logprob_readers: dict[int, Handle] = {}   # those that asked for log-probabilities, until `forget`
+        self.logprob_readers: dict[int, Handle] = {}   # outputs waiting for log-probabilities (they may come after the end)
         self.next_index = itertools.count()
         self.launch = None                     # the started pipeline (hpipe.launcher.jobs.Launch)
         self.ready = threading.Event()
@@ -191,7 +195,7 @@ class PipelineClient:
             self.open.clear()
             self.logprob_readers.clear()
         for h in handles:
-            h.put(("error", cause))
+            h.put(h.output.error(cause) if h.output else [("error", cause, ())])
         if self.on_failure is not None:
             self.on_failure(cause)
 
@@ -203,7 +207,8 @@ class PipelineClient:
             self.open.clear()
             self.logprob_readers.clear()
         for h in handles:
-            h.put(("error", "the server is shutting down"))
+            h.put(h.output.error("the server is shutting down") if h.output else
+                  [("error", "the server is shutting down", ())])
         if self.launch is not None:      # the aborts first: stage 0 stops reading at Close
             for h in handles:
                 self._send(protocol.Abort(h.request.index))
@@ -231,47 +236,50 @@ class PipelineClient:
     def prefix_caching(self) -> bool:
         return self.settings.runtime.prefix_caching == "on"
 
+    @property
+    def capacity(self) -> int:
+        """Requests open at once before a 429: the running batch and the queue behind it."""
+        return self.max_batch + self.max_queue
+
     def load(self) -> int:
         with self.lock:
             return len(self.open)
 
-    def submit(self, input_ids: list[int], params: SamplingParams, max_tokens: int, stop_ids: frozenset[int],
-               ignore_eos: bool, loop: asyncio.AbstractEventLoop) -> Handle:
-        """Queues one request; raises HpipeError when the pipeline failed. The caller has checked
-        the lengths against `max_model_len` and the queue against `max_queue`."""
-        request = Request(0, "", tuple(input_ids), params, max_tokens, frozenset() if ignore_eos else self.eos,
-                          stop_ids)
-        return self.submit_request(request, loop)
+    def request(self, input_ids: list[int], params: SamplingParams, max_tokens: int, stop_ids: frozenset[int],
+                ignore_eos: bool) -> Request:
+        """A request of this pipeline's model (its EOS ids unless `ignore_eos`), not yet indexed.
+        The caller has checked the lengths against `max_model_len` and the queue against `capacity`."""
+        return Request(0, "", tuple(input_ids), params, max_tokens, frozenset() if ignore_eos else self.eos, stop_ids)
 
-    def submit_request(self, request: Request, loop: asyncio.AbstractEventLoop) -> Handle:
-        """Queues a request as it is (sampling, seed, stops), under this pipeline's next index."""
+    def submit_request(self, request: Request, loop: asyncio.AbstractEventLoop,
+                       output: RequestOutput | None = None) -> Handle:
+        """Queues a request as it is (sampling, seed, stops), under this pipeline's next index;
+        `output` assembles what it answers (None: the end alone). Raises HpipeError when the
+        pipeline failed."""
         index = next(self.next_index)
         request = dataclasses.replace(request, index=index, id=request.id or f"req-{index}")
-        input_ids = request.input_ids
-        handle = Handle(request, loop, asyncio.Queue())
+        handle = Handle(request, loop, asyncio.Queue(), output)
         with self.lock:
             if self.failure is not None:
                 raise HpipeError(self.failure)
             self.open[index] = handle
-            if request.params.logprobs is not None or request.params.prompt_logprobs is not None:
+            if output is not None and (request.params.logprobs is not None
+                                       or request.params.prompt_logprobs is not None):
                 self.logprob_readers[index] = handle
-        self.metrics.prompt_tokens += len(input_ids)
+        self.metrics.prompt_tokens += len(request.input_ids)
         if not self._send(protocol.Add(request)):
             with self.lock:           # the stage's own cause follows from the launcher
                 self.open.pop(index, None)
+                self.logprob_readers.pop(index, None)
             raise HpipeError("stage 0 no longer takes requests")
         return handle
 
-    def forget(self, handle: Handle) -> None:
-        """The request's reader is done with it (its log-probabilities, too)."""
-        with self.lock:
-            self.logprob_readers.pop(handle.request.index, None)
-
     def abort(self, handle: Handle, reason: str = "abort") -> None:
         """Ends a request now (its client went away, or a stop string matched: `reason` "stop"):
-        stage 0 frees its KV pages."""
+        stage 0 frees its KV pages. A request that ended already is left as it is."""
         with self.lock:
             live = self.open.pop(handle.request.index, None) is not None
+            self.logprob_readers.pop(handle.request.index, None)
         if live:
             self.metrics.finished[reason] += 1
             self._send(protocol.Abort(handle.request.index))
@@ -282,14 +290,18 @@ class PipelineClient:
         self.ready.set()
 
     def on_tokens(self, tokens: protocol.Tokens) -> None:
+        stopped = []
         with self.lock:
             for index, token in tokens.items:
                 h = self.open.get(index)
                 if h is None:
                     continue
-                h.output.append(token)
                 self.metrics.generation_tokens += 1
-                h.put(("token", token))
+                h.put(h.output.token(token) if h.output else [], started=True)
+                if h.output is not None and h.output.stopped:
+                    stopped.append(h)
+        for h in stopped:             # a stop string ended it: stage 0 frees its pages now
+            self.abort(h, "stop")
 
     def on_logprobs(self, report: protocol.Logprobs) -> None:
         with self.lock:
@@ -297,7 +309,9 @@ class PipelineClient:
                 for index, *entry in entries:
                     h = self.logprob_readers.get(index)
                     if h is not None:
-                        h.put((kind, entry))
+                        h.put(h.output.logprob(entry) if kind == "logprob" else h.output.prompt_logprob(entry))
+                        if h.output.done:
+                            del self.logprob_readers[index]
 
     def on_result(self, result: protocol.Result) -> None:
         """A request's end, and its timing as stage 0 measured it (aborted ones too: the metrics)."""
@@ -305,27 +319,39 @@ class PipelineClient:
             self.metrics.ttft.observe(result.ttft_s)
             if len(result.output_ids) > 1:
                 self.metrics.tpot.observe(result.tpot_s)
+        reason = result.finish_reason or "stop"
         with self.lock:
             h = self.open.pop(result.index, None)
-        if h is None:
-            return
-        reason = result.finish_reason or "stop"
-        h.finish_reason, h.result = reason, result
-        self.metrics.finished[reason] += 1
-        h.put(("end", reason))
+            if h is None:
+                return
+            h.result = result
+            self.metrics.finished[reason] += 1
+            h.put(h.output.finish(reason) if h.output else [("finish", reason, ())])
+            if h.done:
+                self.logprob_readers.pop(result.index, None)
 
     def on_rejected(self, rejected: protocol.Rejected) -> None:
         with self.lock:
             h = self.open.pop(rejected.index, None)
+            self.logprob_readers.pop(rejected.index, None)
         self.metrics.rejected += 1
         if h is not None:
-            h.put(("error", rejected.message))
+            h.put(h.output.error(rejected.message) if h.output else [("error", rejected.message, ())])
 
     def on_stats(self, stats: protocol.Stats) -> None:
+        """Stage 0's counters (every 0.25 s): also when ended requests stop waiting for entries."""
+        self._expire(time.monotonic())
         for t, decode, prefill in stats.microbatches:
             self.metrics.microbatch_tokens.observe(decode + prefill)
             self.metrics.microbatches.append((t, decode, prefill))
         self.stats = {k: v for k, v in protocol.as_dict(stats).items() if k != "microbatches"}
+
+    def _expire(self, now: float) -> None:
+        with self.lock:
+            for index, h in list(self.logprob_readers.items()):
+                h.put(h.output.expire(now))
+                if h.output.done:
+                    del self.logprob_readers[index]
 
     # ------------------------------------------------------------------ /metrics
     def prometheus(self) -> str:

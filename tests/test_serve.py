@@ -309,7 +309,7 @@ def test_dropped_clients_free_their_pages_and_a_full_queue_gets_429(server):
 def test_text_stream_is_the_whole_decode_and_stops_at_stop_strings(smollm2):
     """Incremental detokenization gives exactly the whole output's decode (multi-byte characters
     included), and a stop string cuts the text where it starts, even across tokens."""
-    from hpipe.launcher.api import TextStream
+    from hpipe.launcher.output import TextStream
     tokenizer = smollm2[2]
     text = "Déjà vu — naïve café 🚀 über straße: 12,345 tokens; «quoted» end."
     ids = tokenizer(text)["input_ids"]

@@ -161,8 +161,7 @@ class ServedRequests:
 
     def __init__(self, config: RuntimeConfig, model_config):
         self.requests: list[Request] = []
-        context = models.context_length(model_config)
-        self.max_len = min(config.max_model_len or context, context)
+        self.max_len = models.max_model_len(config.max_model_len, model_config)
         self.max_batch = self.sequences = config.max_batch
         self.sampler_len = self.max_len
         self.lengths = [self.max_len]
