@@ -25,7 +25,8 @@ from hpipe import __version__, formats, launcher, memory, models, planner, profi
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
 from hpipe.config import DEFAULTS, SETTINGS, RuntimeConfig, Speculation, cli_option, from_cli
-from hpipe.request import SamplingParams
+from hpipe.launcher.serving import MAX_QUEUE
+from hpipe.request import BATCH_SAMPLING, MAX_NEW_TOKENS, SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan and launch pipeline-parallel LLM inference on mixed commodity hardware.")
@@ -457,14 +458,17 @@ def launch(
     host_timeout: float = HOST_TIMEOUT,
     prompts: str = typer.Option(..., "--prompts", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"input_ids\"}"),
     out: str = typer.Option(..., "--out", help="results JSONL, one line per prompt as it finishes"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (below 1e-5)"),
-    top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0: off; ties kept)"),
-    top_p: float = typer.Option(1.0, "--top-p", help="nucleus: keep tokens while the mass above is < p"),
-    min_p: float = typer.Option(0.0, "--min-p", help="drop tokens below min_p x the most likely"),
-    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="over prompt and output tokens"),
-    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty", help="x count of each output token"),
-    presence_penalty: float = typer.Option(0.0, "--presence-penalty", help="once per output token"),
+    max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens"),
+    temperature: float = typer.Option(BATCH_SAMPLING.temperature, "--temperature", help="0 = greedy (below 1e-5)"),
+    top_k: int = typer.Option(BATCH_SAMPLING.top_k, "--top-k", help="keep the k most likely tokens (0: off; ties kept)"),
+    top_p: float = typer.Option(BATCH_SAMPLING.top_p, "--top-p", help="nucleus: keep tokens while the mass above is < p"),
+    min_p: float = typer.Option(BATCH_SAMPLING.min_p, "--min-p", help="drop tokens below min_p x the most likely"),
+    repetition_penalty: float = typer.Option(BATCH_SAMPLING.repetition_penalty, "--repetition-penalty",
+                                             help="over prompt and output tokens"),
+    frequency_penalty: float = typer.Option(BATCH_SAMPLING.frequency_penalty, "--frequency-penalty",
+                                            help="x count of each output token"),
+    presence_penalty: float = typer.Option(BATCH_SAMPLING.presence_penalty, "--presence-penalty",
+                                           help="once per output token"),
     seed: int = typer.Option(0, "--seed"),
     logits_out: str | None = typer.Option(None, "--logits-out", help=".npz of logits per prompt id"),
     timeline_out: str | None = typer.Option(None, "--timeline-out", help="the measured run per stage (compute, "
@@ -521,7 +525,8 @@ def serve(
                                        help="require 'Authorization: Bearer KEY' on /v1 (or set HPIPE_API_KEY)"),
     served_model_name: str | None = typer.Option(None, "--served-model-name",
                                                  help="the model name clients ask for (default: the plan's)"),
-    max_queue: int = typer.Option(256, "--max-queue", help="requests waiting beyond --max-batch before 429"),
+    max_queue: int = typer.Option(MAX_QUEUE, "--max-queue",
+                                  help="requests waiting beyond --max-batch before 429"),
     accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
     push_model: bool = PUSH_MODEL,
     host_timeout: float = HOST_TIMEOUT,

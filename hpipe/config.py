@@ -21,10 +21,21 @@ from dataclasses import dataclass, field
 
 from hpipe.errors import HpipeError
 
-__all__ = ["DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
+__all__ = ["DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
            "from_cli"]
 
 POLICIES = ("throttle", "sarathi")
+# gLLM's values (#MaxP 2048, #MinP 32) and Sarathi's budget (512) suit GPUs; a CPU stage needs a
+# second for ~1000 prompt tokens of a 135M model, so with any CPU stage in the pipeline #MaxP is 256
+# and #MinP 16: a micro-batch then costs at most ~8 decode steps, not ~60, and decode keeps flowing
+# while long prompts prefill. The one table of the device-dependent defaults (the flags' 0), resolved
+# by hpipe.runtime.scheduler.Policy.
+DEVICE_DEFAULTS = {"gpu": {"max_prefill": 2048, "min_prefill": 32, "budget": 512},
+                   "cpu": {"max_prefill": 256, "min_prefill": 16, "budget": 256}}
+
+
+def _by_device(name: str) -> str:
+    return f"{DEVICE_DEFAULTS['gpu'][name]} on GPUs, {DEVICE_DEFAULTS['cpu'][name]} with a CPU stage"
 SWITCH = ("auto", "on", "off")
 
 
@@ -81,13 +92,13 @@ class RuntimeConfig:
                           "first)", choices=POLICIES)
     iterations: int = setting(8, "--iterations", "throttle #T: waiting prompt tokens spread over this many "
                               "micro-batches", unit="micro-batches", lo=1)
-    max_prefill: int = setting(0, "--max-prefill", "throttle #MaxP (0: 2048 on GPUs, 256 with a CPU stage)",
+    max_prefill: int = setting(0, "--max-prefill", f"throttle #MaxP (0: {_by_device('max_prefill')})",
                                unit="tokens", lo=0)
-    min_prefill: int = setting(0, "--min-prefill", "throttle #MinP (0: 32 on GPUs, 16 with a CPU stage)",
+    min_prefill: int = setting(0, "--min-prefill", f"throttle #MinP (0: {_by_device('min_prefill')})",
                                unit="tokens", lo=0)
     kv_thresh: float = setting(0.05, "--kv-thresh", "throttle: no new prefill below this KV-free rate",
                                unit="fraction of the pool", lo=0.0, below=1.0)
-    budget: int = setting(0, "--budget", "sarathi: tokens per micro-batch (0: 512 on GPUs, 256 with a CPU stage)",
+    budget: int = setting(0, "--budget", f"sarathi: tokens per micro-batch (0: {_by_device('budget')})",
                           unit="tokens", lo=0)
     # -- the KV cache
     page_size: int = setting(16, "--page-size", "tokens per KV page (vLLM's block size)", unit="tokens", lo=1)

@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from hpipe.errors import HpipeError
@@ -126,6 +126,11 @@ def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
+BATCH_SAMPLING = SamplingParams(temperature=0.0)   # a job's prompts: greedy unless asked (the API's default
+                                                   # temperature is OpenAI's, SamplingParams' own 1.0)
+MAX_NEW_TOKENS = 64                                # a job's prompts: tokens each may generate unless asked
+
+
 def sequence_seed(seed: int, request_id: str) -> int:
     """A per-request seed from the launch's seed and the request id (same tokens however batched)."""
     digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
@@ -137,8 +142,8 @@ class Request:
     index: int                                  # position in the job, stable over the run
     id: str
     input_ids: tuple[int, ...]
-    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
-    max_new_tokens: int = 64
+    params: SamplingParams = BATCH_SAMPLING
+    max_new_tokens: int = MAX_NEW_TOKENS
     eos_ids: frozenset[int] = frozenset()       # the model's end-of-sequence ids
     stop_ids: frozenset[int] = frozenset()      # the request's own stop token ids
 

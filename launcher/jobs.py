@@ -22,7 +22,7 @@ from hpipe.errors import HpipeError
 from hpipe.launcher.overheads import decode_terms
 from hpipe.launcher.run_chart import predicted_timeline, stage_table, write_run_timeline
 from hpipe.planner import simulate
-from hpipe.request import Request, SamplingParams, sequence_seed
+from hpipe.request import BATCH_SAMPLING, MAX_NEW_TOKENS, Request, SamplingParams, sequence_seed
 
 
 @dataclass
@@ -30,8 +30,8 @@ class LaunchSettings:
     """What a launch adds to the runtime's config: the job's own settings."""
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)   # how the stage workers run
-    max_new_tokens: int = 64
-    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))  # seed: see `seed`
+    max_new_tokens: int = MAX_NEW_TOKENS
+    params: SamplingParams = BATCH_SAMPLING      # seed: see `seed`
     seed: int = 0
     logits_out: str | None = None
     resume: bool = False

@@ -30,8 +30,9 @@ from hpipe.launcher.local import start_local
 from hpipe.launcher.output import RequestOutput
 from hpipe.request import Request, SamplingParams
 
-__all__ = ["Handle", "Metrics", "PipelineClient"]
+__all__ = ["MAX_QUEUE", "Handle", "Metrics", "PipelineClient"]
 
+MAX_QUEUE = 256          # requests waiting beyond the running batch before a 429 (--max-queue)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -124,7 +125,7 @@ class ServeOutput(StageReports):
 class PipelineClient:
     def __init__(self, job: PreparedJob, plan_path: str, settings: LaunchSettings, inventory=None,
                  accept_new_keys: bool = False, push: bool = False, host_timeout_s: float = 15.0,
-                 max_queue: int = 256, log=None, quiet: bool = True, threads: int | None = None, seat=None):
+                 max_queue: int = MAX_QUEUE, log=None, quiet: bool = True, threads: int | None = None, seat=None):
         self.job, self.plan_path, self.settings, self.inventory = job, plan_path, settings, inventory
         self.launch_kwargs = dict(accept_new_keys=accept_new_keys, push=push, host_timeout_s=host_timeout_s)
         self.max_queue = max_queue

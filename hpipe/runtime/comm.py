@@ -37,7 +37,7 @@ from hpipe.runtime.pages import PageTable
 from hpipe.runtime.schedule import HEADER_LEN, OP_STOP, Schedule
 
 OP_TOKENS = 3                      # the back link's header (without SAT): OP_TOKENS or the schedules' OP_STOP
-TAG_FORWARD, TAG_BACK, TAG_SCHEDULE = 0, 1, 2
+TAG_FORWARD, TAG_BACK, TAG_SCHEDULE, TAG_REQUESTS = 0, 1, 2, 3
 
 
 # How a neighbour's death reads once it reaches this stage: gloo's TCP pairs and the rendezvous
@@ -179,13 +179,18 @@ class Pending:
 @dataclass(frozen=True)
 class ScheduleLink:
     """How this job's schedules travel, fixed at start: the body's capacity (the fixed-size message
-    on the control plane), the page size, whether the admitted requests travel with them (serving;
-    a batch job's stages all read its requests file) and where a request is looked up otherwise."""
+    on the control plane), the page size, whether the admitted requests travel whole (serving: from
+    stage 0 to the last stage alone, `last`; a batch job's stages all read its requests file) and
+    where a request is looked up otherwise."""
 
     capacity: int
     page_size: int
     with_requests: bool
+    last: int                        # the last stage's rank: the one reader of the admitted requests
     requests: object = None          # index -> Request, when not with_requests
+
+    def reads_requests(self, rank: int) -> bool:
+        return self.with_requests and rank == self.last
 
 
 def _payload_tensor(payload: bytes) -> torch.Tensor:
@@ -200,11 +205,17 @@ def publish_schedule(groups: Groups, world: int, schedule: Schedule, link: Sched
         raise ValueError(f"a schedule of {len(body)} integers; the control plane's messages hold {link.capacity}")
     msg = torch.zeros(HEADER_LEN + link.capacity, dtype=torch.long)
     msg[:HEADER_LEN + len(body)] = torch.tensor(header + body, dtype=torch.long)
-    extra = _payload_tensor(payload) if payload else None
     for dst in range(1, world):
         pending.add(groups.isend(msg, dst, TAG_SCHEDULE, "schedule"), msg)
-        if extra is not None:
-            pending.add(groups.isend(extra, dst, TAG_SCHEDULE, "schedule"), extra)
+    send_requests(groups, payload, link, pending)
+
+
+def send_requests(groups: Groups, payload: bytes, link: ScheduleLink, pending: Pending) -> None:
+    """Stage 0, serving: the admitted requests, to the last stage alone (the middle stages read
+    only their indices and the payload's length in the schedule)."""
+    if payload:
+        extra = _payload_tensor(payload)
+        pending.add(groups.isend(extra, link.last, TAG_REQUESTS, "schedule"), extra)
 
 
 def recv_schedule(groups: Groups, link: ScheduleLink, table: PageTable) -> Schedule:
@@ -213,8 +224,14 @@ def recv_schedule(groups: Groups, link: ScheduleLink, table: PageTable) -> Sched
     dist.recv(msg, 0, group=groups.ctrl, tag=TAG_SCHEDULE)
     flat = msg.tolist()
     header = flat[:HEADER_LEN]
-    payload = _recv_payload(groups, 0, TAG_SCHEDULE, codec.payload_len(header))
+    payload = _recv_requests(groups, link, header)
     return codec.decode(header, flat[HEADER_LEN:HEADER_LEN + codec.body_len(header)], payload, table, link.requests)
+
+
+def _recv_requests(groups: Groups, link: ScheduleLink, header: list[int]) -> bytes:
+    """The last stage: the admitted requests stage 0 sent it (b"" on any other stage)."""
+    return _recv_payload(groups, 0, TAG_REQUESTS, codec.payload_len(header)) \
+        if link.reads_requests(groups.rank) else b""
 
 
 def _recv_payload(groups: Groups, src: int, tag: int, n: int) -> bytes:
@@ -240,16 +257,15 @@ def post_recv_hidden(groups: Groups, src: int, buffer: torch.Tensor):
 
 def isend_work(groups: Groups, dst: int, schedule: Schedule, hidden: torch.Tensor | None, link: ScheduleLink,
                pending: Pending) -> None:
-    """Without SAT: the schedule's header and body (none at the stop), its payload, the hidden states."""
+    """Without SAT: the schedule's header and body (none at the stop), the hidden states; from stage
+    0, the admitted requests to the last stage."""
     header, body, payload = codec.encode(schedule, link.page_size, link.with_requests)
     head = torch.tensor(header, dtype=torch.long)
     pending.add(groups.isend(head, dst, TAG_FORWARD, "meta"), head)
     if body:
         rest = torch.tensor(body, dtype=torch.long)
         pending.add(groups.isend(rest, dst, TAG_FORWARD, "meta"), rest)
-    if payload:
-        extra = _payload_tensor(payload)
-        pending.add(groups.isend(extra, dst, TAG_FORWARD, "meta"), extra)
+    send_requests(groups, payload, link, pending)
     if hidden is not None:
         send_hidden(groups, dst, hidden, pending)
 
@@ -267,8 +283,7 @@ def recv_work(groups: Groups, src: int, hidden_size: int, dtype: torch.dtype, li
         buf = torch.empty(codec.body_len(header), dtype=torch.long)
         dist.recv(buf, src, group=groups.ctrl, tag=TAG_FORWARD)
         body = buf.tolist()
-    payload = _recv_payload(groups, src, TAG_FORWARD, codec.payload_len(header))
-    schedule = codec.decode(header, body, payload, table, link.requests)
+    schedule = codec.decode(header, body, _recv_requests(groups, link, header), table, link.requests)
     if schedule.stop:
         return schedule, None
     hidden = torch.empty((schedule.n_tokens, hidden_size), dtype=dtype, device=groups.data_device)

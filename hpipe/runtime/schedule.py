@@ -17,7 +17,9 @@ Encoding, in one place (`encode` / `decode`): a header of HEADER_LEN integers, a
 (the segments' fields, the pages they add, the released pairs, the admitted indices) and, when the
 receivers do not hold the job's requests (serving), a payload of the admitted requests as JSON.
 The transport (`hpipe.runtime.comm`) sends header and body as one fixed-size message on the control
-plane (SAT) or as two messages on every hop (without SAT), and the payload after them.
+plane (SAT) or as two messages on every hop (without SAT); the payload goes from stage 0 to the
+last stage alone, whose sampler is the only reader of a request's parameters, grammar and prompt
+(a middle stage keeps the admitted indices and passes the payload's length on).
 
 Pure Python (no torch).
 """
@@ -47,6 +49,8 @@ class Schedule:
     admitted: list[Request] = field(default_factory=list)
     released: list[tuple[int, int]] = field(default_factory=list)   # (request index, tokens it generated)
     stop: bool = False
+    passed: tuple[int, ...] = ()      # a stage without the payload: the admitted indices, passed on
+    passed_bytes: int = 0             # ... and the length of the payload that goes round it
     tokens: list[int] | None = None   # stage 0 only, not sent: the input ids (None while a decode token is out)
     prompt_ids: list[int] = field(default_factory=list)   # stage 0 only: its prefill segments' ids, in order
     t: float = 0.0                    # stage 0 only: when it was committed
@@ -105,12 +109,16 @@ def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[lis
     body += [p for a in added for p in a]
     body += [t for s in schedule.segments for t in s.draft]
     body += [v for pair in schedule.released for v in pair]
-    body += [r.index for r in schedule.admitted]
-    payload = json.dumps([r.to_json() for r in schedule.admitted]).encode() if with_requests and schedule.admitted \
-        else b""
+    if schedule.passed:            # a middle stage: the indices it read, the payload's length (it never had it)
+        body += schedule.passed
+        payload, n_admitted, n_payload = b"", len(schedule.passed), schedule.passed_bytes
+    else:
+        body += [r.index for r in schedule.admitted]
+        payload = json.dumps([r.to_json() for r in schedule.admitted]).encode() \
+            if with_requests and schedule.admitted else b""
+        n_admitted, n_payload = len(schedule.admitted), len(payload)
     n_pages = sum(len(a) for a in added)
-    header = [op, mb_id, len(schedule.segments), n_pages, len(schedule.released), len(schedule.admitted),
-              len(payload), len(body)]
+    header = [op, mb_id, len(schedule.segments), n_pages, len(schedule.released), n_admitted, n_payload, len(body)]
     return header, body, payload
 
 
@@ -125,8 +133,9 @@ def body_len(header: list[int]) -> int:
 def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
            requests: Callable[[int], Request] | None) -> Schedule:
     """The inverse of `encode`: each segment's whole page list rebuilt by this stage's page table
-    (in the schedule's order); admitted requests from the payload, or by index from `requests` (a
-    batch job's stages all read the job's requests file)."""
+    (in the schedule's order); admitted requests from the payload (the last stage, serving), by
+    index from `requests` (a batch job's stages all read the job's requests file), or neither (a
+    middle stage while serving: their indices and the payload's length, passed on)."""
     op, mb_id, n, n_pages, n_released, n_admitted = header[:6]
     segments, at = [], SEGMENT_FIELDS * n
     drafts = []
@@ -145,7 +154,9 @@ def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
     at += 2 * n_released
     indices = body[at:at + n_admitted]
     if payload:
-        admitted = [Request.from_json(d) for d in json.loads(payload.decode())]
-    else:
-        admitted = [requests(i) for i in indices] if indices else []
-    return Schedule(mb_id, segments, admitted, released, stop=op == OP_STOP)
+        return Schedule(mb_id, segments, [Request.from_json(d) for d in json.loads(payload.decode())], released,
+                        stop=op == OP_STOP)
+    if requests is not None:
+        return Schedule(mb_id, segments, [requests(i) for i in indices], released, stop=op == OP_STOP)
+    return Schedule(mb_id, segments, [], released, stop=op == OP_STOP, passed=tuple(indices),
+                    passed_bytes=payload_len(header))

@@ -43,21 +43,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hpipe.config import DEFAULTS, POLICIES, RuntimeConfig
+from hpipe.config import DEFAULTS, DEVICE_DEFAULTS, POLICIES, RuntimeConfig
 from hpipe.request import Request
 from hpipe.runtime.pages import PagePool, Segment, page_keys, pages_needed
 from hpipe.runtime.schedule import FRESH_PER_SCHEDULE, Schedule
 from hpipe.runtime.sequence import Sequence, Status
 from hpipe.runtime.speculative import SPEC_ROWS, Proposer, next_k
 
-__all__ = ["DEVICE_DEFAULTS", "Policy", "Scheduler"]
+__all__ = ["Policy", "Scheduler"]
 
-# gLLM's values (#MaxP 2048, #MinP 32) and Sarathi's budget (512) suit GPUs; a CPU stage needs a
-# second for ~1000 prompt tokens of a 135M model, so with any CPU stage in the pipeline #MaxP is 256
-# and #MinP 16: a micro-batch then costs at most ~8 decode steps, not ~60, and decode keeps flowing
-# while long prompts prefill. The one table of the device-dependent defaults.
-DEVICE_DEFAULTS = {"gpu": {"max_prefill": 2048, "min_prefill": 32, "budget": 512},
-                   "cpu": {"max_prefill": 256, "min_prefill": 16, "budget": 256}}
 
 
 @dataclass(frozen=True)

@@ -354,8 +354,8 @@ class StageWorker:
         max_segments = config.max_batch + 1
         lookup = self.requests.lookup()
         link = comm.ScheduleLink(body_capacity(max_segments, self.max_tokens, config.page_size, self.requests.max_len),
-                                 config.page_size,
-                                 with_requests=lookup is None, requests=lookup)
+                                 config.page_size, with_requests=lookup is None, last=self.world - 1,
+                                 requests=lookup)
         self.ex = Executors(self.rank, self.world, runner, self.groups, self.modes, Timeline(bounded=args.serve),
                             link, self.max_tokens, static=static_decode, errors=self.errors)
         self.ex.allocate_buffers()
