@@ -19,8 +19,9 @@ constraints:
 demo: setup
 	$(PYTHON) -m hpipe demo
 
+# two workers (pytest-xdist), one test file each at a time: a file's servers and hosts are started once
 test: setup
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"

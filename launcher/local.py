@@ -84,7 +84,7 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
     # so that `python -m hpipe.runtime.worker` finds this checkout even when it is not installed
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    tmp = tempfile.mkdtemp(prefix="hpipe-launch-")
+    tmp = tempfile.mkdtemp(prefix="hpipe-local-")
     requests_path = None
     if not settings.serve:
         requests_path = str(Path(tmp) / "requests.jsonl")
