@@ -15,6 +15,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share this machine's cores: a test's own torch work (the in-process references)
+    # takes one thread, as every stage of a local launch beside another does (OpenMP threads that
+    # outnumber the cores spin against each other: a test ran 30x slower)
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # and the stages it starts wait for work asleep
+
+
 def pytest_collection_modifyitems(config, items):
     """The emulated hosts' tests first: `make test` runs two pytest-xdist workers, one file per
     worker at a time, and the hosts' file is the longest (about 10 minutes); started first, the

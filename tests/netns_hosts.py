@@ -75,10 +75,11 @@ def unavailable_reason() -> str | None:
     for tool in ("ip", "tc", "ssh-keygen"):
         if shutil.which(tool) is None:
             return f"'{tool}' not found"
-    probe = subprocess.run(["ip", "netns", "add", NS_PREFIX + "probe"], capture_output=True, text=True)
+    name = f"{NS_PREFIX}probe{os.getpid()}"      # its own: pytest-xdist's workers all collect, and probe, at once
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot create network namespaces: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", NS_PREFIX + "probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
