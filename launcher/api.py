@@ -6,16 +6,18 @@
     GET  /health                200 while the pipeline runs, 503 once it failed
     GET  /metrics               Prometheus text: queue, running, KV pages, preemptions, TTFT/TPOT, micro-batch sizes
     GET  /hpipe/microbatches    the recent micro-batches' (time, decode tokens, prefill tokens), for benchmarks
-    GET  /openapi.json, /docs   the request bodies below, as FastAPI describes them
+    GET  /openapi.json, /docs   the request bodies (launcher/bodies.py), as FastAPI describes them
 
 The OpenAI sampling fields map onto hpipe's (temperature, top_p, max_tokens / max_completion_tokens,
 seed, stop, presence_penalty, frequency_penalty; top_k, min_p, repetition_penalty, stop_token_ids and
 ignore_eos as the extra fields vLLM accepts), logit_bias, n (choice i with seed + i, after the
 first's prefill), logprobs / top_logprobs and completions' echo (the model's raw distribution, from
 the last stage), and structured output (response_format, guided_json / guided_regex /
-guided_choice: hpipe.grammar's mask in the CPU sampler). Bad input gets OpenAI's error object with
-a 4xx that names the field; the server stays up. A client that goes away mid-request has its request aborted
-and its KV pages freed at once.
+guided_choice: hpipe.grammar's mask in the CPU sampler). The bodies are parsed by their typed
+models before a handler runs (launcher/bodies.py); bad input gets OpenAI's error object with a 4xx
+that names the field, and the server stays up. A request's text, log-probabilities and end come
+assembled from launcher/output.py: the handlers here format them. A client that goes away
+mid-request has its request aborted and its KV pages freed at once.
 """
 
 from __future__ import annotations
