@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import hmac
 import json
@@ -83,7 +84,8 @@ class ServerState:
     """What every handler reads: one object, on `app.state.hpipe`."""
 
     client: PipelineClient
-    tokenizer: object
+    tokenizer: object                        # the event loop's: prompts, chat templates, echo, token names
+    detokenizer: object                      # the report thread's: the outputs' text
     model_name: str
     vocab: int
     api_key: str | None
@@ -91,10 +93,27 @@ class ServerState:
     grammars: grammars.GrammarVocabulary     # what structured output is checked against (built on first use)
 
 
+class JsonBodies:
+    """A POST's body is JSON whatever its Content-Type says (`curl -d` sends form-urlencoded), as
+    OpenAI's server and hpipe's own before the typed bodies took it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, api_key: str | None) -> FastAPI:
     app = FastAPI(title="hpipe", description="The OpenAI API in front of an hpipe pipeline", redoc_url=None)
-    app.state.hpipe = ServerState(client, tokenizer, model_name, vocab, api_key, int(time.time()),
-                                  grammars.GrammarVocabulary(client.job.source.path, vocab))
+    app.add_middleware(JsonBodies)
+    # the outputs detokenize on the client's report thread: their own copy of the tokenizer (a fast
+    # tokenizer used from two threads at once can fail with "Already borrowed")
+    app.state.hpipe = ServerState(client, tokenizer, copy.deepcopy(tokenizer), model_name, vocab, api_key,
+                                  int(time.time()), grammars.GrammarVocabulary(client.job.source.path, vocab))
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
@@ -237,7 +256,7 @@ async def generate(request: Request, body: SamplingRequest, prompts: list[tuple[
                     return JSONResponse(error_body("the client closed the connection", "invalid_request_error"),
                                         status_code=499)
                 one = client.request(ids, choice_params, max(1, max_tokens), stop_ids, body.ignore_eos)
-                output = RequestOutput(one, st.tokenizer, body.stops, echo, generates=max_tokens > 0)
+                output = RequestOutput(one, st.detokenizer, body.stops, echo, generates=max_tokens > 0)
                 answers.append(Answer(kind, chat, st.model_name, client.submit_request(one, loop, output),
                                       st.tokenizer, body.return_tokens_as_token_ids, index=len(answers),
                                       counts_prompt=j == 0))

@@ -309,7 +309,7 @@ EDGE = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="
 
 def _models_in(annotation) -> list[type[BaseModel]]:
     """The models a field's annotation holds (through lists, unions and Annotated)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if typing.get_origin(annotation) is None and isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 

@@ -193,10 +193,13 @@ class PipelineClient:
                 return
             self.failure = cause
             handles = list(self.open.values())
+            ended = [h for i, h in self.logprob_readers.items() if i not in self.open]
             self.open.clear()
             self.logprob_readers.clear()
         for h in handles:
             h.put(h.output.error(cause) if h.output else [("error", cause, ())])
+        for h in ended:           # it ended at stage 0: its answer goes out with the entries that came
+            h.put(h.output.expire(float("inf")))
         if self.on_failure is not None:
             self.on_failure(cause)
 
@@ -204,12 +207,11 @@ class PipelineClient:
         """Ends the service: open requests are aborted and every worker is stopped."""
         self.closing = True
         with self.lock:
-            handles = list(self.open.values())
+            handles = list(self.open.values()) + [h for i, h in self.logprob_readers.items() if i not in self.open]
             self.open.clear()
             self.logprob_readers.clear()
-        for h in handles:
-            h.put(h.output.error("the server is shutting down") if h.output else
-                  [("error", "the server is shutting down", ())])
+        for h in handles:     # the reader ends at the error (the outputs are the report thread's alone)
+            h.put([("error", "the server is shutting down", ())])
         if self.launch is not None:      # the aborts first: stage 0 stops reading at Close
             for h in handles:
                 self._send(protocol.Abort(h.request.index))
@@ -291,28 +293,29 @@ class PipelineClient:
         self.ready.set()
 
     def on_tokens(self, tokens: protocol.Tokens) -> None:
-        stopped = []
         with self.lock:
-            for index, token in tokens.items:
-                h = self.open.get(index)
-                if h is None:
-                    continue
-                self.metrics.generation_tokens += 1
-                h.put(h.output.token(token) if h.output else [], started=True)
-                if h.output is not None and h.output.stopped:
-                    stopped.append(h)
-        for h in stopped:             # a stop string ended it: stage 0 frees its pages now
-            self.abort(h, "stop")
+            taken = [(h, token) for index, token in tokens.items if (h := self.open.get(index)) is not None]
+        self.metrics.generation_tokens += len(taken)
+        for h, token in taken:        # the report thread alone feeds the outputs: no lock held while decoding
+            h.put(h.output.token(token) if h.output else [], started=True)
+        self._stopped([h for h, _ in taken])
 
     def on_logprobs(self, report: protocol.Logprobs) -> None:
         with self.lock:
-            for kind, entries in (("logprob", report.entries), ("prompt_logprob", report.prompt)):
-                for index, *entry in entries:
-                    h = self.logprob_readers.get(index)
-                    if h is not None:
-                        h.put(h.output.logprob(entry) if kind == "logprob" else h.output.prompt_logprob(entry))
-                        if h.output.done:
-                            del self.logprob_readers[index]
+            taken = [(kind, h, entry) for kind, entries in (("logprob", report.entries), ("prompt_logprob", report.prompt))
+                     for index, *entry in entries if (h := self.logprob_readers.get(index)) is not None]
+        for kind, h, entry in taken:
+            h.put(h.output.logprob(entry) if kind == "logprob" else h.output.prompt_logprob(entry))
+        self._stopped([h for _, h, _ in taken])
+        with self.lock:
+            for _, h, _ in taken:
+                if h.output.done:
+                    self.logprob_readers.pop(h.request.index, None)
+
+    def _stopped(self, handles: list[Handle]) -> None:
+        """A stop string ended these (on a token or on its late entry): stage 0 frees their pages now."""
+        for h in {id(h): h for h in handles if h.output is not None and h.output.stopped}.values():
+            self.abort(h, "stop")
 
     def on_result(self, result: protocol.Result) -> None:
         """A request's end, and its timing as stage 0 measured it (aborted ones too: the metrics)."""
@@ -323,12 +326,13 @@ class PipelineClient:
         reason = result.finish_reason or "stop"
         with self.lock:
             h = self.open.pop(result.index, None)
-            if h is None:
-                return
-            h.result = result
-            self.metrics.finished[reason] += 1
-            h.put(h.output.finish(reason) if h.output else [("finish", reason, ())])
-            if h.done:
+        if h is None:
+            return
+        h.result = result
+        self.metrics.finished[reason] += 1
+        h.put(h.output.finish(reason) if h.output else [("finish", reason, ())])
+        if h.done:
+            with self.lock:
                 self.logprob_readers.pop(result.index, None)
 
     def on_rejected(self, rejected: protocol.Rejected) -> None:

@@ -158,6 +158,13 @@ def test_bodies_that_are_not_json_objects(app):
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), (raw, r.json())
 
 
+def test_a_json_body_is_read_whatever_its_content_type(app):
+    for kind in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"content-type": kind} if kind else {}
+        r = app.post("/v1/completions", content=b'{"model": "m", "prompt": "hi", "temperature": 9}', headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", (kind, r.json())
+
+
 def test_the_key_is_checked_before_the_body():
     keyed = TestClient(api.create_app(Unstarted(), Tokenizer(), "m", VOCAB, "k"))
     r = keyed.post("/v1/completions", json={"model": "m", "prompt": "hi", "temperature": 9})

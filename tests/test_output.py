@@ -118,3 +118,64 @@ def test_every_interleaving_of_a_short_answer(tokenizer):
         merged = (texts(events), [t for _, _, es in pieces for t in es], pieces[-1][:2])
         assert reference is None or merged == reference
         reference = merged
+
+
+class Stage0:
+    """Where a client's ops go while no workers run: kept, to be read back."""
+
+    def __init__(self):
+        self.ops = []
+
+    def send(self, op) -> bool:
+        self.ops.append(op)
+        return True
+
+
+def client_with_request(tokenizer, stops: list[str], logprobs: int | None):
+    """A PipelineClient's own bookkeeping (no workers: its reports are fed by hand, as the report
+    thread feeds them) and one submitted request with its output and its asyncio queue."""
+    import asyncio
+
+    from hpipe import protocol
+    from hpipe.launcher.jobs import LaunchSettings
+    from hpipe.launcher.serving import PipelineClient
+
+    client = PipelineClient(None, "", LaunchSettings())
+    client.launch = Stage0()
+    loop = asyncio.new_event_loop()
+    request = client.request([1, 2], SamplingParams(temperature=0.0, logprobs=logprobs), 16, frozenset(), False)
+    handle = client.submit_request(request, loop, RequestOutput(request, tokenizer, stops))
+
+    def events() -> list[tuple]:
+        loop.run_until_complete(asyncio.sleep(0))      # the callbacks the report thread scheduled
+        out = []
+        while not handle.queue.empty():
+            out.append(handle.queue.get_nowait())
+        return out
+
+    return client, handle, events, protocol
+
+
+def test_a_stop_string_found_on_a_late_entry_aborts_the_request_as_stop(tokenizer):
+    client, handle, events, protocol = client_with_request(tokenizer, ["two"], logprobs=0)
+    ids = tokenizer("one two three")["input_ids"]
+    client.on_tokens(protocol.Tokens([(handle.request.index, t) for t in ids]))
+    assert not any(kind == "finish" for kind, _, _ in events())       # each token waits for its entry
+    client.on_logprobs(protocol.Logprobs([[handle.request.index, t, -1.0, []] for t in ids], []))
+    assert events()[-1][:2] == ("finish", "stop")
+    assert [type(op).__name__ for op in client.launch.ops] == ["Add", "Abort"]
+    assert client.metrics.finished == {"stop": 1} and client.load() == 0
+
+
+def test_a_failure_after_the_end_still_answers_with_the_entries_that_came(tokenizer):
+    client, handle, events, protocol = client_with_request(tokenizer, [], logprobs=0)
+    ids = tokenizer("one two")["input_ids"]
+    client.on_tokens(protocol.Tokens([(handle.request.index, t) for t in ids]))
+    client.on_logprobs(protocol.Logprobs([[handle.request.index, ids[0], -1.0, []]], []))
+    client.on_result(protocol.Result(handle.request.index, ids, "length", 2, 0.1, 0.01, 0.2, 10.0))
+    out = events()
+    assert not any(kind == "finish" for kind, _, _ in out)             # the second entry is on its way
+    client._fail("stage 2 (h2 cpu) exited")                            # ... and never comes
+    out += events()
+    assert out[-1][:2] == ("finish", "length") and "".join(v for k, v, _ in out if k == "text") == \
+        tokenizer.decode(ids, skip_special_tokens=True)
