@@ -234,7 +234,10 @@ def start_cluster(base: Path, specs: list[HostSpec]) -> EmulatedCluster:
         if host.cgroup is not None:
             # the daemon (found from outside: `ip netns exec` hides the cgroup tree inside)
             for pid in namespace_pids(host.namespace):
-                (host.cgroup / "cgroup.procs").write_text(str(pid))
+                try:
+                    (host.cgroup / "cgroup.procs").write_text(str(pid))
+                except ProcessLookupError:     # a connection's child that already ended (the banner check's)
+                    pass
     cluster = EmulatedCluster(base, hosts, key, base / "known_hosts", base / "cluster.toml")
     write_inventory(cluster, cluster.inventory_path)
     return cluster
