@@ -306,16 +306,20 @@ class PipelineClient:
                      for index, *entry in entries if (h := self.logprob_readers.get(index)) is not None]
         for kind, h, entry in taken:
             h.put(h.output.logprob(entry) if kind == "logprob" else h.output.prompt_logprob(entry))
-        self._stopped([h for _, h, _ in taken])
-        with self.lock:
-            for _, h, _ in taken:
-                if h.output.done:
-                    self.logprob_readers.pop(h.request.index, None)
+        self._settle([h for _, h, _ in taken])
 
     def _stopped(self, handles: list[Handle]) -> None:
         """A stop string ended these (on a token or on its late entry): stage 0 frees their pages now."""
         for h in {id(h): h for h in handles if h.output is not None and h.output.stopped}.values():
             self.abort(h, "stop")
+
+    def _settle(self, handles: list[Handle]) -> None:
+        """After their outputs were fed: the stopped ones aborted, the ended ones waiting for nothing more."""
+        self._stopped(handles)
+        with self.lock:
+            for h in handles:
+                if h.done:
+                    self.logprob_readers.pop(h.request.index, None)
 
     def on_result(self, result: protocol.Result) -> None:
         """A request's end, and its timing as stage 0 measured it (aborted ones too: the metrics)."""
@@ -331,9 +335,7 @@ class PipelineClient:
         h.result = result
         self.metrics.finished[reason] += 1
         h.put(h.output.finish(reason) if h.output else [("finish", reason, ())])
-        if h.done:
-            with self.lock:
-                self.logprob_readers.pop(result.index, None)
+        self._settle([h])
 
     def on_rejected(self, rejected: protocol.Rejected) -> None:
         with self.lock:
@@ -353,10 +355,10 @@ class PipelineClient:
 
     def _expire(self, now: float) -> None:
         with self.lock:
-            for index, h in list(self.logprob_readers.items()):
-                h.put(h.output.expire(now))
-                if h.output.done:
-                    del self.logprob_readers[index]
+            waiting = list(self.logprob_readers.values())
+        for h in waiting:
+            h.put(h.output.expire(now))
+        self._settle(waiting)
 
     # ------------------------------------------------------------------ /metrics
     def prometheus(self) -> str:
