@@ -14,6 +14,7 @@ Pure Python (no torch): the file formats validate prompts' sampling objects with
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -131,6 +132,19 @@ BATCH_SAMPLING = SamplingParams(temperature=0.0)   # a job's prompts: greedy unl
 MAX_NEW_TOKENS = 64                                # a job's prompts: tokens each may generate unless asked
 
 
+MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of the draw for a sequence's output token at `position` (0: its first): a hash of the
+    request's seed and the position (splitmix64's finalizer), so that its nth token is drawn the same
+    however it got there: in one run, after a preemption, or resumed on another pipeline."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
 def sequence_seed(seed: int, request_id: str) -> int:
     """A per-request seed from the launch's seed and the request id (same tokens however batched)."""
     digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
@@ -146,12 +160,22 @@ class Request:
     max_new_tokens: int = MAX_NEW_TOKENS
     eos_ids: frozenset[int] = frozenset()       # the model's end-of-sequence ids
     stop_ids: frozenset[int] = frozenset()      # the request's own stop token ids
+    output_ids: tuple[int, ...] = ()            # tokens it generated already: a request resumed on a new
+                                                # pipeline (its KV rebuilt by a prefill of both; it goes on
+                                                # at the next position, its sampler state as it was there)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise HpipeError(f"request {self.id!r}: max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not self.input_ids:
             raise HpipeError(f"request {self.id!r}: no input tokens")
+        if len(self.output_ids) >= self.max_new_tokens:
+            raise HpipeError(f"request {self.id!r}: resumed with {len(self.output_ids)} tokens, but it may "
+                             f"generate {self.max_new_tokens}: it has ended")
+
+    def resumed(self, output_ids) -> Request:
+        """The same request, to go on after `output_ids` (what it generated before its pipeline was lost)."""
+        return dataclasses.replace(self, output_ids=tuple(int(t) for t in output_ids))
 
     @cached_property
     def ends(self) -> frozenset[int]:
@@ -172,12 +196,14 @@ class Request:
     def to_json(self) -> dict:
         return {"index": self.index, "id": self.id, "input_ids": list(self.input_ids),
                 "params": self.params.__dict__, "max_new_tokens": self.max_new_tokens,
-                "eos_ids": sorted(self.eos_ids), "stop_ids": sorted(self.stop_ids)}
+                "eos_ids": sorted(self.eos_ids), "stop_ids": sorted(self.stop_ids),
+                **({"output_ids": list(self.output_ids)} if self.output_ids else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> Request:
         return cls(int(d["index"]), str(d["id"]), tuple(d["input_ids"]), SamplingParams(**d["params"]),
-                   int(d["max_new_tokens"]), frozenset(d["eos_ids"]), frozenset(d["stop_ids"]))
+                   int(d["max_new_tokens"]), frozenset(d["eos_ids"]), frozenset(d["stop_ids"]),
+                   tuple(d.get("output_ids", ())))
 
 
 def write_requests(requests: list[Request], path: str | os.PathLike) -> None:

@@ -16,8 +16,10 @@ Semantics, per row, in this order (vLLM V1):
    min_p × the largest), top-k (ties with the k-th value kept), top-p on the renormalized
    distribution (keep a token iff the mass strictly above it is < top_p; the first is always
    kept), softmax, and the exponential race argmax(p / q), q ~ Exp(1), drawn — over the kept tokens
-   in token-id order — from the sequence's own generator (seeded with `seed` when given), so that
-   a sequence's tokens depend neither on its batch nor on its position in it.
+   in token-id order — from a generator seeded for the token's position in the sequence's output
+   (`hpipe.request.position_seed` of its `seed`, or of a random seed drawn when it joins), so that
+   a sequence's tokens depend neither on its batch nor on its position in it, and a sequence resumed
+   after its first n tokens (`add(..., output_ids)`) draws its next ones as the first run would.
 
 Design (SiPipe §5.1): the penalty state is kept per sequence column and updated in place — counts
 of output tokens, seen-in-prompt flags and the output history [max_len, max_batch] get one
@@ -37,11 +39,12 @@ from __future__ import annotations
 
 import bisect
 import math
+import secrets
 
 import torch
 
 from hpipe.grammar import GrammarMasks, GrammarVocabulary
-from hpipe.request import Request, SamplingError, SamplingParams
+from hpipe.request import Request, SamplingError, SamplingParams, position_seed
 
 __all__ = ["CPUSampler", "RequestSampler", "SamplingError", "SamplingParams"]
 
@@ -62,7 +65,8 @@ class _Replica:
         self.seen: list[list[int]] = [[] for _ in range(max_batch)]   # prompt ∪ output ids, unique
         self.seen_t: list[torch.Tensor | None] = [None] * max_batch
         self.params: list[SamplingParams | None] = [None] * max_batch
-        self.generators: list[torch.Generator | None] = [None] * max_batch
+        self.seeds: list[int | None] = [None] * max_batch                # each sequence's seed
+        self.generator = torch.Generator(device="cpu")                   # seeded per draw (position_seed)
         self.free = list(range(max_batch - 1, -1, -1))
 
     def at(self, ids: torch.Tensor, cols: torch.Tensor):
@@ -83,7 +87,9 @@ class CPUSampler:
 
     # -- sequences ----------------------------------------------------------------------------
 
-    def add(self, seq_id, params: SamplingParams, prompt_ids, replica: int = 0) -> None:
+    def add(self, seq_id, params: SamplingParams, prompt_ids, replica: int = 0, output_ids=()) -> None:
+        """A sequence joins with its prompt and, resumed, the tokens it generated already (its
+        penalties count them as output, and its next draw is that of position len(output_ids))."""
         if seq_id in self.where:
             raise SamplingError(f"sequence {seq_id!r} was already added")
         if not 0 <= replica < len(self.replicas):
@@ -96,20 +102,24 @@ class CPUSampler:
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise SamplingError(f"sequence {seq_id!r}: a prompt id is outside the vocabulary (size {self.vocab_size})")
+        output = [int(t) for t in output_ids]
+        if any(not 0 <= t < self.vocab_size for t in output) or len(output) >= self.max_len:
+            raise SamplingError(f"sequence {seq_id!r}: its output ids must be in the vocabulary and fewer than "
+                                f"max_len={self.max_len}")
         col = st.free.pop()
         unique = sorted(set(prompt))
         if unique:
             st.in_prompt[st.at(torch.tensor(unique), torch.full((len(unique),), col))] = True
-        st.seen[col] = unique
+        st.seen[col] = sorted(set(unique) | set(output))
         st.seen_t[col] = None
-        st.lengths[col] = 0
+        st.lengths[col] = len(output)
+        if output:
+            ids = torch.tensor(output, dtype=torch.long)
+            st.history[:len(output), col] = ids
+            st.counts.index_put_(st.at(ids, torch.full((len(output),), col)), torch.ones(len(output), dtype=torch.int32),
+                                 accumulate=True)
         st.params[col] = params
-        g = torch.Generator(device="cpu")
-        if params.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(params.seed)
-        st.generators[col] = g
+        st.seeds[col] = secrets.randbits(63) if params.seed is None else params.seed
         self.where[seq_id] = (replica, col)
 
     def remove(self, seq_id) -> None:
@@ -122,7 +132,7 @@ class CPUSampler:
             at = st.at(ids, torch.full((len(ids),), col))
             st.counts[at] = 0
             st.in_prompt[at] = False
-        st.seen[col], st.seen_t[col], st.params[col], st.generators[col] = [], None, None, None
+        st.seen[col], st.seen_t[col], st.params[col], st.seeds[col] = [], None, None, None
         st.lengths[col] = 0
         st.free.append(col)
 
@@ -336,7 +346,9 @@ class CPUSampler:
             kept_ids, kept_p = row_ids[nz], p[j][nz]
             order = torch.argsort(kept_ids)
             kept_ids, kept_p = kept_ids[order], kept_p[order]
-            q = torch.empty(len(kept_ids), dtype=torch.float64).exponential_(generator=st.generators[cols_l[i]])
+            c = cols_l[i]
+            st.generator.manual_seed(position_seed(st.seeds[c], st.lengths[c]))
+            q = torch.empty(len(kept_ids), dtype=torch.float64).exponential_(generator=st.generator)
             out_ids[i] = kept_ids[torch.argmax(kept_p / q)]
             if probs_out is not None:
                 probs_out[i, kept_ids] = kept_p
@@ -402,10 +414,13 @@ class RequestSampler:
         """Sampler state for the sequences met for the first time (from their first row)."""
         for s in seqs:
             if s not in self.started:
-                self.cpu.add(s, self.requests[s].params, self.requests[s].input_ids)
+                r = self.requests[s]
+                self.cpu.add(s, r.params, r.input_ids, output_ids=r.output_ids)
                 self.started.add(s)
-                if self.requests[s].params.grammar is not None:
-                    self._start_grammar(s, self.requests[s].params.grammar)
+                if r.params.grammar is not None:
+                    self._start_grammar(s, r.params.grammar)
+                    for token in r.output_ids:          # resumed: its grammar where its output left it
+                        self.masks.advance([s], [token])
 
     def _step(self, logits: torch.Tensor, seqs: list[int]) -> list[int]:
         if self.masks is None:

@@ -147,7 +147,7 @@ class Scheduler:
         if need > self.pool.usable:
             raise ValueError(f"request {request.id!r}: {len(request.input_ids)} prompt + {request.max_new_tokens} "
                              f"new tokens need {need} KV pages; the pool has {self.pool.usable}")
-        self.queue.append(Sequence(request, self.clock()))
+        self.queue.append(Sequence(request, self.clock(), output=list(request.output_ids)))
 
     def abort(self, index: int) -> Sequence | None:
         """Ends a request now (a client went away): its pages return to the pool at once; steps of it
@@ -188,7 +188,7 @@ class Scheduler:
         while self.queue and self.free_slots:
             seq = self.queue.popleft()
             seq.slot, seq.order, seq.status = self.free_slots.pop(), next(self.order), Status.PREFILLING
-            self._start_prefill(seq, list(seq.request.input_ids))
+            self._start_prefill(seq, seq.known_tokens)     # a resumed request: its output too
             self.active.append(seq)
             self.admitted.append(seq.request)
 
@@ -386,7 +386,7 @@ class Scheduler:
             budget = 1
         else:
             waiting = sum(len(s.tokens) - s.pos for s in prefilling) + \
-                sum(len(s.request.input_ids) for s in self.queue)
+                sum(len(s.known_tokens) for s in self.queue)
             budget = self.policy.prefill_tokens(waiting, self.pool.free_rate, decode_tokens)
             if budget <= 0 and not decode_tokens and not self.inflight:   # never idle with prompts waiting
                 budget = self.policy.min_prefill
