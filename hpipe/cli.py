@@ -53,8 +53,12 @@ PUSH_MODEL = typer.Option(False, "--push-model", help="copy the model files each
                           "(checksummed)")
 LOG_DIR = typer.Option(None, "--log-dir", help="also write every stage's whole log to DIR/stage-R.log (created; "
                        "appended to)")
-HOST_TIMEOUT = typer.Option(15.0, "--host-timeout", help="seconds of silence after which a host counts as lost and "
-                            "the launch stops")
+HOST_TIMEOUT = typer.Option(launcher.HEARTBEAT_TIMEOUT_S, "--heartbeat-timeout", "--host-timeout",
+                            help="seconds of silence after which a host counts as lost (its wrapper reports every "
+                                 "second: a shorter drop of its link is not a loss)")
+RECOVER = typer.Option(True, "--recover/--no-recover", help="with --cluster: when a host is lost, plan again over the "
+                       "hosts still up and go on (open requests resume where they stood; a returning host is taken "
+                       "back); --no-recover stops everything at the first failure")
 
 
 def runtime_options(command):
@@ -456,6 +460,7 @@ def launch(
     accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
     push_model: bool = PUSH_MODEL,
     host_timeout: float = HOST_TIMEOUT,
+    recover: bool = RECOVER,
     prompts: str = typer.Option(..., "--prompts", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"input_ids\"}"),
     out: str = typer.Option(..., "--out", help="results JSONL, one line per prompt as it finishes"),
     max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens"),
@@ -484,7 +489,7 @@ def launch(
     if local == (cluster is not None):
         raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
     if host_timeout <= 0:
-        raise HpipeError(f"--host-timeout must be > 0, got {host_timeout}")
+        raise HpipeError(f"--heartbeat-timeout must be > 0, got {host_timeout}")
     inventory = formats.load_inventory(cluster) if cluster else None
     if timeline_out:
         launcher.check_timeline_out(timeline_out)
@@ -506,7 +511,7 @@ def launch(
     if inventory is not None:
         report = launcher.launch_cluster(job, plan_path, inventory, out, settings,
                                          accept_new_keys=accept_new_host_keys, push=push_model,
-                                         host_timeout_s=host_timeout, quiet=quiet)
+                                         host_timeout_s=host_timeout, quiet=quiet, recover=recover)
     else:
         report = launcher.launch_local(job, plan_path, out, settings, quiet=quiet)
     _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
@@ -530,6 +535,7 @@ def serve(
     accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
     push_model: bool = PUSH_MODEL,
     host_timeout: float = HOST_TIMEOUT,
+    recover: bool = RECOVER,
     model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(True, "--quiet/--verbose", help="stream the workers' logs (--verbose)"),
     log_dir: str | None = LOG_DIR,
@@ -557,7 +563,8 @@ def serve(
         raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")
     name = served_model_name or job.plan.model.name
     client = PipelineClient(job, plan_path, settings, inventory, accept_new_keys=accept_new_host_keys,
-                            push=push_model, host_timeout_s=host_timeout, max_queue=max_queue, log=_note, quiet=quiet)
+                            push=push_model, host_timeout_s=host_timeout, max_queue=max_queue, log=_note, quiet=quiet,
+                            recover=recover)
     _note(f"starting {len(job.plan.stages)} stages of {job.plan.model.name} ...")
     server = None
 
@@ -581,7 +588,9 @@ def serve(
     finally:
         client.close()
         # the service's single streams against the plan's decode prediction (Ctrl-C ends here too)
-        _print_decode_check(launcher.decode_check(job.plan, client.output.timelines))
+        _print_decode_check(launcher.decode_check(client.plan or job.plan, client.output.timelines))
+        for event in client.metrics.events:
+            _note(f"event: {event.line()}")
     if client.failure is not None:     # a stage failed (a shutdown asked for is not a failure)
         raise HpipeError(client.failure)
 

@@ -3,9 +3,12 @@
     GET  /v1/models             the served model
     POST /v1/completions        prompt (text or token ids) -> text; "stream": true as server-sent events
     POST /v1/chat/completions   messages through the model's chat template -> the assistant's reply
-    GET  /health                200 while the pipeline runs, 503 once it failed
+    GET  /health                200 while the pipeline runs ("ok", or "recovering" while a lost host's
+                                pipeline is planned again), 503 when degraded (the hosts up cannot
+                                hold the model) or once it failed
     GET  /metrics               Prometheus text: queue, running, KV pages, preemptions, TTFT/TPOT, micro-batch sizes
     GET  /hpipe/microbatches    the recent micro-batches' (time, decode tokens, prefill tokens), for benchmarks
+    GET  /hpipe/events          hosts lost and taken back, each event's phases (notice, re-plan, start, re-prefill)
     GET  /openapi.json, /docs   the request bodies (launcher/bodies.py), as FastAPI describes them
 
 The OpenAI sampling fields map onto hpipe's (temperature, top_p, max_tokens / max_completion_tokens,
@@ -120,6 +123,7 @@ def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, a
     app.get("/health")(health)
     app.get("/metrics")(metrics)
     app.get("/hpipe/microbatches")(microbatches)
+    app.get("/hpipe/events")(events)
     app.get("/v1/models", dependencies=[Depends(authorize)])(list_models)
     app.post("/v1/completions", dependencies=[Depends(authorize)])(completions)
     app.post("/v1/chat/completions", dependencies=[Depends(authorize)])(chat_completions)
@@ -167,7 +171,9 @@ async def health(request: Request):
     client = _state(request).client
     if client.failure is not None:
         return JSONResponse({"status": "failed", "error": client.failure}, status_code=503)
-    return {"status": "ok"}
+    if client.degraded is not None:
+        return JSONResponse({"status": "degraded", "error": client.degraded}, status_code=503)
+    return {"status": "ok" if client.accepting else "recovering"}
 
 
 async def metrics(request: Request):
@@ -178,6 +184,13 @@ async def microbatches(request: Request):
     client = _state(request).client
     return {"policy": client.settings.runtime.policy, "microbatches": list(client.metrics.microbatches),
             "stats": client.stats}
+
+
+async def events(request: Request):
+    """Hosts lost and taken back, with each event's phases (launcher/elastic.py `Recovery`)."""
+    client = _state(request).client
+    return {"events": [e.as_dict() for e in client.metrics.events], "degraded": client.degraded,
+            "stages": [f"{s.host}/{s.device}" for s in client.plan.stages] if client.plan else []}
 
 
 async def list_models(request: Request):
@@ -233,6 +246,8 @@ async def generate(request: Request, body: SamplingRequest, prompts: list[tuple[
         raise ApiError(400, f"'n' must be at most the server's batch ({client.max_batch}: --max-batch), got {n}", "n")
     if client.failure is not None:
         raise ApiError(503, f"the pipeline failed: {client.failure}", None, "server_error")
+    if client.degraded is not None:
+        raise ApiError(503, f"the service is degraded: {client.degraded}", None, "server_error")
     if len(prompts) * n > client.capacity:
         raise ApiError(400, f"{len(prompts)} prompts x n={n} choices is more than the server takes at once "
                             f"({client.capacity}: --max-batch + --max-queue); send fewer", "prompt")
@@ -263,7 +278,7 @@ async def generate(request: Request, body: SamplingRequest, prompts: list[tuple[
     except HpipeError as e:
         for a in answers:
             client.abort(a.handle)
-        raise ApiError(503, f"the pipeline failed: {e}", None, "server_error") from None
+        raise ApiError(503, str(e) if client.degraded else f"the pipeline failed: {e}", None, "server_error") from None
     streams = [answer_events(request, client, a.handle) for a in answers]
     if body.stream:
         return StreamingResponse(stream_answer(answers, streams, body.include_usage),

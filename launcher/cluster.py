@@ -12,17 +12,23 @@ the stage, host, cause and last log lines; results already finished stay in the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
 import secrets
 import shlex
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpipe.launcher.elastic import Recovery, Replanner, stage_names
 from hpipe.launcher.jobs import (
+    HEARTBEAT_TIMEOUT_S,
     JobOutput,
+    StageFailure,
     Launch,
     StageReports,
     LaunchSettings,
@@ -203,22 +209,59 @@ def remote_model_spec(source: models.ModelSource) -> str:
 
 def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
                    settings: LaunchSettings, *, accept_new_keys: bool = False, push: bool = False,
-                   host_timeout_s: float = 15.0, log=None, quiet: bool = False) -> LaunchReport:
-    """As `launch_local`, on the inventory's hosts over SSH."""
+                   host_timeout_s: float = HEARTBEAT_TIMEOUT_S, log=None, quiet: bool = False,
+                   recover: bool = True) -> LaunchReport:
+    """As `launch_local`, on the inventory's hosts over SSH. With `recover`, a lost host's stages
+    are planned again over the hosts still up (launcher/elastic.py) and the prompts without a result
+    run there: the job finishes without --resume, every id once (`output.events` says what
+    happened). The job's final plan is `job.plan` afterwards."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     output = JobOutput(out_path, job.tokenizer, job.requests)
     if not job.requests:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
-    launch = start_cluster(job, plan_path, inventory, settings, output, accept_new_keys=accept_new_keys, push=push,
-                           host_timeout_s=host_timeout_s, log=log, quiet=quiet)
-    launch.where = f" to {out_path}"
-    return LaunchReport(output, launch.wait())
+    replanner = Replanner(job.plan, job.config, job.plan.model.name) if recover else None
+    lost: set[str] = set()
+    t0 = time.time()
+    while True:
+        t_start = time.monotonic()
+        launch = start_cluster(job, plan_path, inventory, settings, output, accept_new_keys=accept_new_keys,
+                               push=push, host_timeout_s=host_timeout_s, log=log, quiet=quiet)
+        launch.where = f" to {out_path}"
+        if output.events:
+            output.events[-1].phases["start"] = round(time.monotonic() - t_start, 3)
+        try:
+            launch.wait()
+            return LaunchReport(output, time.time() - t0)
+        except StageFailure as e:
+            if replanner is None:
+                raise
+            failure = e
+        lost.add(failure.host)
+        event = Recovery("lost", failure.host, " ".join(str(failure).split()), old_stages=stage_names(job.plan))
+        event.phases["notice"] = round(failure.silent_s, 3)
+        log(f"hpipe: lost host {failure.host}: {event.cause}")
+        t = time.monotonic()
+        try:
+            plan = replanner.plan_for(set(replanner.hosts) - lost)
+        except HpipeError as e:
+            raise HpipeError(f"{e}; {output.done_line()} to {out_path}; rerun with --resume once a host is back") \
+                from None
+        event.phases["replan"] = round(time.monotonic() - t, 3)
+        done = {r["id"] for r in output.results}
+        left = [dataclasses.replace(r, index=i) for i, r in enumerate(r for r in job.requests if r.id not in done)]
+        event.new_stages, event.resumed = stage_names(plan), len(left)
+        output.events.append(event)
+        log(f"hpipe: planned again: {' -> '.join(event.new_stages)}; {len(left)} prompts left run there")
+        plan_path = os.path.join(tempfile.mkdtemp(prefix="hpipe-plans-"), "plan.json")
+        formats.write_plan(plan, plan_path)
+        job = dataclasses.replace(job, plan=plan, requests=left)
+        output.requests = left
 
 
 def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, settings: LaunchSettings,
                   output: StageReports, *, accept_new_keys: bool = False, push: bool = False,
-                  host_timeout_s: float = 15.0, log=None, quiet: bool = False) -> Launch:
+                  host_timeout_s: float = HEARTBEAT_TIMEOUT_S, log=None, quiet: bool = False) -> Launch:
     """Connects, checks and starts every stage on its host (serving: stage 0's requests go through
     its wrapper's stdin); the returned Launch drives them and tears everything down at its end."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))

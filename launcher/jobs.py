@@ -124,6 +124,9 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
     return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids))
 
 
+HEARTBEAT_TIMEOUT_S = 5.0   # a host silent this long is lost (--heartbeat-timeout; its wrapper reports every second)
+
+
 @dataclass(kw_only=True)
 class StageReports:
     """What every launch collects from its workers' reports (`hpipe.protocol`): the timelines, stage
@@ -134,6 +137,7 @@ class StageReports:
     summary: dict | None = None
     errors: dict[int, str] = field(default_factory=dict)
     peers_lost: set[int] = field(default_factory=set)     # stages that fell because a neighbour died
+    events: list = field(default_factory=list)            # hosts lost and the plans that went on (launcher/elastic.py)
 
     def take(self, rank: int, line: str) -> bool:
         """Handles one stdout line of a worker; False if it is not a report (a log line)."""
@@ -318,7 +322,8 @@ def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeli
     predicted prefill beside the measured run when the plan carries one). Returns the summary."""
     summary = {"version": 1, "run": output.summary or {}, "busy_fraction": busy_fractions(output.timelines),
                "links": {link: c for t in output.timelines.values() for link, c in t.get("links", {}).items()},
-               "plan_check": plan_check(job.plan, output, [len(r.input_ids) for r in job.requests])}
+               "plan_check": plan_check(job.plan, output, [len(r.input_ids) for r in job.requests]),
+               "events": [e.as_dict() for e in output.events]}
     with open(f"{out_path}.summary.json", "w") as f:   # first: a timeline that cannot be written loses nothing
         json.dump(summary, f, indent=2)
     if timeline_out:
@@ -453,6 +458,7 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
             if r not in failures and code not in (None, 0):
                 failures[r] = w.describe_exit(code)
     rank, cause = root_failure(failures, output.peers_lost)
+    silent = [w.silent_s() for w in workers]       # how long each had been quiet when it was noticed
     stop_workers(workers)
     deadline = time.time() + 1.0   # what is left of the output, for the message
     while time.time() < deadline:
@@ -465,9 +471,18 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
     stage = plan.stages[rank]
     cause = output.errors.get(rank) or cause
     last = logs.last(rank)
-    raise HpipeError(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
-                     f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
-                     + f"; every worker was stopped; {output.done_line()}")
+    raise StageFailure(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
+                       f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
+                       + f"; every worker was stopped; {output.done_line()}", rank, stage.host, silent[rank])
+
+
+class StageFailure(HpipeError):
+    """A stage that failed, the launcher's one line: its rank, its host and how long the launcher had
+    heard nothing from it when the failure was noticed (the recovery's `notice` time)."""
+
+    def __init__(self, message: str, rank: int, host: str, silent_s: float):
+        super().__init__(message)
+        self.rank, self.host, self.silent_s = rank, host, silent_s
 
 
 class Launch:

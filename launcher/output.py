@@ -96,6 +96,7 @@ class RequestOutput:
         self.prompt: list = []                 # an echoed prompt's entries, [position, token, lp, top]
         self.entries: list = []                # entries of tokens taken, not yet sent
         self.n_tokens = 0
+        self.taken = 0                         # tokens gone to the text (or dropped, without `generates`)
         self.end: str | None = None            # stage 0's reason, once it came
         self.deadline: float | None = None     # after the end: entries still missing are given up then
         self.given_up = False                  # the deadline passed: what is missing is not waited for
@@ -133,6 +134,23 @@ class RequestOutput:
         self.done = True
         return [("error", message, ())]
 
+    def rewind(self) -> int:
+        """The pipeline was lost and the request resumes on another: the tokens still waiting for
+        their log-probabilities, the entries ahead of their tokens and an echoed prompt's entries
+        not all come are dropped (they come again). Returns how many tokens it keeps: the first of
+        its output the resumed request carries."""
+        self.tokens.clear()
+        self.logprobs.clear()
+        if self.prompt_pending:
+            self.prompt = []
+        self.n_tokens = self.taken
+        return self.taken
+
+    @property
+    def prompt_pending(self) -> bool:
+        """An echoed prompt's entries are still to go out."""
+        return self.echo is not None and self.prompt_wanted > 0
+
     @property
     def completion_tokens(self) -> int:
         """Tokens the answer counts: up to the one that completed a stop string, none for an echo alone."""
@@ -154,6 +172,7 @@ class RequestOutput:
             self.echo = None
         while self.tokens and (self.logprobs or not self.wants or late):
             token = self.tokens.popleft()
+            self.taken += 1
             entry = self.logprobs.popleft() if self.wants and self.logprobs else None
             if not self.generates:
                 continue

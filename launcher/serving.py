@@ -8,8 +8,15 @@ HTTP: `submit_request()` turns a request into a `Handle` whose events arrive on 
 asyncio loop, as the request's `RequestOutput` assembles them from the stages' reports (text with
 its log-probabilities, the end, an error: launcher/output.py); `abort()` ends one at once (its KV
 pages are freed by stage 0's scheduler); `stats` and `metrics` are what /metrics shows. A request's index is its one key, from
-the handler to the sampler. When a stage fails, every open request ends with the launcher's
-one-line cause and `failure` holds it.
+the handler to the sampler.
+
+When a stage fails on a cluster (`Elastic`, chosen once at the start), its host is lost: the
+pipeline is planned again over the hosts still up and started, and every open request resumes
+where it stood (`Request.output_ids`: the tokens its client has; its stream stays open); a lost
+host that answers again is taken back when that is predicted faster (launcher/elastic.py). When the
+hosts up cannot hold the model, open requests end with the cause, new ones get it (`degraded`),
+and the service waits for a host to return. Without a cluster (local stages), a failure ends every
+open request with the launcher's one-line cause and `failure` holds it.
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
-from hpipe import protocol
+from hpipe import formats, protocol
 from hpipe.errors import HpipeError
 from hpipe.launcher.cluster import start_cluster
-from hpipe.launcher.jobs import LaunchSettings, PreparedJob, StageReports
+from hpipe.launcher.elastic import Elastic, Recovery
+from hpipe.launcher.jobs import HEARTBEAT_TIMEOUT_S, LaunchSettings, PreparedJob, StageReports
 from hpipe.launcher.local import start_local
 from hpipe.launcher.output import RequestOutput
 from hpipe.request import Request, SamplingParams
@@ -51,6 +60,9 @@ class Handle:
     output: RequestOutput | None = None
     result: protocol.Result | None = None       # stage 0's report of its end (timings)
     started: asyncio.Event = field(default_factory=asyncio.Event)   # its first token, its end or an error came
+    tokens: list[int] = field(default_factory=list)   # what stage 0 reported it generated (a resume's start)
+    sent: bool = False                          # stage 0 of the running pipeline has it
+    lost: bool = False                          # a pipeline that failed had it: it resumes on the next
 
     def put(self, events: list[tuple], started: bool = False) -> None:
         if (events or started) and not self.loop.is_closed():   # its reader is gone (a batch job that stopped)
@@ -95,7 +107,9 @@ class Metrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     rejected: int = 0
+    resumed: int = 0                                       # requests resumed on a new pipeline
     microbatches: collections.deque = field(default_factory=lambda: collections.deque(maxlen=50_000))
+    events: list[Recovery] = field(default_factory=list)   # hosts lost and taken back, with their phases
 
 
 class ServeOutput(StageReports):
@@ -124,12 +138,13 @@ class ServeOutput(StageReports):
 
 class PipelineClient:
     def __init__(self, job: PreparedJob, plan_path: str, settings: LaunchSettings, inventory=None,
-                 accept_new_keys: bool = False, push: bool = False, host_timeout_s: float = 15.0,
-                 max_queue: int = MAX_QUEUE, log=None, quiet: bool = True, threads: int | None = None, seat=None):
+                 accept_new_keys: bool = False, push: bool = False, host_timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 max_queue: int = MAX_QUEUE, log=None, quiet: bool = True, threads: int | None = None, seat=None,
+                 recover: bool = True):
         self.job, self.plan_path, self.settings, self.inventory = job, plan_path, settings, inventory
         self.launch_kwargs = dict(accept_new_keys=accept_new_keys, push=push, host_timeout_s=host_timeout_s)
         self.max_queue = max_queue
-        self.log, self.quiet = log, quiet
+        self.log, self.quiet = log or (lambda msg: None), quiet
         self.threads = threads                 # CPU threads of a local stage (None: the cores shared by its stages)
         self.seat = seat                       # a SiDP replica's hpipe.launcher.jobs.GroupSeat, or None
         self.eos = frozenset()
@@ -138,7 +153,9 @@ class PipelineClient:
         self.logprob_readers: dict[int, Handle] = {}   # outputs waiting for log-probabilities (they may come after the end)
         self.next_index = itertools.count()
         self.launch = None                     # the started pipeline (hpipe.launcher.jobs.Launch)
+        self.plan: formats.Plan | None = None  # the running pipeline's plan (another after a recovery)
         self.ready = threading.Event()
+        self.accepting = False                 # stage 0 of the running pipeline takes requests now
         self.info: protocol.Ready | None = None
         self.stats: dict = {}
         self.metrics = Metrics()
@@ -148,6 +165,13 @@ class PipelineClient:
         self.output = ServeOutput(self)
         self.thread: threading.Thread | None = None
         self.closing = False                   # close() or stop() asked: the end is not a failure
+        self.elastic = (Elastic(self, inventory, accept_new_keys) if inventory is not None and recover
+                        else None)
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the hosts up cannot serve the model now (None: they can, or no cluster)."""
+        return self.elastic.degraded if self.elastic is not None else None
 
     # ------------------------------------------------------------------ life cycle
     def start(self, timeout_s: float = 600.0) -> None:
@@ -165,24 +189,50 @@ class PipelineClient:
                 raise HpipeError(f"the pipeline was not ready after {timeout_s:g} s")
 
     def _run(self) -> None:
+        plan_path = self.plan_path
         try:
+            while True:
+                error = self._run_pipeline(plan_path)
+                if self.closing:
+                    return
+                if self.elastic is None or not self.ready.is_set():   # no cluster, or it never started
+                    self._fail(" ".join(str(error).split()))
+                    return
+                try:
+                    plan_path = self.elastic.next_plan(error)
+                except HpipeError as e:
+                    self._fail(str(e))
+                    return
+                if plan_path is None:           # closed while it waited for a host
+                    return
+        finally:
+            self.stopped.set()
+
+    def _run_pipeline(self, plan_path: str) -> HpipeError:
+        """Starts the plan's stages and serves until they end; returns why they ended."""
+        try:
+            plan = self.job.plan if plan_path == self.plan_path else formats.load_plan(plan_path)
+            job = dataclasses.replace(self.job, plan=plan)
+            self.plan = plan
             if self.inventory is not None:
-                self.launch = start_cluster(self.job, self.plan_path, self.inventory, self.settings, self.output,
+                self.launch = start_cluster(job, plan_path, self.inventory, self.settings, self.output,
                                             log=self.log, quiet=self.quiet, **self.launch_kwargs)
             else:
-                self.launch = start_local(self.job, self.plan_path, self.settings, self.output, log=self.log,
+                self.launch = start_local(job, plan_path, self.settings, self.output, log=self.log,
                                           quiet=self.quiet, threads=self.threads, seat=self.seat)
             if self.closing:         # closed while the stages were starting
                 self.launch.stop()
             self.launch.wait()
-            if not self.closing:
-                self._fail("the pipeline stopped")
+            return HpipeError("the pipeline stopped")
         except HpipeError as e:
-            self._fail(" ".join(str(e).split()))
+            return e
         except Exception as e:  # noqa: BLE001 - reported like a stage failure
-            self._fail(f"{type(e).__name__}: {e}")
+            return HpipeError(f"{type(e).__name__}: {e}")
         finally:
-            self.stopped.set()
+            with self.lock:                   # what it had is resumed on the next one
+                self.accepting = False
+                for h in self.open.values():
+                    h.lost, h.sent = h.lost or h.sent, False
 
     def _send(self, op) -> bool:
         return self.launch is not None and self.launch.send(op)
@@ -192,6 +242,13 @@ class PipelineClient:
             if self.failure is not None or self.closing:
                 return
             self.failure = cause
+        self._end_open(cause)
+        if self.on_failure is not None:
+            self.on_failure(cause)
+
+    def _end_open(self, cause: str) -> None:
+        """Every open request ends with `cause`."""
+        with self.lock:
             handles = list(self.open.values())
             ended = [h for i, h in self.logprob_readers.items() if i not in self.open]
             self.open.clear()
@@ -200,12 +257,12 @@ class PipelineClient:
             h.put(h.output.error(cause) if h.output else [("error", cause, ())])
         for h in ended:           # it ended at stage 0: its answer goes out with the entries that came
             h.put(h.output.expire(float("inf")))
-        if self.on_failure is not None:
-            self.on_failure(cause)
 
     def close(self) -> None:
         """Ends the service: open requests are aborted and every worker is stopped."""
         self.closing = True
+        if self.elastic is not None:
+            self.elastic.close()
         with self.lock:
             handles = list(self.open.values()) + [h for i, h in self.logprob_readers.items() if i not in self.open]
             self.open.clear()
@@ -223,6 +280,8 @@ class PipelineClient:
 
     def stop(self) -> None:
         self.closing = True
+        if self.elastic is not None:
+            self.elastic.close()
         if self.launch is not None:
             self.launch.stop()
 
@@ -261,16 +320,22 @@ class PipelineClient:
         pipeline failed."""
         index = next(self.next_index)
         request = dataclasses.replace(request, index=index, id=request.id or f"req-{index}")
+        if request.params.seed is None:   # its own, so that a resume draws what it would have drawn
+            request = dataclasses.replace(request, params=dataclasses.replace(request.params,
+                                                                                seed=secrets.randbits(63)))
         handle = Handle(request, loop, asyncio.Queue(), output)
         with self.lock:
             if self.failure is not None:
                 raise HpipeError(self.failure)
+            if self.degraded is not None:
+                raise HpipeError(f"the service is degraded: {self.degraded}")
             self.open[index] = handle
             if output is not None and (request.params.logprobs is not None
                                        or request.params.prompt_logprobs is not None):
                 self.logprob_readers[index] = handle
+            launch, handle.sent = self.launch, self.accepting   # else the pipeline being started takes it
         self.metrics.prompt_tokens += len(request.input_ids)
-        if not self._send(protocol.Add(request)):
+        if handle.sent and not launch.send(protocol.Add(request)) and self.elastic is None:
             with self.lock:           # the stage's own cause follows from the launcher
                 self.open.pop(index, None)
                 self.logprob_readers.pop(index, None)
@@ -283,6 +348,8 @@ class PipelineClient:
         with self.lock:
             live = self.open.pop(handle.request.index, None) is not None
             self.logprob_readers.pop(handle.request.index, None)
+        if self.elastic is not None:
+            self.elastic.tokens([handle.request.index])     # not waited for any more
         if live:
             self.metrics.finished[reason] += 1
             self._send(protocol.Abort(handle.request.index))
@@ -290,14 +357,61 @@ class PipelineClient:
     # ------------------------------------------------------------------ reports (the launch thread)
     def on_ready(self, ready: protocol.Ready) -> None:
         self.info = ready
+        resumed = self._resubmit()
+        if self.elastic is not None:
+            self.elastic.ready(resumed)
         self.ready.set()
+
+    def _resubmit(self) -> list[int]:
+        """A new pipeline is ready: every open request goes to its stage 0, those a lost pipeline had
+        resumed after the tokens their clients have (their streams go on). Returns their indices."""
+        ops, ended, resumed = [], [], []
+        with self.lock:
+            for h in sorted(self.open.values(), key=lambda h: h.request.index):
+                if h.sent:
+                    continue
+                request, reason = self._resumed(h)
+                if reason is not None:       # it had every token: its end was lost with the pipeline
+                    ended.append((h, reason))
+                    continue
+                if h.lost:
+                    resumed.append(h.request.index)
+                h.sent, h.lost = True, False
+                ops.append(protocol.Add(request))
+            for h, _ in ended:
+                self.open.pop(h.request.index, None)
+            launch, self.accepting = self.launch, True
+        for op in ops:
+            launch.send(op)
+        for h, reason in ended:
+            self.metrics.finished[reason] += 1
+            h.put(h.output.finish(reason) if h.output else [("finish", reason, ())])
+            self._settle([h])
+        return resumed
+
+    @staticmethod
+    def _resumed(h: Handle) -> tuple[Request, str | None]:
+        """The request to send again for `h` (after the tokens its output took; tokens still waiting
+        for their log-probabilities come again), or its end when it had them all."""
+        request = h.request
+        if h.output is not None:
+            h.tokens = h.tokens[:h.output.rewind()]
+            if request.params.prompt_logprobs is not None and not h.output.prompt_pending:
+                request = dataclasses.replace(request, params=dataclasses.replace(request.params, prompt_logprobs=None))
+        if not h.tokens:
+            return request, None
+        reason = request.finish_reason(h.tokens[-1], len(h.tokens))
+        return (request, reason) if reason else (request.resumed(h.tokens), None)
 
     def on_tokens(self, tokens: protocol.Tokens) -> None:
         with self.lock:
             taken = [(h, token) for index, token in tokens.items if (h := self.open.get(index)) is not None]
         self.metrics.generation_tokens += len(taken)
         for h, token in taken:        # the report thread alone feeds the outputs: no lock held while decoding
+            h.tokens.append(token)
             h.put(h.output.token(token) if h.output else [], started=True)
+        if self.elastic is not None:
+            self.elastic.tokens(index for index, _ in tokens.items)
         self._stopped([h for h, _ in taken])
 
     def on_logprobs(self, report: protocol.Logprobs) -> None:
@@ -402,6 +516,20 @@ class PipelineClient:
             "# TYPE hpipe_requests_finished_total counter",
         ]
         lines += [f'hpipe_requests_finished_total{{finish_reason="{k}"}} {v}' for k, v in sorted(m.finished.items())]
+        lost = [e for e in m.events if e.kind == "lost"]
+        lines += ["# HELP hpipe_recoveries_total Hosts lost while serving, the service planned again without them.",
+                  "# TYPE hpipe_recoveries_total counter", f"hpipe_recoveries_total {len(lost)}",
+                  "# HELP hpipe_rejoins_total Returning hosts taken back into the pipeline.",
+                  "# TYPE hpipe_rejoins_total counter",
+                  f"hpipe_rejoins_total {sum(1 for e in m.events if e.kind == 'rejoined')}",
+                  "# HELP hpipe_requests_resumed_total Open requests resumed on a new pipeline where they stood.",
+                  "# TYPE hpipe_requests_resumed_total counter", f"hpipe_requests_resumed_total {m.resumed}",
+                  "# HELP hpipe_seconds_without_service_total Seconds from a failure (or a switch) to the first "
+                  "token after it, summed over the events.",
+                  "# TYPE hpipe_seconds_without_service_total counter",
+                  f"hpipe_seconds_without_service_total {sum(e.outage_s or 0 for e in m.events):.3f}",
+                  "# HELP hpipe_degraded 1 while the hosts up cannot hold the model (requests get 503).",
+                  "# TYPE hpipe_degraded gauge", f"hpipe_degraded {int(self.degraded is not None)}"]
         lines += ["# HELP hpipe_time_to_first_token_seconds Time from arrival to the first token.",
                   "# TYPE hpipe_time_to_first_token_seconds histogram", *m.ttft.lines("hpipe_time_to_first_token_seconds"),
                   "# HELP hpipe_time_per_output_token_seconds Mean time between a request's tokens.",

@@ -27,7 +27,7 @@ class Tokenizer:
 class Unstarted:
     """What the handlers read of a pipeline before they submit: its limits."""
 
-    max_model_len, max_batch, capacity, failure = 64, 4, 8, None
+    max_model_len, max_batch, capacity, failure, degraded = 64, 4, 8, None, None
 
     class job:
         class source:

@@ -141,7 +141,7 @@ def client_with_request(tokenizer, stops: list[str], logprobs: int | None):
     from hpipe.launcher.serving import PipelineClient
 
     client = PipelineClient(None, "", LaunchSettings())
-    client.launch = Stage0()
+    client.launch, client.accepting = Stage0(), True     # its stage 0 is ready
     loop = asyncio.new_event_loop()
     request = client.request([1, 2], SamplingParams(temperature=0.0, logprobs=logprobs), 16, frozenset(), False)
     handle = client.submit_request(request, loop, RequestOutput(request, tokenizer, stops))

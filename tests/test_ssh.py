@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from netns_hosts import (HostSpec, hpipe_processes, process_cmdline, namespace_pids, set_link, start_cluster,
+from netns_hosts import (HostSpec, elastic_profile, hpipe_processes, process_cmdline, namespace_pids, set_link, start_cluster,
                          stop_cluster, unavailable_reason, write_inventory)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -547,3 +547,151 @@ def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, p
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------
+# A host lost and taken back while serving (launcher/elastic.py)
+
+class Served:
+    """`hpipe serve --cluster` in the background, its log, and the openai client."""
+
+    def __init__(self, cluster, plan: Path, tmp_path: Path, *extra: str):
+        import openai
+
+        from hpipe.net import free_port
+        self.port, self.log = free_port(), tmp_path / "serve.log"
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(plan), "--cluster",
+                                          str(cluster.inventory_path), "--port", str(self.port), "--max-model-len",
+                                          "512", "--kv-pages", "128", "--max-batch", "12", *extra],
+                                         stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
+                                    timeout=300)
+        self.until(lambda: self.health()[0] == 200, 300, "the server never became ready")
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def health(self) -> tuple[int, dict]:
+        import httpx
+        try:
+            r = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=10)
+            return r.status_code, r.json()
+        except httpx.HTTPError:
+            return 0, {}
+
+    def metric(self, name: str) -> float:
+        import httpx
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics", timeout=10).text
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    def until(self, ok, within: float, what: str) -> None:
+        deadline = time.time() + within
+        while not ok():
+            assert self.proc.poll() is None and time.time() < deadline, f"{what}:\n{self.text()}"
+            time.sleep(0.3)
+
+    def chats(self, questions: list[str], during=None) -> list[str]:
+        """Every question as a streaming greedy chat at once; `during()` runs once every stream has
+        had its first piece. Returns the texts (any error fails the test)."""
+        import threading
+        texts, errors = [""] * len(questions), []
+        begun = threading.Barrier(len(questions) + 1)
+
+        def one(i: int) -> None:
+            first = True
+            try:
+                for ev in self.client.chat.completions.create(
+                        model="smollm2", messages=[{"role": "user", "content": questions[i]}], max_tokens=24,
+                        temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    for ch in ev.choices:
+                        texts[i] += ch.delta.content or ""
+                    if first and texts[i]:
+                        first = False
+                        begun.wait(timeout=300)
+            except Exception as e:  # noqa: BLE001 - what the client saw
+                errors.append(repr(e))
+                begun.abort()
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        begun.wait(timeout=300)
+        if during is not None:
+            during()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, (errors, self.text())
+        return texts
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+QUESTIONS = [f"{q} ({i})" for i, q in enumerate(["What is the capital of France?", "Name three colours.",
+                                                  "Count from one to ten.", "What is 2 + 2?"] * 3)]
+
+
+def kill_worker(cluster, name: str) -> None:
+    ns = cluster.host(name).namespace
+    os.kill(next(pid for pid in namespace_pids(ns)
+                 if process_cmdline(pid).split(" ")[1:3] == ["-m", "hpipe.runtime.worker"]), signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_serve_goes_on_through_a_lost_host_and_takes_it_back(cluster, tmp_path):
+    """`hpipe serve --cluster` on 3 hosts (a float32 plan from a profile), 12 streaming chats at once:
+    (a) one host's stage worker SIGKILLed mid-stream, (b) another host's link taken down mid-stream:
+    every stream completes without an error with the undisturbed run's greedy text, /metrics counts
+    the recoveries and the resumed requests, and each host, back, is taken into the pipeline again.
+    Then two hosts down at once: the one left cannot hold the model, so requests get a 503 with the
+    cause and /health says degraded, until the hosts return."""
+    plan = tmp_path / "plan.json"
+    profile = elastic_profile(cluster, tmp_path / "profile.json")
+    hpipe("plan", "--model", "smollm2", "--cluster", cluster.inventory_path, "--profile", profile, "--seq-len",
+          "64", "-o", plan, cwd=tmp_path, check=True)
+    assert [s["host"] for s in json.loads(plan.read_text())["stages"]] == ["h0", "h1", "h2"]
+    served = Served(cluster, plan, tmp_path, "--heartbeat-timeout", "3", "--log-dir", str(tmp_path / "stages"))
+    try:
+        undisturbed = served.chats(QUESTIONS)
+        assert served.chats(QUESTIONS, during=lambda: kill_worker(cluster, "h1")) == undisturbed
+        assert served.metric("hpipe_recoveries_total") == 1 and served.metric("hpipe_requests_resumed_total") >= 1
+        served.until(lambda: served.metric("hpipe_rejoins_total") == 1, 120, "h1 was not taken back")
+        assert "hpipe: h1 answers again" in served.text()
+        assert served.chats(QUESTIONS) == undisturbed
+
+        def link_down() -> None:
+            set_link(cluster, "h2", up=False)
+        try:
+            assert served.chats(QUESTIONS, during=link_down) == undisturbed
+        finally:
+            set_link(cluster, "h2", up=True)
+        assert served.metric("hpipe_recoveries_total") == 2
+        served.until(lambda: served.metric("hpipe_rejoins_total") == 2, 120, "h2 was not taken back")
+
+        import openai
+        for name in ("h1", "h2"):
+            set_link(cluster, name, up=False)
+        try:
+            served.until(lambda: served.health()[0] == 503, 120, "never degraded")
+            status, body = served.health()
+            assert body["status"] == "degraded" and "cannot hold the model" in body["error"], body
+            with pytest.raises(openai.APIStatusError) as refused:
+                served.client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=4)
+            assert refused.value.status_code == 503 and "cannot hold the model" in str(refused.value)
+        finally:
+            for name in ("h1", "h2"):
+                set_link(cluster, name, up=True)
+        served.until(lambda: served.health() == (200, {"status": "ok"}), 180, "never recovered from degraded")
+        assert served.chats(QUESTIONS[:4]) == undisturbed[:4]
+        assert "Traceback" not in served.text()
+    finally:
+        served.stop()
+    assert wait_until_clean(cluster, 5.0) == [], served.text()

@@ -1,0 +1,188 @@
+"""A host lost and taken back while serving: output tokens/s over time on 3 emulated hosts
+(tests/netns_hosts.py: network namespaces with real sshd, one thread each), through a SIGKILL of one
+host's stage worker and its return, with the time of each phase of both events (notice, re-plan,
+start, re-prefill) as the server measured them (`GET /hpipe/events`).
+
+    python bench/elastic.py [--clients 6] [--kill-at 20] [--after 25] [-o bench/results/elastic.json]
+
+Writes the JSON (per-second output tokens, the events, every stream's errors: none expected) and a
+PNG beside it. The model is the default one with dense float32 weights, planned from the measured
+one-thread profile put on the three hosts (`netns_hosts.elastic_profile`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.",
+             "Tell me about the sea.", "What is 2 + 2?", "Why is the sky blue?"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=6, help="streams kept open at once, each asking again when done")
+    ap.add_argument("--kill-at", type=float, default=20.0, help="seconds into the load when h1's worker is killed")
+    ap.add_argument("--after", type=float, default=25.0, help="seconds of load after h1 is back in the pipeline")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("-o", "--out", default=str(ROOT / "bench" / "results" / "elastic.json"))
+    args = ap.parse_args()
+
+    import httpx
+    import openai
+
+    from hpipe.net import free_port
+    from netns_hosts import (HostSpec, elastic_profile, namespace_pids, process_cmdline, start_cluster,
+                             stop_cluster, unavailable_reason)
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"emulated hosts: {reason}")
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpipe-elastic-{os.getpid()}"
+    work.mkdir(parents=True)
+    cluster = start_cluster(work, [HostSpec("h0", rate_mbit=1000), HostSpec("h1", rate_mbit=1000),
+                                   HostSpec("h2", rate_mbit=1000)])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = None
+    try:
+        profile = elastic_profile(cluster, work / "profile.json")
+        subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--cluster",
+                        str(cluster.inventory_path), "--profile", str(profile), "--seq-len", "64", "-o",
+                        str(work / "plan.json")], check=True, env=env, capture_output=True)
+        port = free_port()
+        log = open(work / "serve.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(work / "plan.json"), "--cluster",
+                                 str(cluster.inventory_path), "--port", str(port), "--max-model-len", "512",
+                                 "--kv-pages", "128", "--max-batch", "12", "--heartbeat-timeout", "3"],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit("the server did not start: " + (work / "serve.log").read_text()[-2000:])
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+        arrivals: list[float] = []
+        errors: list[str] = []
+        stop = threading.Event()
+        lock = threading.Lock()
+
+        def stream(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                try:
+                    for ev in client.chat.completions.create(
+                            model="smollm2", messages=[{"role": "user", "content": QUESTIONS[(i + n) % len(QUESTIONS)]}],
+                            max_tokens=args.max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                        if ev.choices and ev.choices[0].delta.content:
+                            with lock:
+                                arrivals.append(time.time())
+                except Exception as e:  # noqa: BLE001 - what a client saw
+                    errors.append(repr(e)[:300])
+                n += 1
+
+        t0 = time.time()
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        time.sleep(args.kill_at)
+        ns = cluster.host("h1").namespace
+        victim = next(pid for pid in namespace_pids(ns)
+                      if process_cmdline(pid).split(" ")[1:3] == ["-m", "hpipe.runtime.worker"])
+        t_kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+
+        def events() -> dict:
+            return httpx.get(base + "/hpipe/events", timeout=10).json()
+
+        deadline = time.time() + 300
+        while sum(e["kind"] == "rejoined" for e in events()["events"]) < 1:
+            if time.time() > deadline:
+                raise SystemExit("h1 was not taken back: " + (work / "serve.log").read_text()[-3000:])
+            time.sleep(0.5)
+        t_back = time.time()
+        time.sleep(args.after)
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        t_end = time.time()
+        seen = events()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        stop_cluster(cluster)
+
+    seconds = int(t_end - t0) + 1
+    per_s = [0] * seconds
+    for t in arrivals:
+        per_s[min(seconds - 1, int(t - t0))] += 1
+    out = {"version": 1, "device": "this machine: 2 CPU cores shared by 3 emulated hosts, one thread each",
+           "clients": args.clients, "max_tokens": args.max_tokens, "kill_at_s": round(t_kill - t0, 3),
+           "rejoined_at_s": round(t_back - t0, 3), "tokens_per_s": per_s, "events": seen["events"],
+           "stages_at_end": seen["stages"], "client_errors": errors,
+           "steady_tokens_per_s": {
+               "before": _mean(per_s[5:int(t_kill - t0)]),
+               "on_two_hosts": _mean(per_s[int(t_kill - t0) + 15:int(t_back - t0)]),
+               "after_rejoin": _mean(per_s[int(t_back - t0) + 10:-2])}}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    _chart(out, Path(args.out).with_suffix(".png"))
+    print(json.dumps({k: v for k, v in out.items() if k != "tokens_per_s"}, indent=2))
+
+
+def _mean(xs: list[int]) -> float | None:
+    return round(sum(xs) / len(xs), 2) if xs else None
+
+
+def _chart(out: dict, path: Path) -> None:
+    from hpipe.planner import pyplot
+
+    plt = pyplot("bench/elastic.py", (".json",))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    ax.plot(range(len(out["tokens_per_s"])), out["tokens_per_s"], lw=1.2, color="#333333")
+    ax.axvline(out["kill_at_s"], color="#c0392b", ls="--", lw=1)
+    ax.text(out["kill_at_s"], ax.get_ylim()[1] * 0.95, " h1's worker killed", color="#c0392b", fontsize=8, va="top")
+    t_kill = out["kill_at_s"]
+    for e in out["events"]:
+        ph = e["phases"]
+        start = t_kill if e["kind"] == "lost" else out["rejoined_at_s"] - ph.get("start", 0) - ph.get("reprefill", 0)
+        x = start
+        for name, colour in (("notice", "#e67e22"), ("replan", "#8e44ad"), ("start", "#2980b9"),
+                             ("reprefill", "#27ae60")):
+            if name in ph:
+                ax.axvspan(x, x + ph[name], color=colour, alpha=0.25, lw=0,
+                           label=name if e is out["events"][0] else None)
+                x += ph[name]
+    ax.axvline(out["rejoined_at_s"], color="#27ae60", ls="--", lw=1)
+    ax.text(out["rejoined_at_s"], ax.get_ylim()[1] * 0.85, " h1 back in", color="#27ae60", fontsize=8, va="top")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("output tokens/s (all streams)")
+    ax.set_title(f"hpipe serve on 3 emulated hosts, {out['clients']} streams: a lost host and its return")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

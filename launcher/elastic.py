@@ -1,0 +1,334 @@
+"""A cluster that goes on when a host drops out and takes it back when it returns (`hpipe serve
+--cluster`, `hpipe launch --cluster`).
+
+    a stage fails (exits, its host's SSH session or link dies, or the host is silent for
+    --heartbeat-timeout) -> its host is lost -> plan again over the hosts still up -> start that
+    pipeline -> every open request resumes where it stood (its prompt and the tokens it generated,
+    `Request.output_ids`) ... the lost host answers SSH again for REJOIN_AFTER_S -> plan over all
+    hosts -> switch when the prediction gains more than REJOIN_GAIN (or the survivors could not hold
+    the model at all)
+
+`Replanner` makes the plans: from the profile the run's plan was made with (the same seq_len, batch,
+objective and memory margin, a device left out where that is faster), or, for a plan made without
+one, equal cuts over the devices left. `HostWatch` asks the lost hosts' sshd in the background.
+`Recovery` is the record of one event and its phases, as /metrics and the run summary show them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hpipe import formats, planner, ssh
+from hpipe.errors import HpipeError
+from hpipe.launcher.jobs import StageFailure
+
+__all__ = ["MARGIN", "REJOIN_AFTER_S", "REJOIN_GAIN", "Elastic", "HostWatch", "Recovery", "Replanner"]
+
+REJOIN_AFTER_S = 3.0     # a lost host answers SSH this long before it is taken back (not a flapping link)
+REJOIN_GAIN = 0.05       # ... and the plan with it is predicted this much faster (or the service is degraded)
+PROBE_EVERY_S = 1.0
+MARGIN = 0.1             # the planner's default share of free memory kept free (`hpipe plan --margin`)
+
+
+@dataclass
+class Recovery:
+    """One event: a host lost (`kind` "lost") or taken back ("rejoined"), and its phases in seconds:
+    notice (silence before the launcher knew), replan, start (connect, preflight, load, until stage
+    0 is ready), reprefill (until every resumed request had its next token), and the seconds
+    without service (from the failure to the first token after it)."""
+
+    kind: str
+    host: str
+    cause: str
+    t: float = field(default_factory=time.time)
+    old_stages: list[str] = field(default_factory=list)
+    new_stages: list[str] = field(default_factory=list)
+    predicted_old_s: float | None = None
+    predicted_new_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    resumed: int = 0
+    outage_s: float | None = None
+    degraded: str | None = None          # the survivors could not hold the model: why
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def line(self) -> str:
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in self.phases.items())
+        return (f"{self.kind} {self.host}: {' -> '.join(self.old_stages)} => {' -> '.join(self.new_stages) or '-'}"
+                f"; {self.resumed} requests resumed; {phases}"
+                + (f"; {self.outage_s:.2f} s without service" if self.outage_s is not None else ""))
+
+
+def stage_names(plan: formats.Plan) -> list[str]:
+    return [f"{s.host}/{s.device}[{s.units[0]}-{s.units[1] - 1}]" for s in plan.stages]
+
+
+class Replanner:
+    """Plans over the hosts still up, as the run's plan was made."""
+
+    def __init__(self, plan: formats.Plan, config, model_name: str):
+        self.plan, self.config, self.name = plan, config, model_name
+        self.devices = [(s.host, s.device) for s in plan.stages]
+        pr = plan.predicted or {}
+        path = pr.get("profile")
+        self.profile_path = path if path and os.path.exists(path) else None
+        self.profile = formats.load_profile(path) if self.profile_path else None
+
+    @property
+    def hosts(self) -> list[str]:
+        return list(dict.fromkeys(h for h, _ in self.devices))
+
+    def predicted_s(self, plan: formats.Plan) -> float | None:
+        """What the plan balances, as its profile predicts it (None without a profile)."""
+        if self.profile is None or not plan.predicted or "makespan_s" not in plan.predicted:
+            return None
+        return planner.objective_seconds(planner.PlanResult(plan, None, None, None))
+
+    def plan_for(self, up: set[str]) -> formats.Plan:
+        """The plan over the devices of the hosts in `up`; HpipeError when they cannot hold the model."""
+        devices = [d for d in self.devices if d[0] in up]
+        if not devices:
+            raise HpipeError("no host of the plan is up")
+        plan = self.plan
+        if self.profile is None:
+            return planner.make_plan(self.name, self.config, devices, None, list(plan.slicing.lengths) or None,
+                                     None, plan.slicing.granularity, plan.dtype, plan.weights)
+        pr = plan.predicted
+        try:
+            result = planner.search_plan(self.profile, self.profile_path, self.name, self.config, devices,
+                                         pr["seq_len"], pr["batch"], None, MARGIN, plan.dtype,
+                                         plan.slicing.granularity, "inventory", allow_drop=len(devices) > 1,
+                                         overlap=pr.get("overlap_sends", False),
+                                         objective=pr.get("objective", "prefill"),
+                                         new_tokens=(pr.get("decode") or {}).get("new_tokens", 128))
+        except (planner.Infeasible, HpipeError) as e:
+            raise HpipeError(f"the hosts still up ({', '.join(sorted(up))}) cannot hold the model: "
+                             f"{' '.join(str(e).split())}") from None
+        return result.plan
+
+
+class HostWatch:
+    """Asks the lost hosts' sshd every PROBE_EVERY_S (a real connection and login); `back()` names
+    those that have answered for REJOIN_AFTER_S without a miss."""
+
+    def __init__(self, inventory: formats.Inventory, accept_new_keys: bool = False):
+        self.inventory, self.accept_new_keys = inventory, accept_new_keys
+        self.hosts = {h.name: h for h in inventory.hosts}
+        self.lost: dict[str, float | None] = {}     # host -> since when it answers (None: it does not)
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="hpipe-hostwatch", daemon=True)
+        self.thread.start()
+
+    def lose(self, host: str) -> None:
+        with self.lock:
+            self.lost[host] = None
+
+    def lose_silent(self, hosts: set[str]) -> list[str]:
+        """Of `hosts`, those whose sshd does not answer now are lost; returns them."""
+        silent = sorted(h for h in hosts if not self._answers(h))
+        for h in silent:
+            self.lose(h)
+        return silent
+
+    def regain(self, host: str) -> None:
+        with self.lock:
+            self.lost.pop(host, None)
+
+    def down(self) -> set[str]:
+        with self.lock:
+            return set(self.lost)
+
+    def back(self, now: float | None = None) -> set[str]:
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            return {h for h, since in self.lost.items() if since is not None and now - since >= REJOIN_AFTER_S}
+
+    def close(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(PROBE_EVERY_S):
+            for name in list(self.down()):
+                ok = self._answers(name)
+                with self.lock:
+                    if name in self.lost:
+                        self.lost[name] = (self.lost[name] or time.monotonic()) if ok else None
+
+    def _answers(self, name: str) -> bool:
+        host = self.hosts[name]
+        settings = dataclasses.replace(self.inventory.ssh, connect_timeout_s=min(3.0, self.inventory.ssh.connect_timeout_s))
+        try:
+            conn = ssh.connect(host, settings, self.accept_new_keys, log=lambda *_: None)
+        except Exception:  # noqa: BLE001 - any failure to log in is "not back yet"
+            return False
+        conn.close()
+        return True
+
+
+class Elastic:
+    """The recovery of a cluster's pipeline, chosen once when `hpipe serve --cluster` starts
+    (`PipelineClient.elastic`): what the client's run thread does when its pipeline ends
+    (`next_plan`), what it does when a new one is ready (`ready`) and at the first tokens after it
+    (`tokens`); a thread of its own takes returning hosts back (`_consider`)."""
+
+    def __init__(self, client, inventory: formats.Inventory, accept_new_keys: bool = False):
+        self.client, self.log = client, client.log
+        self.replanner = Replanner(client.job.plan, client.job.config, client.job.plan.model.name)
+        self.watch = HostWatch(inventory, accept_new_keys)
+        self.degraded: str | None = None       # the hosts up cannot hold the model: why
+        self.event: Recovery | None = None     # the event under way (until its resumed requests have a token)
+        self.switch: tuple[str, Recovery] | None = None   # a rejoin asked: the plan to start next
+        self.t_fail = self.t_start = self.t_ready = 0.0
+        self.pending: set[int] = set()         # requests resumed that have no token yet
+        self.failed_starts = 0
+        self.plans = tempfile.mkdtemp(prefix="hpipe-plans-")
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._rejoin, name="hpipe-rejoin", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.watch.close()
+
+    # ------------------------------------------------------------------ the run thread
+    def next_plan(self, error: HpipeError) -> str | None:
+        """The pipeline ended with `error` (or a rejoin stopped it): the plan file to start next,
+        None once the service closes while it waits; HpipeError when it cannot go on."""
+        if self.switch is not None:
+            path, self.event = self.switch
+            self.switch = None
+            self.t_start = time.monotonic()
+            return path
+        if self.event is not None and not isinstance(error, StageFailure):
+            self.failed_starts += 1
+            if self.failed_starts >= 3:
+                raise HpipeError(f"the pipeline could not be started again after a lost host: {error}")
+        cause = " ".join(str(error).split())
+        host = error.host if isinstance(error, StageFailure) else "?"
+        silent = error.silent_s if isinstance(error, StageFailure) else 0.0
+        now = time.monotonic()
+        self.t_fail = now - silent
+        event = Recovery("lost", host, cause, old_stages=stage_names(self.client.plan))
+        event.phases["notice"] = round(silent, 3)
+        if isinstance(error, StageFailure):
+            self.watch.lose(host)
+        else:        # the start failed (a host that does not answer SSH, a preflight): which hosts are gone?
+            host = event.host = ",".join(self.watch.lose_silent(set(self.replanner.hosts) - self.watch.down())) or "?"
+        self.log(f"hpipe: lost host {host}: {cause}")
+        while not self.closed.is_set():
+            up = set(self.replanner.hosts) - self.watch.down()
+            t = time.monotonic()
+            try:
+                plan = self.replanner.plan_for(up)
+            except HpipeError as e:
+                self._degrade(str(e), event)
+                if not self._wait_for_hosts():
+                    return None
+                continue
+            event.phases["replan"] = round(time.monotonic() - t, 3)
+            self.degraded = None
+            return self._begin(plan, event)
+        return None
+
+    def _begin(self, plan: formats.Plan, event: Recovery) -> str:
+        event.new_stages = stage_names(plan)
+        event.predicted_old_s = self.replanner.predicted_s(self.client.plan)
+        event.predicted_new_s = self.replanner.predicted_s(plan)
+        self.log(f"hpipe: planned again: {' -> '.join(event.new_stages)}"
+                 + (f" ({event.predicted_new_s:.3f} s predicted, {event.predicted_old_s:.3f} s before)"
+                    if event.predicted_new_s is not None and event.predicted_old_s is not None else "")
+                 + "; starting it")
+        path = os.path.join(self.plans, f"plan-{len(self.client.metrics.events)}-{secrets.token_hex(3)}.json")
+        formats.write_plan(plan, path)
+        self.event, self.t_start = event, time.monotonic()
+        return path
+
+    def _degrade(self, why: str, event: Recovery) -> None:
+        if self.degraded is None:
+            self.log(f"hpipe: degraded: {why}; requests get 503 until a host returns")
+        event.degraded = self.degraded = why
+        self.client._end_open(f"the service is degraded: {why}")
+
+    def _wait_for_hosts(self) -> bool:
+        """Until a lost host answers again (it is counted up again); False once closed."""
+        while not self.closed.wait(0.5):
+            back = self.watch.back()
+            if back:
+                for h in back:
+                    self.watch.regain(h)
+                self.log(f"hpipe: {', '.join(sorted(back))} answers again; planning over it")
+                return True
+        return False
+
+    # ------------------------------------------------------------------ the report thread
+    def ready(self, resumed: list[int]) -> None:
+        """The new pipeline's stage 0 is ready and has the open requests, `resumed` those it resumed."""
+        if self.event is None:
+            return
+        self.failed_starts = 0
+        self.t_ready = time.monotonic()
+        self.event.phases["start"] = round(self.t_ready - self.t_start, 3)
+        self.event.resumed = len(resumed)
+        self.client.metrics.resumed += len(resumed)
+        self.pending = set(resumed)
+        if not self.pending:
+            self._done()
+
+    def tokens(self, indices) -> None:
+        if self.event is None or not self.pending:
+            return
+        self.pending.difference_update(indices)
+        if not self.pending:
+            self._done()
+
+    def _done(self) -> None:
+        event, now = self.event, time.monotonic()
+        if self.pending is not None and event.resumed:
+            event.phases["reprefill"] = round(now - self.t_ready, 3)
+        event.outage_s = round(now - (self.t_fail if event.kind == "lost" else self.t_start), 3)
+        self.client.metrics.events.append(event)
+        self.event = None
+        self.log(f"hpipe: {event.line()}")
+
+    # ------------------------------------------------------------------ returning hosts
+    def _rejoin(self) -> None:
+        while not self.closed.wait(1.0):
+            if self.switch is None and self.event is None and self.degraded is None and self.client.accepting:
+                back = self.watch.back()
+                if back:
+                    self._consider(back)
+
+    def _consider(self, back: set[str]) -> None:
+        up = set(self.replanner.hosts) - (self.watch.down() - back)
+        t = time.monotonic()
+        try:
+            plan = self.replanner.plan_for(up)
+        except HpipeError as e:
+            self.log(f"hpipe: {', '.join(sorted(back))} answers again, but no plan takes it: {e}")
+            return
+        for h in back:
+            self.watch.regain(h)
+        old, new = self.client.plan, plan
+        old_s, new_s = self.replanner.predicted_s(old), self.replanner.predicted_s(new)
+        gains = (len(new.stages) > len(old.stages) if old_s is None or new_s is None
+                 else new_s < old_s * (1 - REJOIN_GAIN))
+        what = f" ({new_s:.3f} s predicted against {old_s:.3f} s now)" if old_s and new_s else ""
+        self.log(f"hpipe: {', '.join(sorted(back))} answers again; the plan with it: "
+                 f"{' -> '.join(stage_names(new))}{what}: " + ("switching to it" if gains else "staying"))
+        if not gains:
+            return
+        event = Recovery("rejoined", ",".join(sorted(back)), "answers again", old_stages=stage_names(old),
+                         new_stages=stage_names(new), predicted_old_s=old_s, predicted_new_s=new_s)
+        event.phases["replan"] = round(time.monotonic() - t, 3)
+        path = os.path.join(self.plans, f"plan-{len(self.client.metrics.events)}-{secrets.token_hex(3)}.json")
+        formats.write_plan(plan, path)
+        self.switch = (path, event)
+        self.client.launch.stop()      # the run thread takes the switch when the stages have ended
