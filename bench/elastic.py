@@ -39,7 +39,6 @@ def main() -> None:
     ap.add_argument("-o", "--out", default=str(ROOT / "bench" / "results" / "elastic.json"))
     args = ap.parse_args()
 
-    import httpx
     import openai
 
     from hpipe.net import free_port
@@ -70,11 +69,8 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 300
         while True:
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if _get(base + "/health")[0] == 200:
+                break
             if proc.poll() is not None or time.time() > deadline:
                 raise SystemExit("the server did not start: " + (work / "serve.log").read_text()[-2000:])
             time.sleep(0.5)
@@ -110,7 +106,7 @@ def main() -> None:
         os.kill(victim, signal.SIGKILL)
 
         def events() -> dict:
-            return httpx.get(base + "/hpipe/events", timeout=10).json()
+            return json.loads(_get(base + "/hpipe/events")[1])
 
         deadline = time.time() + 300
         while sum(e["kind"] == "rejoined" for e in events()["events"]) < 1:
@@ -148,6 +144,18 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     _chart(out, Path(args.out).with_suffix(".png"))
     print(json.dumps({k: v for k, v in out.items() if k != "tokens_per_s"}, indent=2))
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, "{}"
 
 
 def _mean(xs: list[int]) -> float | None:

@@ -99,7 +99,7 @@ class Replanner:
         plan = self.plan
         if self.profile is None:
             return planner.make_plan(self.name, self.config, devices, None, list(plan.slicing.lengths) or None,
-                                     None, plan.slicing.granularity, plan.dtype, plan.weights)
+                                     plan.slicing.count, plan.slicing.granularity, plan.dtype, plan.weights)
         pr = plan.predicted
         try:
             result = planner.search_plan(self.profile, self.profile_path, self.name, self.config, devices,
