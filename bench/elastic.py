@@ -137,10 +137,9 @@ def main() -> None:
            "clients": args.clients, "max_tokens": args.max_tokens, "kill_at_s": round(t_kill - t0, 3),
            "rejoined_at_s": round(t_back - t0, 3), "tokens_per_s": per_s, "events": seen["events"],
            "stages_at_end": seen["stages"], "client_errors": errors,
-           "steady_tokens_per_s": {
-               "before": _mean(per_s[5:int(t_kill - t0)]),
-               "on_two_hosts": _mean(per_s[int(t_kill - t0) + 15:int(t_back - t0)]),
-               "after_rejoin": _mean(per_s[int(t_back - t0) + 10:-2])}}
+           "steady_tokens_per_s": {"before": _mean(per_s[3:int(t_kill - t0)]),
+                                   "after_rejoin": _mean(per_s[int(t_back - t0) + 3:-2])},
+           "seconds_without_tokens": sum(1 for x in per_s[int(t_kill - t0):int(t_back - t0) + 3] if x == 0)}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     _chart(out, Path(args.out).with_suffix(".png"))
     print(json.dumps({k: v for k, v in out.items() if k != "tokens_per_s"}, indent=2))

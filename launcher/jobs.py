@@ -473,12 +473,14 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
     last = logs.last(rank)
     raise StageFailure(f"stage {rank} ({stage.host} {stage.device}, units {stage.units[0]}-{stage.units[1] - 1}) "
                        f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
-                       + f"; every worker was stopped; {output.done_line()}", rank, stage.host, silent[rank])
+                       + f"; every worker was stopped; {output.done_line()}", rank, stage.host,
+                       silent[rank] if host_timeout_s is not None and silent[rank] >= host_timeout_s else 0.0)
 
 
 class StageFailure(HpipeError):
-    """A stage that failed, the launcher's one line: its rank, its host and how long the launcher had
-    heard nothing from it when the failure was noticed (the recovery's `notice` time)."""
+    """A stage that failed, the launcher's one line: its rank, its host and, when its silence was
+    the failure, how long the launcher had heard nothing from it (the recovery's `notice` time; an
+    exit is seen within the watch's 0.2 s)."""
 
     def __init__(self, message: str, rank: int, host: str, silent_s: float):
         super().__init__(message)
