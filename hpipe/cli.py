@@ -575,6 +575,10 @@ def serve(
             threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
 
     client.on_failure = failed
+    if cluster is not None:       # the inventory read again: hosts added to it join the pipeline
+        import signal
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=client.reload_inventory, args=(cluster,),
+                                                                 daemon=True).start())
     try:
         client.start()
         ready = client.info

@@ -298,7 +298,19 @@ class Elastic:
         self.event = None
         self.log(f"hpipe: {event.line()}")
 
-    # ------------------------------------------------------------------ returning hosts
+    # ------------------------------------------------------------------ returning and new hosts
+    def add_hosts(self, inventory: formats.Inventory) -> list[str]:
+        """The inventory read again (SIGHUP): its hosts the pipeline does not know are watched like
+        returning ones (each joins once its sshd answers, checked by the start's preflight, when the
+        plan with it gains). Returns their names."""
+        new = [h for h in inventory.hosts if h.name not in self.replanner.hosts]
+        self.client.inventory = self.watch.inventory = inventory
+        self.watch.hosts = {h.name: h for h in inventory.hosts}
+        for h in new:
+            self.replanner.devices += [(h.name, d) for d in h.devices]
+            self.watch.lose(h.name)
+        return [h.name for h in new]
+
     def _rejoin(self) -> None:
         while not self.closed.wait(1.0):
             if self.switch is None and self.event is None and self.degraded is None and self.client.accepting:
@@ -311,8 +323,12 @@ class Elastic:
         t = time.monotonic()
         try:
             plan = self.replanner.plan_for(up)
-        except HpipeError as e:
-            self.log(f"hpipe: {', '.join(sorted(back))} answers again, but no plan takes it: {e}")
+        except HpipeError as e:          # (a host the run's profile does not know): not asked again
+            self.log(f"hpipe: {', '.join(sorted(back))} answers, but no plan takes it: {e}; left out (profile it "
+                     f"with `hpipe profile --cluster` and plan again to use it)")
+            for h in back:
+                self.watch.regain(h)
+                self.replanner.devices = [d for d in self.replanner.devices if d[0] != h]
             return
         for h in back:
             self.watch.regain(h)

@@ -10,6 +10,12 @@ weights are shared pages (Pss = 1/d of them); the CPU's cores are split among th
 MLP halves a replica does not own run as the group's mode says (`hpipe.runtime.sidp`: WaS from the
 mapping, CaS through the owner, or the switch between them); the replicas of one group meet on
 their own gloo group, whose port and token the launcher hands out.
+
+A replica that is lost (its worker exits) hands its open requests to the others: each goes on
+where it stood (`Request.output_ids`: the tokens it had), and the job goes on with the rest of the
+group. Replicas that fell with it (in CaS they meet at every MLP half) are started again on their
+own (WaS, `--sidp-mode was`: they never meet again); a job ends with an error only when no replica
+is left.
 """
 
 from __future__ import annotations
@@ -127,7 +133,9 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
             for started in [pool.submit(c.start) for c in clients]:    # the replicas load at once
                 started.result()
             t0 = time.time()
-            asyncio.run(_dispatch(clients, job, out_path, report, log, t0))
+            restart = lambda r: _restart(clients, job, plan_path, serve, r, threads if cpu[r] else None, seats[r],  # noqa: E731
+                                         log, quiet)
+            asyncio.run(_dispatch(clients, job, out_path, report, log, t0, restart))
             report.wall_s = time.time() - t0
             for r, client in enumerate(clients):
                 report.replicas[r].update(mapped_bytes(client.launch.workers[0].proc.pid, roots) or {})
@@ -141,10 +149,22 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
     return report
 
 
+def _restart(clients: list[PipelineClient], job: PreparedJob, plan_path: str, serve: LaunchSettings, r: int,
+             threads: int | None, seat: GroupSeat, log, quiet: bool) -> None:
+    """Replica r, which fell with a lost one, started again on its own (WaS: it never meets the group)."""
+    runtime = dataclasses.replace(serve.runtime, sidp_mode="was")
+    client = PipelineClient(replica_job(job, r), plan_path, replica_settings(dataclasses.replace(serve, runtime=runtime), r),
+                            log=log, quiet=quiet, threads=threads, seat=seat)
+    client.start()
+    clients[r] = client
+
+
 async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: str, report: ReplicaReport, log,
-                    t0: float) -> None:
+                    t0: float, restart=None) -> None:
     loop = asyncio.get_running_loop()
     room = asyncio.Condition()
+    lost: set[int] = set()              # replicas gone for good
+    restarting: set[int] = set()
     total = len(job.requests)
     report.replicas = [{"device": f"{c.job.plan.stages[0].host}/{c.job.plan.stages[0].device}", "requests": 0,
                         "output_tokens": 0} for c in clients]
@@ -152,18 +172,54 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
     last_line = 0.0
 
     def pick() -> int | None:
-        loads = [(c.load() / max(1, c.max_batch), r) for r, c in enumerate(clients) if c.load() < c.max_batch]
+        loads = [(c.load() / max(1, c.max_batch), r) for r, c in enumerate(clients)
+                 if c.failure is None and r not in restarting and c.load() < c.max_batch]
         return min(loads)[1] if loads else None
+
+    async def replica_lost(r: int, cause: str) -> None:
+        """Replica r failed: a replica that fell with another is started again alone; one that
+        failed by itself is gone. Its requests go on the others (the caller resubmits them)."""
+        async with room:
+            if r in lost or r in restarting or clients[r].failure is None:
+                return
+            fell_with_peer = bool(clients[r].output.peers_lost)
+            (restarting if fell_with_peer and restart is not None else lost).add(r)
+            log(f"hpipe: replica {r} ({report.replicas[r]['device']}) lost: {cause}; its open requests go on the "
+                + ("others; starting it again on its own (WaS)" if r in restarting else "others"))
+            if len(lost) == len(clients):
+                raise HpipeError(f"every replica was lost; the last: replica {r}: {cause}; rerun with --resume")
+        if r in restarting:
+            try:
+                await loop.run_in_executor(None, restart, r)
+            except HpipeError as e:
+                log(f"hpipe: replica {r} could not start again: {e}")
+                lost.add(r)
+            restarting.discard(r)
+            async with room:
+                if len(lost) == len(clients):
+                    raise HpipeError(f"every replica was lost; the last: replica {r}; rerun with --resume")
+                room.notify_all()
 
     async def run(request) -> None:
         nonlocal tokens, last_line
-        async with room:
-            await room.wait_for(lambda: pick() is not None)
-            r = pick()
-            handle = clients[r].submit_request(request, loop)
-        kind, value, _ = await handle.queue.get()     # no output assembled: the end or an error alone
-        if kind == "error":
-            raise HpipeError(f"replica {r} ({report.replicas[r]['device']}): {value}")
+        while True:
+            async with room:
+                await room.wait_for(lambda: pick() is not None)
+                r = pick()
+                handle = clients[r].submit_request(request, loop)
+            kind, value, _ = await handle.queue.get()     # no output assembled: the end or an error alone
+            if kind != "error":
+                break
+            if clients[r].failure is None:
+                raise HpipeError(f"replica {r} ({report.replicas[r]['device']}): {value}")
+            await replica_lost(r, value)
+            if handle.tokens:           # it goes on after the tokens it had
+                reason = request.finish_reason(handle.tokens[-1], len(handle.tokens))
+                if reason is not None:
+                    handle.result = protocol.Result(request.index, handle.tokens, reason, len(request.input_ids),
+                                                    None, 0.0, None, None)
+                    break
+                request = request.resumed(handle.tokens)
         result = handle.result
         fields = protocol.as_dict(result)
         del fields["index"]

@@ -278,6 +278,20 @@ class PipelineClient:
         if self.thread is not None and self.thread.is_alive():
             self.stop()
 
+    def reload_inventory(self, path: str) -> None:
+        """SIGHUP: the inventory read again; hosts added to it join when they answer (launcher/elastic.py)."""
+        try:
+            inventory = formats.load_inventory(path)
+        except HpipeError as e:
+            self.log(f"hpipe: SIGHUP: {e}; the inventory in use is kept")
+            return
+        if self.elastic is None:
+            self.log("hpipe: SIGHUP: hosts join a running pipeline only with --cluster and --recover")
+            return
+        added = self.elastic.add_hosts(inventory)
+        self.log(f"hpipe: SIGHUP: {path} read again: " + (f"{', '.join(added)} added; each joins once its sshd "
+                 f"answers and the plan with it is predicted faster" if added else "no host added"))
+
     def stop(self) -> None:
         self.closing = True
         if self.elastic is not None:
@@ -323,7 +337,7 @@ class PipelineClient:
         if request.params.seed is None:   # its own, so that a resume draws what it would have drawn
             request = dataclasses.replace(request, params=dataclasses.replace(request.params,
                                                                                 seed=secrets.randbits(63)))
-        handle = Handle(request, loop, asyncio.Queue(), output)
+        handle = Handle(request, loop, asyncio.Queue(), output, tokens=list(request.output_ids))
         with self.lock:
             if self.failure is not None:
                 raise HpipeError(self.failure)

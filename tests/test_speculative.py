@@ -174,7 +174,8 @@ def test_seeded_sampling_is_unchanged_by_speculation(tiny_models):
     path = tiny_models["llama"]
     prompts = repetitive_prompts(random.Random(4), 6)
     warm = dict(temperature=0.3, top_p=0.9, repetition_penalty=1.05, logit_bias=((7, 1.0),))   # quotes: accepted
-    requests = [Request(i, f"p{i}", tuple(p), SamplingParams(**(HOT if i % 2 else warm), seed=50 + i,
+    # seeds whose draws accept some proposals (each position's draw is its seed's: hpipe.request.position_seed)
+    requests = [Request(i, f"p{i}", tuple(p), SamplingParams(**(HOT if i % 2 else warm), seed=60 + i,
                                                              speculative=i != 5),
                         max_new_tokens=24, eos_ids=frozenset([EOS])) for i, p in enumerate(prompts)]
     n_units = models.num_units(models.load_config(path))

@@ -291,8 +291,8 @@ def wait_until_clean(cluster, within: float) -> list:
 @pytest.mark.slow
 def test_a_batch_job_goes_on_without_a_killed_hosts_stage(cluster, plan_and_prompts, tmp_path):
     """A stage worker SIGKILLed mid-job: the job is planned again over the two hosts left and
-    finishes there, every prompt once, no --resume; its tokens are an undisturbed run's. With
-    --no-recover the same kill stops everything and names the stage."""
+    finishes there, every prompt once, no --resume; its tokens are an undisturbed run's. (With
+    --no-recover a failure stops everything: the link and wrapper tests below.)"""
     plan, prompts = plan_and_prompts
     whole = tmp_path / "whole.jsonl"
     hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", whole,
@@ -309,16 +309,6 @@ def test_a_batch_job_goes_on_without_a_killed_hosts_stage(cluster, plan_and_prom
     events = json.loads(Path(f"{out}.summary.json").read_text())["events"]
     assert [(e["kind"], e["host"]) for e in events] == [("lost", "h1")] and events[0]["resumed"] >= 1
     assert wait_until_clean(cluster, 2.0) == []
-
-    (tmp_path / "strict").mkdir()
-    proc, out = start_launch(cluster, plan_and_prompts, tmp_path / "strict", "--no-recover")
-    t = time.time()
-    kill_worker(cluster, "h1")
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2 and time.time() - t < 10, (proc.returncode, err)
-    assert "stage 1 (h1 cpu" in err and "SIGKILL" in err, err
-    assert wait_until_clean(cluster, 1.0) == []
-    assert len(out.read_text().splitlines()) >= 1   # finished prompts stay
 
 
 @pytest.mark.slow
