@@ -512,7 +512,8 @@ def test_preflight_refuses_missing_devices_and_other_versions(cluster, tmp_path)
 @pytest.mark.slow
 def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, plan_and_prompts, tmp_path):
     """`hpipe serve --cluster`: requests reach stage 0 through its remote wrapper's stdin; greedy
-    answers (streamed and not) equal `hpipe launch --cluster`'s, and Ctrl-C stops every host."""
+    answers (streamed and not) equal `hpipe launch --cluster`'s, and Ctrl-C stops every host. The
+    server starts on two hosts; the third, added to its inventory, joins on SIGHUP."""
     import openai
 
     from hpipe.net import free_port
@@ -526,10 +527,17 @@ def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, p
     hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", out,
           "--max-new-tokens", "12", "--max-batch", "1", "--quiet", cwd=tmp_path, check=True)
     launched = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+    full = Path(cluster.inventory_path).read_text()
+    inventory = tmp_path / "inventory.toml"          # h0 and h1 (h2's block left out)
+    inventory.write_text("[[hosts]]".join(b for b in full.split("[[hosts]]") if 'name = "h2"' not in b))
+    two = tmp_path / "two.json"        # the 3-stage plan's slicing: the same numbers as the launch's
+    slices = str(json.loads(Path(plan).read_text())["slicing"]["count"])
+    hpipe("plan", "--model", "smollm2", "--cluster", inventory, "--num-slices", slices, "-o", two, cwd=tmp_path,
+          check=True)
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(plan), "--cluster",
-                             str(cluster.inventory_path), "--port", str(port), "--max-model-len", "512",
+    proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(two), "--cluster",
+                             str(inventory), "--port", str(port), "--max-model-len", "512",
                              "--kv-pages", "64"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
     try:
@@ -542,6 +550,13 @@ def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, p
                 break
             except openai.APIConnectionError:
                 time.sleep(0.5)
+        inventory.write_text(full)
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.time() + 180
+        while "rejoined h2" not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.3)
+        assert "h2 added" in (tmp_path / "serve.log").read_text()
         whole = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": questions[0]}],
                                                max_tokens=12, temperature=0).choices[0].message.content
         streamed = "".join(ch.delta.content or "" for ev in client.chat.completions.create(
