@@ -55,7 +55,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = None
     try:
-        profile = elastic_profile(cluster, work / "profile.json")
+        profile = elastic_profile([h.spec.name for h in cluster.hosts], work / "profile.json")
         subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--cluster",
                         str(cluster.inventory_path), "--profile", str(profile), "--seq-len", "64", "-o",
                         str(work / "plan.json")], check=True, env=env, capture_output=True)

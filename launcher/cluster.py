@@ -257,6 +257,7 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
         formats.write_plan(plan, plan_path)
         job = dataclasses.replace(job, plan=plan, requests=left)
         output.requests = left
+        output.restart()
 
 
 def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, settings: LaunchSettings,

@@ -30,7 +30,8 @@ from hpipe.launcher.jobs import StageFailure
 
 __all__ = ["MARGIN", "REJOIN_AFTER_S", "REJOIN_GAIN", "Elastic", "HostWatch", "Recovery", "Replanner"]
 
-REJOIN_AFTER_S = 3.0     # a lost host answers SSH this long before it is taken back (not a flapping link)
+REJOIN_AFTER_S = 3.0     # a lost host answers SSH this long before it is taken back, doubled each time
+MAX_REJOIN_AFTER_S = 300.0   # the same host is lost again (a flapping link, a worker killed again and again)
 REJOIN_GAIN = 0.05       # ... and the plan with it is predicted this much faster (or the service is degraded)
 PROBE_EVERY_S = 1.0
 MARGIN = 0.1             # the planner's default share of free memory kept free (`hpipe plan --margin`)
@@ -116,20 +117,23 @@ class Replanner:
 
 class HostWatch:
     """Asks the lost hosts' sshd every PROBE_EVERY_S (a real connection and login); `back()` names
-    those that have answered for REJOIN_AFTER_S without a miss."""
+    those that have answered without a miss for REJOIN_AFTER_S, doubled for each time the host was
+    lost before (up to MAX_REJOIN_AFTER_S)."""
 
     def __init__(self, inventory: formats.Inventory, accept_new_keys: bool = False):
         self.inventory, self.accept_new_keys = inventory, accept_new_keys
         self.hosts = {h.name: h for h in inventory.hosts}
         self.lost: dict[str, float | None] = {}     # host -> since when it answers (None: it does not)
+        self.losses: dict[str, int] = {}            # host -> times it was lost
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hpipe-hostwatch", daemon=True)
         self.thread.start()
 
-    def lose(self, host: str) -> None:
+    def lose(self, host: str, count: bool = True) -> None:
         with self.lock:
             self.lost[host] = None
+            self.losses[host] = self.losses.get(host, 0) + count
 
     def lose_silent(self, hosts: set[str]) -> list[str]:
         """Of `hosts`, those whose sshd does not answer now are lost; returns them."""
@@ -149,7 +153,10 @@ class HostWatch:
     def back(self, now: float | None = None) -> set[str]:
         now = time.monotonic() if now is None else now
         with self.lock:
-            return {h for h, since in self.lost.items() if since is not None and now - since >= REJOIN_AFTER_S}
+            return {h for h, since in self.lost.items() if since is not None and now - since >= self.hold_s(h)}
+
+    def hold_s(self, host: str) -> float:
+        return min(MAX_REJOIN_AFTER_S, REJOIN_AFTER_S * 2 ** max(0, self.losses.get(host, 0) - 1))
 
     def close(self) -> None:
         self.stopped.set()
@@ -308,7 +315,7 @@ class Elastic:
         self.watch.hosts = {h.name: h for h in inventory.hosts}
         for h in new:
             self.replanner.devices += [(h.name, d) for d in h.devices]
-            self.watch.lose(h.name)
+            self.watch.lose(h.name, count=False)
         return [h.name for h in new]
 
     def _rejoin(self) -> None:

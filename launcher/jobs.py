@@ -139,6 +139,12 @@ class StageReports:
     peers_lost: set[int] = field(default_factory=set)     # stages that fell because a neighbour died
     events: list = field(default_factory=list)            # hosts lost and the plans that went on (launcher/elastic.py)
 
+    def restart(self) -> None:
+        """Another pipeline starts (a lost host's recovery): the last one's stage reports go."""
+        self.timelines.clear()
+        self.errors.clear()
+        self.peers_lost.clear()
+
     def take(self, rank: int, line: str) -> bool:
         """Handles one stdout line of a worker; False if it is not a report (a log line)."""
         report = protocol.read_report(line)

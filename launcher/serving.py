@@ -214,6 +214,7 @@ class PipelineClient:
             plan = self.job.plan if plan_path == self.plan_path else formats.load_plan(plan_path)
             job = dataclasses.replace(self.job, plan=plan)
             self.plan = plan
+            self.output.restart()
             if self.inventory is not None:
                 self.launch = start_cluster(job, plan_path, self.inventory, self.settings, self.output,
                                             log=self.log, quiet=self.quiet, **self.launch_kwargs)

@@ -300,14 +300,13 @@ def stop_cluster(cluster: EmulatedCluster) -> None:
 FREE = 520 * 2**20     # per host: the float32 model (621 MiB) needs two of them
 
 
-def elastic_profile(cluster, path: Path) -> Path:
-    """The measured one-thread profile's times on the three emulated hosts, for dense float32 weights,
+def elastic_profile(names: list[str], path: Path) -> Path:
+    """The measured one-thread profile's times on the named hosts' CPUs, for dense float32 weights,
     each host with FREE bytes of memory: two hosts hold the model, one does not."""
     from hpipe import models
     base = json.loads((Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1thread-quick.json").read_text())
     config = models.load_config(models.resolve_model("smollm2").path)
     device, link = base["devices"][0], base["links"][0]
-    names = [h.spec.name for h in cluster.hosts]
     base["weights"], base["bytes"] = "none", models.unit_bytes(config, "float32", "none")
     base["devices"] = [{**device, "id": f"{n}/cpu", "host": n, "weights": "none",
                         "memory": {"free_bytes": FREE, "total_bytes": 2 * FREE}} for n in names]
