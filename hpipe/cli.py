@@ -514,6 +514,8 @@ def launch(
                                          host_timeout_s=host_timeout, quiet=quiet, recover=recover)
     else:
         report = launcher.launch_local(job, plan_path, out, settings, quiet=quiet)
+    if report.plan is not None:      # a lost host's stages were planned again: the run is checked against that plan
+        job = dataclasses.replace(job, plan=report.plan)
     _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
 
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpipe.launcher.elastic import Recovery, Replanner, stage_names
+from hpipe.launcher.elastic import Recovery, Replanner, ssh_answers, stage_names
 from hpipe.launcher.jobs import (
     HEARTBEAT_TIMEOUT_S,
     JobOutput,
@@ -214,33 +214,44 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     """As `launch_local`, on the inventory's hosts over SSH. With `recover`, a lost host's stages
     are planned again over the hosts still up (launcher/elastic.py) and the prompts without a result
     run there: the job finishes without --resume, every id once (`output.events` says what
-    happened). The job's final plan is `job.plan` afterwards."""
+    happened); the report's `plan` is the one the job finished on."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     output = JobOutput(out_path, job.tokenizer, job.requests)
     if not job.requests:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
-    replanner = Replanner(job.plan, job.config, job.plan.model.name) if recover else None
+    replanner = Replanner(job.plan, job.config, job.plan.model.name, inventory, log) if recover else None
     lost: set[str] = set()
     t0 = time.time()
+    failed_starts = 0
     while True:
         t_start = time.monotonic()
-        launch = start_cluster(job, plan_path, inventory, settings, output, accept_new_keys=accept_new_keys,
-                               push=push, host_timeout_s=host_timeout_s, log=log, quiet=quiet)
-        launch.where = f" to {out_path}"
-        if output.events:
-            output.events[-1].phases["start"] = round(time.monotonic() - t_start, 3)
         try:
+            launch = start_cluster(job, plan_path, inventory, settings, output, accept_new_keys=accept_new_keys,
+                                   push=push, host_timeout_s=host_timeout_s, log=log, quiet=quiet)
+            launch.where = f" to {out_path}"
+            if output.events:
+                output.events[-1].phases["start"] = round(time.monotonic() - t_start, 3)
             launch.wait()
-            return LaunchReport(output, time.time() - t0)
-        except StageFailure as e:
-            if replanner is None:
+            return LaunchReport(output, time.time() - t0, job.plan)
+        except HpipeError as e:
+            # the first start's refusals (preflight, keys) stand; later, a start that failed or a stage lost
+            if replanner is None or not (isinstance(e, StageFailure) or output.events):
                 raise
             failure = e
-        lost.add(failure.host)
-        event = Recovery("lost", failure.host, " ".join(str(failure).split()), old_stages=stage_names(job.plan))
-        event.phases["notice"] = round(failure.silent_s, 3)
-        log(f"hpipe: lost host {failure.host}: {event.cause}")
+        if isinstance(failure, StageFailure):
+            gone = [failure.host]
+        else:       # a start after a loss failed: the hosts that no longer answer SSH
+            up = set(replanner.hosts) - lost
+            gone = sorted({h for h in up if not ssh_answers(inventory, h, accept_new_keys)})
+            failed_starts += 1
+            if not gone and failed_starts >= 3:
+                raise failure
+        lost.update(gone)
+        event = Recovery("lost", ",".join(gone) or "?", " ".join(str(failure).split()),
+                         old_stages=stage_names(job.plan))
+        event.phases["notice"] = round(getattr(failure, "silent_s", 0.0), 3)
+        log(f"hpipe: lost host {event.host}: {event.cause}")
         t = time.monotonic()
         try:
             plan = replanner.plan_for(set(replanner.hosts) - lost)

@@ -28,7 +28,7 @@ from hpipe import formats, planner, ssh
 from hpipe.errors import HpipeError
 from hpipe.launcher.jobs import StageFailure
 
-__all__ = ["MARGIN", "REJOIN_AFTER_S", "REJOIN_GAIN", "Elastic", "HostWatch", "Recovery", "Replanner"]
+__all__ = ["MARGIN", "REJOIN_AFTER_S", "REJOIN_GAIN", "Elastic", "HostWatch", "Recovery", "Replanner", "ssh_answers"]
 
 REJOIN_AFTER_S = 3.0     # a lost host answers SSH this long before it is taken back, doubled each time
 MAX_REJOIN_AFTER_S = 300.0   # the same host is lost again (a flapping link, a worker killed again and again)
@@ -72,15 +72,21 @@ def stage_names(plan: formats.Plan) -> list[str]:
 
 
 class Replanner:
-    """Plans over the hosts still up, as the run's plan was made."""
+    """Plans over the hosts still up, as the run's plan was made: its devices in their order, then
+    the inventory's others (a device the first plan left out may serve now)."""
 
-    def __init__(self, plan: formats.Plan, config, model_name: str):
+    def __init__(self, plan: formats.Plan, config, model_name: str, inventory: formats.Inventory | None = None,
+                 log=None):
         self.plan, self.config, self.name = plan, config, model_name
         self.devices = [(s.host, s.device) for s in plan.stages]
+        self.devices += [d for d in (inventory.devices() if inventory else []) if d not in self.devices]
         pr = plan.predicted or {}
         path = pr.get("profile")
         self.profile_path = path if path and os.path.exists(path) else None
         self.profile = formats.load_profile(path) if self.profile_path else None
+        if path and self.profile is None and log is not None:
+            log(f"hpipe: the plan's profile {path} is not here: a lost host's stages are planned again with "
+                f"equal cuts (run from where the plan was made to plan from it)")
 
     @property
     def hosts(self) -> list[str]:
@@ -104,7 +110,7 @@ class Replanner:
         pr = plan.predicted
         try:
             result = planner.search_plan(self.profile, self.profile_path, self.name, self.config, devices,
-                                         pr["seq_len"], pr["batch"], None, MARGIN, plan.dtype,
+                                         pr["seq_len"], pr["batch"], None, pr.get("margin", MARGIN), plan.dtype,
                                          plan.slicing.granularity, "inventory", allow_drop=len(devices) > 1,
                                          overlap=pr.get("overlap_sends", False),
                                          objective=pr.get("objective", "prefill"),
@@ -164,20 +170,30 @@ class HostWatch:
     def _run(self) -> None:
         while not self.stopped.wait(PROBE_EVERY_S):
             for name in list(self.down()):
-                ok = self._answers(name)
+                try:
+                    ok = self._answers(name)
+                except Exception:  # noqa: BLE001 - not back yet
+                    ok = False
                 with self.lock:
                     if name in self.lost:
                         self.lost[name] = (self.lost[name] or time.monotonic()) if ok else None
 
     def _answers(self, name: str) -> bool:
-        host = self.hosts[name]
-        settings = dataclasses.replace(self.inventory.ssh, connect_timeout_s=min(3.0, self.inventory.ssh.connect_timeout_s))
-        try:
-            conn = ssh.connect(host, settings, self.accept_new_keys, log=lambda *_: None)
-        except Exception:  # noqa: BLE001 - any failure to log in is "not back yet"
-            return False
-        conn.close()
-        return True
+        return ssh_answers(self.inventory, name, self.accept_new_keys, self.hosts)
+
+
+def ssh_answers(inventory: formats.Inventory, name: str, accept_new_keys: bool = False, hosts: dict | None = None) -> bool:
+    """Whether the host's sshd takes a login now (3 s at most)."""
+    host = (hosts or {h.name: h for h in inventory.hosts}).get(name)
+    if host is None:
+        return False
+    settings = dataclasses.replace(inventory.ssh, connect_timeout_s=min(3.0, inventory.ssh.connect_timeout_s))
+    try:
+        conn = ssh.connect(host, settings, accept_new_keys, log=lambda *_: None)
+    except Exception:  # noqa: BLE001 - any failure to log in is "not there"
+        return False
+    conn.close()
+    return True
 
 
 class Elastic:
@@ -188,14 +204,17 @@ class Elastic:
 
     def __init__(self, client, inventory: formats.Inventory, accept_new_keys: bool = False):
         self.client, self.log = client, client.log
-        self.replanner = Replanner(client.job.plan, client.job.config, client.job.plan.model.name)
+        self.replanner = Replanner(client.job.plan, client.job.config, client.job.plan.model.name, inventory,
+                                   client.log)
         self.watch = HostWatch(inventory, accept_new_keys)
         self.degraded: str | None = None       # the hosts up cannot hold the model: why
         self.event: Recovery | None = None     # the event under way (until its resumed requests have a token)
-        self.switch: tuple[str, Recovery] | None = None   # a rejoin asked: the plan to start next
+        self.switch: tuple[str, Recovery, object] | None = None   # a rejoin asked: the plan to start next,
+                                                                  # its event, the launch it stopped
         self.t_fail = self.t_start = self.t_ready = 0.0
         self.pending: set[int] = set()         # requests resumed that have no token yet
         self.failed_starts = 0
+        self.lock = threading.Lock()           # the event's bookkeeping: the report thread and the HTTP handlers
         self.plans = tempfile.mkdtemp(prefix="hpipe-plans-")
         self.closed = threading.Event()
         self.thread = threading.Thread(target=self._rejoin, name="hpipe-rejoin", daemon=True)
@@ -209,27 +228,27 @@ class Elastic:
     def next_plan(self, error: HpipeError) -> str | None:
         """The pipeline ended with `error` (or a rejoin stopped it): the plan file to start next,
         None once the service closes while it waits; HpipeError when it cannot go on."""
-        if self.switch is not None:
-            path, self.event = self.switch
-            self.switch = None
+        switch, self.switch = self.switch, None
+        if switch is not None and switch[2] is self.client.launch:   # the stages the rejoin stopped
+            path, self.event, _ = switch
             self.t_start = time.monotonic()
             return path
-        if self.event is not None and not isinstance(error, StageFailure):
+        starting = self.event if self.event is not None and "start" not in self.event.phases else None
+        if self.event is not None and starting is None:    # lost again before every resumed request had a token
+            self.client.metrics.events.append(self.event)
+        self.event = None
+        cause = " ".join(str(error).split())
+        silent = error.silent_s if isinstance(error, StageFailure) else 0.0
+        self.t_fail = time.monotonic() - silent
+        event = Recovery("lost", "?", cause, old_stages=stage_names(self.client.plan))
+        event.phases["notice"] = round(silent, 3)
+        lost = self._blame(error, starting)
+        if not lost:
             self.failed_starts += 1
             if self.failed_starts >= 3:
-                raise HpipeError(f"the pipeline could not be started again after a lost host: {error}")
-        cause = " ".join(str(error).split())
-        host = error.host if isinstance(error, StageFailure) else "?"
-        silent = error.silent_s if isinstance(error, StageFailure) else 0.0
-        now = time.monotonic()
-        self.t_fail = now - silent
-        event = Recovery("lost", host, cause, old_stages=stage_names(self.client.plan))
-        event.phases["notice"] = round(silent, 3)
-        if isinstance(error, StageFailure):
-            self.watch.lose(host)
-        else:        # the start failed (a host that does not answer SSH, a preflight): which hosts are gone?
-            host = event.host = ",".join(self.watch.lose_silent(set(self.replanner.hosts) - self.watch.down())) or "?"
-        self.log(f"hpipe: lost host {host}: {cause}")
+                raise HpipeError(f"the pipeline could not be started again: {cause}")
+        event.host = ",".join(lost) or "?"
+        self.log(f"hpipe: lost host {event.host}: {cause}")
         while not self.closed.is_set():
             up = set(self.replanner.hosts) - self.watch.down()
             t = time.monotonic()
@@ -244,6 +263,22 @@ class Elastic:
             self.degraded = None
             return self._begin(plan, event)
         return None
+
+    def _blame(self, error: HpipeError, starting: Recovery | None) -> list[str]:
+        """The hosts lost with `error`: the failed stage's; for a start that failed, the hosts its
+        error names, those whose sshd does not answer and, a rejoin's, the joining hosts."""
+        if isinstance(error, StageFailure) and starting is None:
+            self.watch.lose(error.host)
+            return [error.host]
+        up = set(self.replanner.hosts) - self.watch.down()
+        named = {h for h in up if f"host {h} " in f"{error} " or f"host {h}:" in str(error)}
+        if isinstance(error, StageFailure):
+            named.add(error.host)
+        if starting is not None and starting.kind == "rejoined":
+            named |= set(starting.host.split(",")) & up
+        for h in named:
+            self.watch.lose(h)
+        return sorted(named | set(self.watch.lose_silent(up - named)))
 
     def _begin(self, plan: formats.Plan, event: Recovery) -> str:
         event.new_stages = stage_names(plan)
@@ -285,20 +320,23 @@ class Elastic:
         self.event.phases["start"] = round(self.t_ready - self.t_start, 3)
         self.event.resumed = len(resumed)
         self.client.metrics.resumed += len(resumed)
-        self.pending = set(resumed)
-        if not self.pending:
-            self._done()
+        with self.lock:
+            self.pending = set(resumed)
+            if not self.pending:
+                self._done()
 
     def tokens(self, indices) -> None:
-        if self.event is None or not self.pending:
-            return
-        self.pending.difference_update(indices)
-        if not self.pending:
-            self._done()
+        """These requests had a token (or ended): the event is over once every resumed one has."""
+        with self.lock:
+            if self.event is None or not self.pending:
+                return
+            self.pending.difference_update(indices)
+            if not self.pending:
+                self._done()
 
     def _done(self) -> None:
         event, now = self.event, time.monotonic()
-        if self.pending is not None and event.resumed:
+        if event.resumed:
             event.phases["reprefill"] = round(now - self.t_ready, 3)
         event.outage_s = round(now - (self.t_fail if event.kind == "lost" else self.t_start), 3)
         self.client.metrics.events.append(event)
@@ -312,7 +350,7 @@ class Elastic:
         plan with it gains). Returns their names."""
         new = [h for h in inventory.hosts if h.name not in self.replanner.hosts]
         self.client.inventory = self.watch.inventory = inventory
-        self.watch.hosts = {h.name: h for h in inventory.hosts}
+        self.watch.hosts.update({h.name: h for h in inventory.hosts})
         for h in new:
             self.replanner.devices += [(h.name, d) for d in h.devices]
             self.watch.lose(h.name, count=False)
@@ -320,12 +358,16 @@ class Elastic:
 
     def _rejoin(self) -> None:
         while not self.closed.wait(1.0):
+            launch = self.client.launch
             if self.switch is None and self.event is None and self.degraded is None and self.client.accepting:
                 back = self.watch.back()
                 if back:
-                    self._consider(back)
+                    try:
+                        self._consider(back, launch)
+                    except Exception as e:  # noqa: BLE001 - the service goes on without the host
+                        self.log(f"hpipe: {', '.join(sorted(back))}: not taken back: {type(e).__name__}: {e}")
 
-    def _consider(self, back: set[str]) -> None:
+    def _consider(self, back: set[str], launch) -> None:
         up = set(self.replanner.hosts) - (self.watch.down() - back)
         t = time.monotonic()
         try:
@@ -353,5 +395,11 @@ class Elastic:
         event.phases["replan"] = round(time.monotonic() - t, 3)
         path = os.path.join(self.plans, f"plan-{len(self.client.metrics.events)}-{secrets.token_hex(3)}.json")
         formats.write_plan(plan, path)
-        self.switch = (path, event)
-        self.client.launch.stop()      # the run thread takes the switch when the stages have ended
+        with self.client.lock:         # the pipeline it was planned against, still serving: switch
+            if self.client.launch is not launch or not self.client.accepting or self.event is not None:
+                self.log(f"hpipe: {', '.join(sorted(back))}: the pipeline changed meanwhile; considered again later")
+                for h in back:
+                    self.watch.lose(h, count=False)
+                return
+            self.switch = (path, event, launch)
+        launch.stop()                  # the run thread takes the switch when the stages have ended

@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpipe import formats
 from hpipe.lifeline import PARENT_ENV, arm_parent_death_signal
 from hpipe.net import free_port
 from hpipe.request import write_requests
@@ -42,6 +43,7 @@ from hpipe.launcher.jobs import (
 class LaunchReport:
     output: JobOutput
     wall_s: float
+    plan: formats.Plan | None = None    # the plan the job finished on (another after a lost host)
 
 
 def threads_per_stage(devices: list[str]) -> list[int]:

@@ -133,8 +133,8 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
             for started in [pool.submit(c.start) for c in clients]:    # the replicas load at once
                 started.result()
             t0 = time.time()
-            restart = lambda r: _restart(clients, job, plan_path, serve, r, threads if cpu[r] else None, seats[r],  # noqa: E731
-                                         log, quiet)
+            restart = lambda r, on_failure: _restart(clients, job, plan_path, serve, r,  # noqa: E731
+                                                     threads if cpu[r] else None, seats[r], log, quiet, on_failure)
             asyncio.run(_dispatch(clients, job, out_path, report, log, t0, restart))
             report.wall_s = time.time() - t0
             for r, client in enumerate(clients):
@@ -150,11 +150,12 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
 
 
 def _restart(clients: list[PipelineClient], job: PreparedJob, plan_path: str, serve: LaunchSettings, r: int,
-             threads: int | None, seat: GroupSeat, log, quiet: bool) -> None:
+             threads: int | None, seat: GroupSeat, log, quiet: bool, on_failure) -> None:
     """Replica r, which fell with a lost one, started again on its own (WaS: it never meets the group)."""
     runtime = dataclasses.replace(serve.runtime, sidp_mode="was")
     client = PipelineClient(replica_job(job, r), plan_path, replica_settings(dataclasses.replace(serve, runtime=runtime), r),
                             log=log, quiet=quiet, threads=threads, seat=seat)
+    client.on_failure = on_failure
     client.start()
     clients[r] = client
 
@@ -176,35 +177,48 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
                  if c.failure is None and r not in restarting and c.load() < c.max_batch]
         return min(loads)[1] if loads else None
 
+    causes: list[str] = []
+
+    def none_left() -> bool:
+        return len(lost) == len(clients)
+
+    def failed(r: int, cause: str) -> None:       # a client's run thread: replica r failed
+        if not loop.is_closed():                  # (after the job: nothing left to hand over)
+            asyncio.run_coroutine_threadsafe(replica_lost(r, cause), loop)
+
     async def replica_lost(r: int, cause: str) -> None:
-        """Replica r failed: a replica that fell with another is started again alone; one that
-        failed by itself is gone. Its requests go on the others (the caller resubmits them)."""
+        """Replica r failed (its client says so, with or without requests of its own): one that
+        fell with another is started again alone; one that failed by itself is gone. Its requests
+        go on the others (each `run` resubmits its own)."""
         async with room:
             if r in lost or r in restarting or clients[r].failure is None:
                 return
             fell_with_peer = bool(clients[r].output.peers_lost)
             (restarting if fell_with_peer and restart is not None else lost).add(r)
+            causes.append(f"replica {r}: {cause}")
             log(f"hpipe: replica {r} ({report.replicas[r]['device']}) lost: {cause}; its open requests go on the "
                 + ("others; starting it again on its own (WaS)" if r in restarting else "others"))
-            if len(lost) == len(clients):
-                raise HpipeError(f"every replica was lost; the last: replica {r}: {cause}; rerun with --resume")
+            room.notify_all()
         if r in restarting:
             try:
-                await loop.run_in_executor(None, restart, r)
+                await loop.run_in_executor(None, restart, r, lambda cause, r=r: failed(r, cause))
             except HpipeError as e:
                 log(f"hpipe: replica {r} could not start again: {e}")
                 lost.add(r)
-            restarting.discard(r)
             async with room:
-                if len(lost) == len(clients):
-                    raise HpipeError(f"every replica was lost; the last: replica {r}; rerun with --resume")
+                restarting.discard(r)
                 room.notify_all()
+
+    for r, c in enumerate(clients):
+        c.on_failure = lambda cause, r=r: failed(r, cause)
 
     async def run(request) -> None:
         nonlocal tokens, last_line
         while True:
             async with room:
-                await room.wait_for(lambda: pick() is not None)
+                await room.wait_for(lambda: pick() is not None or none_left())
+                if none_left():
+                    raise HpipeError(f"every replica was lost ({'; '.join(causes)}); rerun with --resume to finish")
                 r = pick()
                 handle = clients[r].submit_request(request, loop)
             kind, value, _ = await handle.queue.get()     # no output assembled: the end or an error alone

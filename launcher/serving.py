@@ -200,8 +200,8 @@ class PipelineClient:
                     return
                 try:
                     plan_path = self.elastic.next_plan(error)
-                except HpipeError as e:
-                    self._fail(str(e))
+                except Exception as e:  # noqa: BLE001 - the service cannot go on: every request gets the cause
+                    self._fail(str(e) if isinstance(e, HpipeError) else f"{type(e).__name__}: {e}")
                     return
                 if plan_path is None:           # closed while it waited for a host
                     return
@@ -234,6 +234,7 @@ class PipelineClient:
                 self.accepting = False
                 for h in self.open.values():
                     h.lost, h.sent = h.lost or h.sent, False
+            self._expire(float("inf"))        # entries a lost last stage owed do not come
 
     def _send(self, op) -> bool:
         return self.launch is not None and self.launch.send(op)
@@ -254,6 +255,8 @@ class PipelineClient:
             ended = [h for i, h in self.logprob_readers.items() if i not in self.open]
             self.open.clear()
             self.logprob_readers.clear()
+        if self.elastic is not None:
+            self.elastic.tokens([h.request.index for h in handles])     # not waited for any more
         for h in handles:
             h.put(h.output.error(cause) if h.output else [("error", cause, ())])
         for h in ended:           # it ended at stage 0: its answer goes out with the entries that came
@@ -395,9 +398,9 @@ class PipelineClient:
                 ops.append(protocol.Add(request))
             for h, _ in ended:
                 self.open.pop(h.request.index, None)
-            launch, self.accepting = self.launch, True
-        for op in ops:
-            launch.send(op)
+            for op in ops:          # under the lock: an abort that comes now follows its request's add
+                self.launch.send(op)
+            self.accepting = True
         for h, reason in ended:
             self.metrics.finished[reason] += 1
             h.put(h.output.finish(reason) if h.output else [("finish", reason, ())])
@@ -470,6 +473,8 @@ class PipelineClient:
         with self.lock:
             h = self.open.pop(rejected.index, None)
             self.logprob_readers.pop(rejected.index, None)
+        if self.elastic is not None:
+            self.elastic.tokens([rejected.index])
         self.metrics.rejected += 1
         if h is not None:
             h.put(h.output.error(rejected.message) if h.output else [("error", rejected.message, ())])
