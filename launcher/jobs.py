@@ -447,6 +447,7 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
                 break
     if failed is None:
         return
+    silent = [w.silent_s() for w in workers]       # how long each had been quiet when the failure was seen
     # A stage that dies takes its neighbours down with it (their links close under them), and their
     # exits may be seen first: wait a moment for every exit and report, then blame the stage whose
     # failure is not a lost peer.
@@ -464,7 +465,6 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
             if r not in failures and code not in (None, 0):
                 failures[r] = w.describe_exit(code)
     rank, cause = root_failure(failures, output.peers_lost)
-    silent = [w.silent_s() for w in workers]       # how long each had been quiet when it was noticed
     stop_workers(workers)
     deadline = time.time() + 1.0   # what is left of the output, for the message
     while time.time() < deadline:
