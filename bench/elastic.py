@@ -3,10 +3,14 @@
 host's stage worker and its return, with the time of each phase of both events (notice, re-plan,
 start, re-prefill) as the server measured them (`GET /hpipe/events`).
 
-    python bench/elastic.py [--clients 6] [--kill-at 20] [--after 25] [-o bench/results/elastic.json]
+    python bench/elastic.py [--clients 6] [--kill-at 20] [--after 25] [--llama-cpp /opt/llama.cpp/build/bin]
+                            [-o bench/results/elastic.json]
 
 Writes the JSON (per-second output tokens, the events, every stream's errors: none expected) and a
-PNG beside it. The model is the default one with dense float32 weights, planned from the measured
+PNG beside it. With --llama-cpp (a build with `ggml-rpc-server` and `llama-bench`:
+../shared/notes/peers.md), the peer users would pick goes through the same event on the same
+hosts: its RPC split of the same GGUF file over h1 and h2, decoding, one rpc-server killed; what
+its client does is recorded beside ours (`peer`). The model is the default one with dense float32 weights, planned from the measured
 one-thread profile put on the three hosts (`netns_hosts.elastic_profile`)."""
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main() -> None:
     ap.add_argument("--kill-at", type=float, default=20.0, help="seconds into the load when h1's worker is killed")
     ap.add_argument("--after", type=float, default=25.0, help="seconds of load after h1 is back in the pipeline")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--llama-cpp", default=None, help="a llama.cpp build's bin/ (ggml-rpc-server, llama-bench)")
     ap.add_argument("-o", "--out", default=str(ROOT / "bench" / "results" / "elastic.json"))
     args = ap.parse_args()
 
@@ -120,6 +125,7 @@ def main() -> None:
             t.join(timeout=120)
         t_end = time.time()
         seen = events()
+        peer = _llama_cpp_kill(cluster, Path(args.llama_cpp), args.kill_at) if args.llama_cpp else None
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -136,13 +142,55 @@ def main() -> None:
     out = {"version": 1, "device": "this machine: 2 CPU cores shared by 3 emulated hosts, one thread each",
            "clients": args.clients, "max_tokens": args.max_tokens, "kill_at_s": round(t_kill - t0, 3),
            "rejoined_at_s": round(t_back - t0, 3), "tokens_per_s": per_s, "events": seen["events"],
-           "stages_at_end": seen["stages"], "client_errors": errors,
+           "stages_at_end": seen["stages"], "client_errors": errors, "peer": peer,
            "steady_tokens_per_s": {"before": _mean(per_s[3:int(t_kill - t0)]),
                                    "after_rejoin": _mean(per_s[int(t_back - t0) + 3:-2])},
            "seconds_without_tokens": sum(1 for x in per_s[int(t_kill - t0):int(t_back - t0) + 3] if x == 0)}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     _chart(out, Path(args.out).with_suffix(".png"))
     print(json.dumps({k: v for k, v in out.items() if k != "tokens_per_s"}, indent=2))
+
+
+def _llama_cpp_kill(cluster, bin_dir: Path, kill_at: float) -> dict:
+    """llama.cpp's RPC split through the same event: rpc-servers on h1 and h2, its client (llama-bench,
+    decoding 4,096 tokens of the default model's GGUF file) on h0, the rpc-server on h1 killed after
+    `kill_at` s. Returns what the client did: its exit, when, and its last lines."""
+    from hpipe import models
+    gguf = models.resolve_model("smollm2").location         # the GGUF file hpipe's own weights come from
+    servers = {}
+    for name in ("h1", "h2"):
+        h = cluster.host(name)
+        servers[name] = subprocess.Popen(["ip", "netns", "exec", h.namespace, str(bin_dir / "ggml-rpc-server"), "-H",
+                                          h.address, "-p", "50052", "-t", "1"], stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, start_new_session=True)
+    time.sleep(2)
+    rpc = ",".join(f"{cluster.host(n).address}:50052" for n in ("h1", "h2"))
+    client = subprocess.Popen(["ip", "netns", "exec", cluster.host("h0").namespace, str(bin_dir / "llama-bench"), "-m",
+                               str(gguf), "--rpc", rpc, "-ngl", "99", "-ts", "1/1", "-t", "1", "-p", "0", "-n", "4096",
+                               "-r", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        time.sleep(kill_at)
+        running = client.poll() is None
+        t_kill = time.time()
+        servers["h1"].kill()
+        try:
+            out, _ = client.communicate(timeout=120)
+            code, after = client.returncode, round(time.time() - t_kill, 2)
+        except subprocess.TimeoutExpired:
+            os.killpg(client.pid, signal.SIGKILL)
+            out, _ = client.communicate()
+            code, after = None, None
+    finally:
+        for p in servers.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return {"what": "llama.cpp RPC split (llama-bench decoding on h0; rpc-servers on h1 and h2, one thread each), "
+                    "the rpc-server on h1 SIGKILLed", "decoding_when_killed": running,
+            "client_exit_code": code, "client_ended_s_after_kill": after,
+            "client_hung_120_s": code is None,
+            "error_lines": [line for line in out.splitlines()
+                            if any(k in line.lower() for k in ("error", "assert", "failed", "abort", "crash"))][:6]}
 
 
 def _get(url: str) -> tuple[int, str]:
