@@ -87,11 +87,15 @@ def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, mic
 
 def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None = None, config=None,
                model_spec: str | None = None, kv_tokens: int = 0, microbatch_tokens: int = 1,
-               push_model: bool = False) -> HostCheck:
+               push_model: bool = False, checked: frozenset[str] = frozenset()) -> HostCheck:
+    """checked: hosts whose whole check passed before in this run (a recovery's restart): their
+    model files and kernels are not looked at again (a second each), their versions, free memory and
+    a free port are."""
     host = conn.host
     check = HostCheck(host.name, f"{host.address}:{host.port}")
+    again = host.name in checked
     try:
-        p = ssh.probe(conn, model=None if push_model else model_spec, kernels=True)
+        p = ssh.probe(conn, model=None if push_model or again else model_spec, kernels=not again)
     except HpipeError as e:
         check.problems.append(str(e).split(": ", 1)[-1])
         return check
@@ -222,13 +226,14 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
         return LaunchReport(output, 0.0)
     replanner = Replanner(job.plan, job.config, job.plan.model.name, inventory, log) if recover else None
     lost: set[str] = set()
+    checked: set[str] = set()
     t0 = time.time()
     failed_starts = 0
     while True:
         t_start = time.monotonic()
         try:
             launch = start_cluster(job, plan_path, inventory, settings, output, accept_new_keys=accept_new_keys,
-                                   push=push, host_timeout_s=host_timeout_s, log=log, quiet=quiet)
+                                   push=push, host_timeout_s=host_timeout_s, log=log, quiet=quiet, checked=checked)
             launch.where = f" to {out_path}"
             if output.events:
                 output.events[-1].phases["start"] = round(time.monotonic() - t_start, 3)
@@ -248,6 +253,7 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
             if not gone and failed_starts >= 3:
                 raise failure
         lost.update(gone)
+        checked.difference_update(gone)
         event = Recovery("lost", ",".join(gone) or "?", " ".join(str(failure).split()),
                          old_stages=stage_names(job.plan))
         event.phases["notice"] = round(getattr(failure, "silent_s", 0.0), 3)
@@ -273,9 +279,12 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
 
 def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, settings: LaunchSettings,
                   output: StageReports, *, accept_new_keys: bool = False, push: bool = False,
-                  host_timeout_s: float = HEARTBEAT_TIMEOUT_S, log=None, quiet: bool = False) -> Launch:
+                  host_timeout_s: float = HEARTBEAT_TIMEOUT_S, log=None, quiet: bool = False,
+                  checked: set[str] | None = None) -> Launch:
     """Connects, checks and starts every stage on its host (serving: stage 0's requests go through
-    its wrapper's stdin); the returned Launch drives them and tears everything down at its end."""
+    its wrapper's stdin); the returned Launch drives them and tears everything down at its end.
+    checked: the hosts whose whole preflight passed before in this run (checked lightly; those
+    that pass now are added)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     plan = job.plan
     names = plan_hosts(plan, inventory)
@@ -306,8 +315,10 @@ def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory
             microbatch = memory.microbatch_tokens(slices, min(runtime.max_batch, len(job.requests)))
         spec = remote_model_spec(job.source)
         checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
-                           microbatch_tokens=microbatch, push_model=push)
+                           microbatch_tokens=microbatch, push_model=push, checked=frozenset(checked or ()))
         refuse_failed(checks)
+        if checked is not None:
+            checked.update(names)
         by_name = {c.name: c for c in checks}
         model_on = push_model(conns, by_name, job, log) if push else {n: spec for n in names}
         with open(plan_path, "rb") as f:

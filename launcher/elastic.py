@@ -126,8 +126,9 @@ class HostWatch:
     those that have answered without a miss for REJOIN_AFTER_S, doubled for each time the host was
     lost before (up to MAX_REJOIN_AFTER_S)."""
 
-    def __init__(self, inventory: formats.Inventory, accept_new_keys: bool = False):
+    def __init__(self, inventory: formats.Inventory, accept_new_keys: bool = False, checked: set[str] | None = None):
         self.inventory, self.accept_new_keys = inventory, accept_new_keys
+        self.checked = checked if checked is not None else set()   # a lost host is checked whole again
         self.hosts = {h.name: h for h in inventory.hosts}
         self.lost: dict[str, float | None] = {}     # host -> since when it answers (None: it does not)
         self.losses: dict[str, int] = {}            # host -> times it was lost
@@ -139,6 +140,7 @@ class HostWatch:
     def lose(self, host: str, count: bool = True) -> None:
         with self.lock:
             self.lost[host] = None
+            self.checked.discard(host)
             self.losses[host] = self.losses.get(host, 0) + count
 
     def lose_silent(self, hosts: set[str]) -> list[str]:
@@ -206,7 +208,7 @@ class Elastic:
         self.client, self.log = client, client.log
         self.replanner = Replanner(client.job.plan, client.job.config, client.job.plan.model.name, inventory,
                                    client.log)
-        self.watch = HostWatch(inventory, accept_new_keys)
+        self.watch = HostWatch(inventory, accept_new_keys, client.checked)
         self.degraded: str | None = None       # the hosts up cannot hold the model: why
         self.event: Recovery | None = None     # the event under way (until its resumed requests have a token)
         self.switch: tuple[str, Recovery, object] | None = None   # a rejoin asked: the plan to start next,

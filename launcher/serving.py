@@ -142,7 +142,9 @@ class PipelineClient:
                  max_queue: int = MAX_QUEUE, log=None, quiet: bool = True, threads: int | None = None, seat=None,
                  recover: bool = True):
         self.job, self.plan_path, self.settings, self.inventory = job, plan_path, settings, inventory
-        self.launch_kwargs = dict(accept_new_keys=accept_new_keys, push=push, host_timeout_s=host_timeout_s)
+        self.checked: set[str] = set()        # hosts whose whole preflight passed (a restart checks them lightly)
+        self.launch_kwargs = dict(accept_new_keys=accept_new_keys, push=push, host_timeout_s=host_timeout_s,
+                                  checked=self.checked)
         self.max_queue = max_queue
         self.log, self.quiet = log or (lambda msg: None), quiet
         self.threads = threads                 # CPU threads of a local stage (None: the cores shared by its stages)
