@@ -155,7 +155,7 @@ def plan(
                                                "the measured times balance (DP), within memory"),
     seq_len: int | None = typer.Option(None, "--seq-len", help="with --profile: the prompt length to plan for"),
     batch: int = typer.Option(1, "--batch", help="with --profile: sequences per batch"),
-    margin: float = typer.Option(0.1, "--margin", help="with --profile: share of free memory kept free"),
+    margin: float = typer.Option(planner.MARGIN, "--margin", help="with --profile: share of free memory kept free"),
     compare_baselines: bool = typer.Option(False, "--compare", help="with --profile: a table of this plan against "
                                            "Base, GPipe, GP-B, TeraPipe and the paper's own two-step method"),
     order: str = typer.Option("inventory", "--order", help="with --profile: 'inventory' (devices in file order) or "

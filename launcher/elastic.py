@@ -28,13 +28,12 @@ from hpipe import formats, planner, ssh
 from hpipe.errors import HpipeError
 from hpipe.launcher.jobs import StageFailure
 
-__all__ = ["MARGIN", "REJOIN_AFTER_S", "REJOIN_GAIN", "Elastic", "HostWatch", "Recovery", "Replanner", "ssh_answers"]
+__all__ = ["REJOIN_AFTER_S", "REJOIN_GAIN", "Elastic", "HostWatch", "Recovery", "Replanner", "ssh_answers"]
 
 REJOIN_AFTER_S = 3.0     # a lost host answers SSH this long before it is taken back, doubled each time
 MAX_REJOIN_AFTER_S = 300.0   # the same host is lost again (a flapping link, a worker killed again and again)
 REJOIN_GAIN = 0.05       # ... and the plan with it is predicted this much faster (or the service is degraded)
 PROBE_EVERY_S = 1.0
-MARGIN = 0.1             # the planner's default share of free memory kept free (`hpipe plan --margin`)
 
 
 @dataclass
@@ -96,7 +95,7 @@ class Replanner:
         """What the plan balances, as its profile predicts it (None without a profile)."""
         if self.profile is None or not plan.predicted or "makespan_s" not in plan.predicted:
             return None
-        return planner.objective_seconds(planner.PlanResult(plan, None, None, None))
+        return planner.predicted_objective_s(plan.predicted)
 
     def plan_for(self, up: set[str]) -> formats.Plan:
         """The plan over the devices of the hosts in `up`; HpipeError when they cannot hold the model."""
@@ -110,7 +109,7 @@ class Replanner:
         pr = plan.predicted
         try:
             result = planner.search_plan(self.profile, self.profile_path, self.name, self.config, devices,
-                                         pr["seq_len"], pr["batch"], None, pr.get("margin", MARGIN), plan.dtype,
+                                         pr["seq_len"], pr["batch"], None, pr.get("margin", planner.MARGIN), plan.dtype,
                                          plan.slicing.granularity, "inventory", allow_drop=len(devices) > 1,
                                          overlap=pr.get("overlap_sends", False),
                                          objective=pr.get("objective", "prefill"),
@@ -290,9 +289,13 @@ class Elastic:
                  + (f" ({event.predicted_new_s:.3f} s predicted, {event.predicted_old_s:.3f} s before)"
                     if event.predicted_new_s is not None and event.predicted_old_s is not None else "")
                  + "; starting it")
-        path = os.path.join(self.plans, f"plan-{len(self.client.metrics.events)}-{secrets.token_hex(3)}.json")
-        formats.write_plan(plan, path)
         self.event, self.t_start = event, time.monotonic()
+        return self._plan_file(plan)
+
+    def _plan_file(self, plan: formats.Plan) -> str:
+        """The plan as the file the launch reads (and copies to the hosts)."""
+        path = os.path.join(self.plans, f"plan-{secrets.token_hex(4)}.json")
+        formats.write_plan(plan, path)
         return path
 
     def _degrade(self, why: str, event: Recovery) -> None:
@@ -329,6 +332,8 @@ class Elastic:
 
     def tokens(self, indices) -> None:
         """These requests had a token (or ended): the event is over once every resumed one has."""
+        if not self.pending:            # (every report's tokens come here: nothing to wait for, mostly)
+            return
         with self.lock:
             if self.event is None or not self.pending:
                 return
@@ -395,8 +400,7 @@ class Elastic:
         event = Recovery("rejoined", ",".join(sorted(back)), "answers again", old_stages=stage_names(old),
                          new_stages=stage_names(new), predicted_old_s=old_s, predicted_new_s=new_s)
         event.phases["replan"] = round(time.monotonic() - t, 3)
-        path = os.path.join(self.plans, f"plan-{len(self.client.metrics.events)}-{secrets.token_hex(3)}.json")
-        formats.write_plan(plan, path)
+        path = self._plan_file(plan)
         with self.client.lock:         # the pipeline it was planned against, still serving: switch
             if self.client.launch is not launch or not self.client.accepting or self.event is not None:
                 self.log(f"hpipe: {', '.join(sorted(back))}: the pipeline changed meanwhile; considered again later")

@@ -33,6 +33,7 @@ from hpipe.planner.uniform import uniform_cuts
 
 
 OBJECTIVES = ("prefill", "decode", "mixed")
+MARGIN = 0.1     # the share of each device's free memory a plan keeps free (`hpipe plan --margin`)
 
 
 def check_profile_matches(profile: dict, config, model_name: str, path: str) -> None:
@@ -267,7 +268,11 @@ def cut_costs(cost: CostModel, slices: list[int], batch: int, unit_mem: np.ndarr
 def objective_seconds(result: "PlanResult") -> float:
     """The predicted time of what the plan balances: the prefill makespan, the decode of every
     sequence's new tokens, or both."""
-    pr = result.plan.predicted
+    return predicted_objective_s(result.plan.predicted)
+
+
+def predicted_objective_s(pr: dict) -> float:
+    """`objective_seconds` of a plan's `predicted` figures (a plan file read back)."""
     objective = pr.get("objective", "prefill")
     decode = pr["batch"] * pr["decode"]["new_tokens"] / pr["decode"]["tokens_per_s"] if objective != "prefill" else 0.0
     return decode + (pr["makespan_s"] if objective != "decode" else 0.0)
@@ -423,7 +428,7 @@ def assumptions(cost: CostModel, sharing: Sharing) -> list[str]:
 
 def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
-                      margin: float = 0.1, dtype: str | None = None, granularity: int = 16,
+                      margin: float = MARGIN, dtype: str | None = None, granularity: int = 16,
                       max_rounds: int = 6, overlap: bool = False, objective: str = "prefill",
                       new_tokens: int = 128) -> PlanResult:
     """Cuts and, unless `slicing` is given, token slices (Algorithm 2) from a profile. Algorithm 1's

@@ -11,7 +11,8 @@ import pytest
 
 from hpipe import formats, models, planner
 from hpipe.errors import HpipeError
-from hpipe.launcher.elastic import MARGIN, MAX_REJOIN_AFTER_S, REJOIN_AFTER_S, HostWatch, Replanner
+from hpipe.launcher.elastic import MAX_REJOIN_AFTER_S, REJOIN_AFTER_S, HostWatch, Replanner
+from hpipe.planner import MARGIN
 from netns_hosts import FREE, elastic_profile
 
 HOSTS = ["h0", "h1", "h2"]
