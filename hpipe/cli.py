@@ -557,6 +557,8 @@ def serve(
         raise HpipeError(f"--port must be in 1..65535, got {port}")
     if max_queue < 0:
         raise HpipeError(f"--max-queue must be >= 0, got {max_queue}")
+    if host_timeout <= 0:
+        raise HpipeError(f"--heartbeat-timeout must be > 0, got {host_timeout}")
     _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
     inventory = formats.load_inventory(cluster) if cluster else None
     settings = launcher.LaunchSettings(runtime=runtime, serve=True, log_dir=_log_dir(log_dir))
