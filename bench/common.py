@@ -22,16 +22,17 @@ def hpipe(*args, cwd: Path) -> None:
         raise SystemExit(f"hpipe {args[0]} failed: {done.stderr.strip()[-800:]}")
 
 
-def random_llama(directory: Path, vocab: int, hidden: int = 1024, layers: int = 8) -> Path:
-    """A random-init Llama (GQA 16/4 heads) saved as a Hugging Face directory."""
+def random_llama(directory: Path, vocab: int, hidden: int = 1024, layers: int = 8, mlp: int | None = None,
+                 heads: tuple[int, int] = (16, 4), dtype: str = "float32") -> Path:
+    """A random-init Llama (GQA heads: query, key/value) saved as a Hugging Face directory."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab,
-                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=mlp or int(hidden * 2.75), num_hidden_layers=layers,
+                         num_attention_heads=heads[0], num_key_value_heads=heads[1], vocab_size=vocab,
+                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(directory)
     return directory
 
 

@@ -47,7 +47,7 @@ VARIANTS = {
 
 
 def hpipe(*args, cwd) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], capture_output=True, text=True, cwd=cwd,
                        env=env, stdin=subprocess.DEVNULL)
     if r.returncode != 0:
@@ -150,8 +150,8 @@ def gpu_setup(work: Path, args) -> dict:
     random_llama(work / "m", args.vocab, layers=16)
     prompts = token_prompts(work / "pg.jsonl", args.prompts, vocab=args.vocab)
     plan = work / "plan-gpu.json"
-    hpipe("plan", "--model", work / "m", "--stages", "2", "--device", args.device, "--dtype", "bfloat16", "-o", plan,
-          cwd=work)
+    hpipe("plan", "--model", work / "m", "--stages", args.gpu_stages, "--device", args.device, "--dtype", "bfloat16",
+          "-o", plan, cwd=work)
 
     def launch(out, tl, extra):
         hpipe("launch", plan, "--local", "--prompts", prompts, "--out", out, "--timeline-out", tl, "--max-new-tokens",
@@ -159,9 +159,68 @@ def gpu_setup(work: Path, args) -> dict:
               cwd=work)
     variants = dict(VARIANTS)
     variants["all on, no CUDA graphs"] = ["--sampling", "cpu", "--no-cuda-graphs"]
-    return {"setup": f"random-init Llama (hidden 1024, 16 blocks, V={args.vocab}, bf16), 2 stages on {args.device}, "
+    return {"setup": f"random-init Llama (hidden 1024, 16 blocks, V={args.vocab}, bf16), {args.gpu_stages} stage(s) on "
+                     f"{args.device}, "
                      f"{args.prompts} prompts x {args.new_tokens} new tokens",
             "variants": run_variants(launch, work, args.repeats, variants)}
+
+
+def device_read_gbs(device: str, nbytes: int = 4 << 30, repeats: int = 10) -> float:
+    """The device's read bandwidth: a sum over `nbytes` of bf16 (read once, nothing written back),
+    the best of `repeats`, timed with the device's events."""
+    import torch
+
+    x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        x.sum()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 1000)
+    return nbytes / best / 1e9
+
+
+def gpu_floor_setup(work: Path, args) -> dict:
+    """One GPU stage, one stream, the 8B shape's decode (four blocks of Llama-3.1-8B: hidden 4096,
+    32/8 heads, MLP 14336, its 128,256-token vocabulary and untied head; random bf16 weights): TPOT
+    in bf16 and in int4 groups of 32 (tinygemm) against the weight-reading bound, the bytes a step
+    reads over the device's measured read bandwidth."""
+    from bench.common import random_llama
+    from hpipe import models
+
+    model = random_llama(work / "m8", 128256, hidden=4096, layers=4, mlp=14336, heads=(32, 8), dtype="bfloat16")
+    config = models.load_config(model)
+    prompt = work / "p1.jsonl"
+    prompt.write_text(json.dumps({"id": "one", "input_ids": [3 + (j * 31) % 30000 for j in range(256)]}) + "\n")
+    bw = device_read_gbs(args.device)
+    rows = []
+    for weights in ("none", "int4"):
+        plan = work / f"plan-{weights}.json"
+        hpipe("plan", "--model", model, "--stages", "1", "--device", args.device, "--dtype", "bfloat16",
+              "--quantize", weights, "-o", plan, cwd=work)
+        packed = json.loads(plan.read_text())["weights"]
+        # a step reads every matrix once but the embedding (one row)
+        weight_bytes = sum(models.unit_bytes(config, "bfloat16", packed)["weights_per_unit"][1:])
+        for variant in ("all on", "all on, no CUDA graphs"):
+            extra = VARIANTS.get(variant, ["--sampling", "cpu", "--no-cuda-graphs"])
+            best = None
+            for k in range(args.repeats):
+                out = work / f"g-{weights}-{k}-{len(rows)}.jsonl"
+                hpipe("launch", plan, "--local", "--prompts", prompt, "--out", out, "--max-new-tokens",
+                      args.new_tokens * 2, "--quiet", *extra, cwd=work)
+                tpot = json.loads(out.read_text().splitlines()[0])["tpot_s"]
+                best = tpot if best is None else min(best, tpot)
+            floor_s = weight_bytes / (bw * 1e9)
+            rows.append({"weights": packed, "variant": variant, "tpot_ms": round(1000 * best, 3),
+                         "weight_bytes": weight_bytes, "read_gb_s": round(bw, 1), "floor_ms": round(1000 * floor_s, 3),
+                         "of_floor": round(floor_s / best, 3)})
+            print(f"  gpu floor {rows[-1]}", flush=True)
+    return {"setup": f"four blocks of Llama-3.1-8B's shape (random bf16 weights, vocab 128,256, untied head) on one "
+                     f"stage of {args.device}, one sequence after a 256-token prompt, {args.new_tokens * 2} new tokens, "
+                     f"greedy; the best of {args.repeats}", "runs": rows}
 
 
 def objective_setup(work: Path, args) -> dict:
@@ -251,11 +310,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--vocab", type=int, default=151643)
+    ap.add_argument("--gpu-stages", type=int, default=2, help="the gpu setup's stages on --device")
     ap.add_argument("--name", default="", help="suffix of the results file")
     args = ap.parse_args()
     report = {"machine_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     setups = {"local": local_setup, "hosts": hosts_setup, "gpu": gpu_setup, "floor": floor_setup,
-              "objective": objective_setup}
+              "gpu-floor": gpu_floor_setup, "objective": objective_setup}
     out = ROOT / "bench" / "results" / f"decode{'-' + args.name if args.name else ''}.json"
     if out.exists():          # re-measuring some setups keeps the others
         report = {**json.loads(out.read_text()), **report}

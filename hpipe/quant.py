@@ -425,9 +425,19 @@ def _module_classes():
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             self.dense_from = DENSE_FROM["int8"] if dense_gemm(weight.device.type) else float("inf")
+            if weight.is_cuda:
+                # torch's CUDA `_weight_int8pack_mm` is a plain loop per output that failed with
+                # "invalid argument" on an H200 (2026-11-26): bf16 activations against the codes
+                # in a float32 GEMM (both exact in float32), the row scales on its sums, one
+                # rounding to bf16 at the end: the CPU kernel's arithmetic, not its speed
+                self.mm = self._cuda_mm
 
         def mm(self, x2):
             return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+
+        def _cuda_mm(self, x2):
+            y = torch.nn.functional.linear(x2.float(), self.weight.float(), None)
+            return (y * self.scales.float()).to(x2.dtype)
 
         def dense(self, x2):
             """x2 @ W.T through bf16 GEMMs, W = code * row scale rounded to bf16 (the codes are exact

@@ -23,6 +23,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # and the stages it starts wait for work asleep
 
 
+# The devices that tests taking a `device` argument run on: the CPU here and on CI; a lent GPU
+# machine runs them with HPIPE_TEST_DEVICES=cuda (bench/gpu/run.sh), the CPU's runs already counted.
+TEST_DEVICES = tuple(os.environ.get("HPIPE_TEST_DEVICES", "cpu").split(","))
+
+
+def pytest_generate_tests(metafunc):
+    if "device" in metafunc.fixturenames:
+        no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+        metafunc.parametrize("device", [pytest.param(d, marks=[no_cuda] if d.startswith("cuda") else [])
+                                        for d in TEST_DEVICES])
+
+
 def pytest_collection_modifyitems(config, items):
     """The emulated hosts' tests first: `make test` runs two pytest-xdist workers, one file per
     worker at a time, and the hosts' file is the longest (about 10 minutes); started first, the

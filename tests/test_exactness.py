@@ -39,9 +39,10 @@ def random_plans(draw, n_units: int):
 
 
 def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa", static_decode=False,
-                            policy=None, pages=None, page_size=16):
+                            policy=None, pages=None, page_size=16, device="cpu"):
     config = models.load_config(path)
-    runners = [StageRunner(path, config, range(a, b), attn_implementation=attn) for a, b in zip(bounds, bounds[1:])]
+    runners = [StageRunner(path, config, range(a, b), attn_implementation=attn, device=device)
+               for a, b in zip(bounds, bounds[1:])]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=NEW_TOKENS, eos_ids=frozenset([EOS]))
                 for i, p in enumerate(prompts)]
     results = run_inprocess(runners, requests, slicing.slices_for, max_batch=max_batch, keep_logits=True,
@@ -62,29 +63,30 @@ def check_against_reference(path, reference, bounds, slicing, prompts, max_batch
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_plans_match_transformers(family, tiny_models, reference_models, data):
+def test_random_plans_match_transformers(family, tiny_models, reference_models, data, device):
     path = tiny_models[family]
     bounds, slicing, prompts, max_batch = data.draw(random_plans(models.num_units(models.load_config(path))))
-    check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch)
+    check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch, device=device)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data())
-def test_static_decode_matches_transformers(family, tiny_models, reference_models, data):
+def test_static_decode_matches_transformers(family, tiny_models, reference_models, data, device):
     """The static-shape decode step (the CUDA-graph path, run eagerly here): padded batches, whole
     KV slots read under a mask, inputs in two alternating versions of persistent buffers."""
     path = tiny_models[family]
     bounds, slicing, prompts, max_batch = data.draw(random_plans(models.num_units(models.load_config(path))))
-    check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch, static_decode=True)
+    check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch, static_decode=True,
+                            device=device)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data())
-def test_policies_and_a_small_kv_pool_match_transformers(family, tiny_models, reference_models, data):
+def test_policies_and_a_small_kv_pool_match_transformers(family, tiny_models, reference_models, data, device):
     """Continuous batching under either policy, with a KV pool from one sequence's worth up:
     sequences are preempted and recomputed, and every token and logit is still transformers'."""
     from hpipe.runtime.scheduler import Policy
@@ -97,13 +99,14 @@ def test_policies_and_a_small_kv_pool_match_transformers(family, tiny_models, re
     longest = max(len(p) for p in prompts) + NEW_TOKENS
     pages = -(-longest // page_size) + 1 + data.draw(st.integers(0, 3))
     check_against_reference(path, reference_models[family], bounds, slicing, prompts, max_batch, policy=policy,
-                            pages=pages, page_size=page_size, static_decode=data.draw(st.booleans()))
+                            pages=pages, page_size=page_size, static_decode=data.draw(st.booleans()), device=device)
 
 
-def test_static_decode_crosses_the_sliding_window(tiny_models, reference_models):
+def test_static_decode_crosses_the_sliding_window(tiny_models, reference_models, device):
     path = tiny_models["mistral"]
     check_against_reference(path, reference_models["mistral"], [0, 5, 10], Slicing(lengths=(8,)),
-                            [list(range(3, 20)), list(range(40, 43)), [9] * 13], max_batch=3, static_decode=True)
+                            [list(range(3, 20)), list(range(40, 43)), [9] * 13], max_batch=3, static_decode=True,
+                            device=device)
 
 
 def test_mid_block_cuts_and_eager_attention(tiny_models, reference_models):

@@ -122,11 +122,11 @@ def kernel_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", ["gguf", "int8"])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
-def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt):
+def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device):
     torch.manual_seed(0)
     a = quant.read_gguf_tensor(gguf_file[qtype.name])
-    packed = quant.pack(a if fmt == "gguf" else a.dequantize(), quant.WeightFormat(fmt))
-    module = quant.linear_module(packed, "cpu")
+    packed = quant.pack(a if fmt == "gguf" else a.dequantize(), quant.WeightFormat(fmt), torch.device(device).type)
+    module = quant.linear_module(packed, device)
     if "int4" in packed:
         sz = packed["scales_zeros"].double().numpy()
         w = (int4_codes(a) - 8) * np.repeat(sz[..., 0].T, 32, axis=1) + np.repeat(sz[..., 1].T, 32, axis=1)
@@ -134,7 +134,7 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt):
         w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
     for rows in (1, 7):
         x = torch.randn(rows, COLS)
-        y = module(x).double().numpy()
+        y = module(x.to(device)).double().cpu().numpy()
         ref = x.double().numpy() @ w.T
         assert y.shape == (rows, ROWS)
         assert (np.abs(y - ref) <= kernel_bound(x, w, ref)).all(), np.abs(y - ref).max()
@@ -211,7 +211,7 @@ QUANT_TOL = 0.5     # logits: bf16 results come in steps of 2^-8 of their size (
 
 
 @pytest.mark.parametrize("fmt", ["int4:32", "int8"])
-def test_quantized_pipelines_match_one_process_of_the_same_modules(fmt, tiny_models):
+def test_quantized_pipelines_match_one_process_of_the_same_modules(fmt, tiny_models, device):
     """1-4 stages with cuts anywhere (mid-block included), random slicing and batches, against one
     process running the same quantized modules over the whole sequence."""
     path = tiny_models["llama"]
@@ -224,7 +224,8 @@ def test_quantized_pipelines_match_one_process_of_the_same_modules(fmt, tiny_mod
     for trial in range(4):
         n_stages = 1 + trial
         bounds = [0, *sorted(rng.sample(range(1, n_units), n_stages - 1)), n_units]
-        runners = [StageRunner(path, config, range(a, b), weights=weights) for a, b in zip(bounds, bounds[1:])]
+        runners = [StageRunner(path, config, range(a, b), weights=weights, device=device)
+                   for a, b in zip(bounds, bounds[1:])]
         prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 50))] for _ in range(3)]
         requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=10, eos_ids=frozenset([2]))
                     for i, p in enumerate(prompts)]
@@ -275,7 +276,7 @@ def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_
 
 
 @pytest.mark.parametrize("fmt", ["none", "int4:32"])
-def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models):
+def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models, device):
     """`--compile on`: decode steps through the halves compiled once for every block (inductor), on 2
     stages with a mid-block cut and batches of 1-3 rows (both graphs of each half: one row, and any
     other number), on the dynamic path and on the static one, against one process running the same
@@ -292,10 +293,12 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=8 + 4 * i, eos_ids=frozenset())
                 for i, p in enumerate(prompts)]
     for static in (False, True):
-        runners = [StageRunner(path, config, range(a, b), weights=weights, compiled=True)
+        runners = [StageRunner(path, config, range(a, b), weights=weights, compiled=True, device=device)
                    for a, b in ((0, 4), (4, n_units))]
-        # one graph per half and kind of block, shared by the blocks (regional), not one per block
-        assert [r.decode_halves.graphs for r in runners] == [2, 2]
+        if device == "cpu":   # one graph per half and kind of block, shared by the blocks (regional)
+            assert [r.decode_halves.graphs for r in runners] == [2, 2]
+        else:                 # a GPU stage replays CUDA graphs of its static step instead, and says so
+            assert all("CUDA graphs" in r.compile_refused for r in runners)
         results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3,
                                 keep_logits=True, static=static)
         check_against_reference(reference, requests, results, tol)

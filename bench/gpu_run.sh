@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the device tool): install what its image lacks from the wheels
+# carried in .whl/, then run the CUDA tests and the GPU benchmarks, everything logged under $OUT.
+#   bash bench/gpu_run.sh [tests] [step] [ablation] [ablation1] [floor] [hetero]   (default: tests ablation floor hetero)
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# the image's own Python (root): the carried wheels and hpipe itself (editable: planner/, profiler/
+# and launcher/ map to hpipe.*) go into its environment
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > "$OUT/install.log" 2>&1 \
+  && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUT/install.log" 2>&1 \
+  || { tail -5 "$OUT/install.log"; exit 1; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr -cd 'A-Za-z0-9_.-')
+echo "device: $DEV"; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
+what=${*:-tests ablation floor hetero}
+BUDGET=${BENCH_S:-370}
+timeout -k 5 "$BUDGET" bash -c '
+  OUT="'"$OUT"'"
+  for w in '"$what"'; do case $w in
+    ablation) python3 bench/decode.py --setups gpu --repeats 1 --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
+    floor) python3 bench/decode.py --setups gpu-floor --repeats ${FLOOR_REPEATS:-2} --name "'"$DEV"'-floor" > "$OUT/$w.log" 2>&1 ;;
+    ablation1) python3 bench/decode.py --setups gpu --gpu-stages 1 --repeats 1 --name "'"$DEV"'-1stage" > "$OUT/$w.log" 2>&1 ;;
+    step) python3 bench/gpu_step.py > "$OUT/$w.log" 2>&1 ;;
+    hetero) python3 bench/hetero.py --devices cuda:0,cpu > "$OUT/$w.log" 2>&1 ;;
+  esac; done' &
+if [[ " $what " == *" tests "* ]]; then
+  HPIPE_TEST_DEVICES=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile --timeout 200 \
+    tests/test_cuda.py tests/test_exactness.py tests/test_quant.py -k "cuda or test_cuda" --junitxml "$OUT/cuda-tests.xml" \
+    > "$OUT/cuda-tests.log" 2>&1
+  echo "tests: rc $?"; tail -n 25 "$OUT/cuda-tests.log"
+fi
+wait
+tar czf "$OUT/results.tgz" bench/results 2>/dev/null
+for w in $what; do [ -f "$OUT/$w.log" ] && { echo "== $w"; tail -n 22 "$OUT/$w.log"; }; done
