@@ -38,6 +38,7 @@ Bounds (tests/test_quant.py checks them):
 
 from __future__ import annotations
 
+import contextvars
 import fcntl
 import functools
 import os
@@ -48,7 +49,8 @@ import numpy as np
 
 from hpipe.errors import HpipeError
 
-__all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack",
+__all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
+           "ROW_PATHS", "DENSE_PROMPT",
            "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes"]
 
 PACK_VERSION = 1        # the packed cache's layout: a new one never reads an old one
@@ -59,6 +61,30 @@ INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in m
 # (dequantizing one code costs what ~120 rows of the kernel's arithmetic on it cost), int8 at ~32
 DENSE_FROM = {"int4": 192, "int8": 64}
 DENSE_CHUNK_BYTES = 1 << 20             # one chunk of dequantized bf16 weights: stays in L2 while multiplied
+# --deterministic: a row's path is fixed by its own request, never by how many rows share the call
+# (each path alone gives a row the same bits for any number of rows; the two paths round apart).
+# Prompt rows of prompts this long take the dense GEMM, every other row the weight-only kernel.
+DENSE_PROMPT = max(DENSE_FROM.values())
+
+
+@dataclass(frozen=True)
+class RowPaths:
+    """Which rows of the current linear calls take the dense GEMM (`dense`) and which the weight-only
+    kernel (`kernel`): index tensors, None for none. Set for a micro-batch by a deterministic stage."""
+
+    dense: "torch.Tensor | None"
+    kernel: "torch.Tensor | None"
+
+    @classmethod
+    def of(cls, dense_rows: list[bool], device) -> "RowPaths":
+        import torch
+
+        rows = torch.tensor(dense_rows, dtype=torch.bool)
+        pick = lambda m: m.nonzero().flatten().to(device) if bool(m.any()) else None   # noqa: E731
+        return cls(pick(rows), pick(~rows))
+
+
+ROW_PATHS: contextvars.ContextVar[RowPaths | None] = contextvars.ContextVar("hpipe_row_paths", default=None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,11 +392,25 @@ def _module_classes():
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
             # a compiled decode step keeps the kernel: one graph serves every number of rows, with
             # no guard on the row count that a large batch would break mid-run to recompile
-            dense = not torch.compiler.is_compiling() and x2.shape[0] >= self.dense_from
-            y = (self.dense(x2) if dense else self.mm(x2)).to(x.dtype)
+            paths = ROW_PATHS.get()
+            if paths is not None and self.dense_from != float("inf"):
+                y = self._by_row(x2, paths).to(x.dtype)
+            else:
+                dense = not torch.compiler.is_compiling() and x2.shape[0] >= self.dense_from
+                y = (self.dense(x2) if dense else self.mm(x2)).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
             return y.reshape(*shape[:-1], self.out_features)
+
+        def _by_row(self, x2, paths: RowPaths):
+            if paths.kernel is None:
+                return self.dense(x2)
+            if paths.dense is None:
+                return self.mm(x2)
+            y = x2.new_empty(x2.shape[0], self.out_features)
+            y[paths.dense] = self.dense(x2[paths.dense])
+            y[paths.kernel] = self.mm(x2[paths.kernel])
+            return y
 
     class Int4Linear(WeightOnly):
         """W in int4 groups: `_weight_int4pack_mm_for_cpu`, or tinygemm's `_weight_int4pack_mm` on CUDA."""

@@ -551,7 +551,11 @@ class PipelineClient:
                   "# TYPE hpipe_seconds_without_service_total counter",
                   f"hpipe_seconds_without_service_total {sum(e.outage_s or 0 for e in m.events):.3f}",
                   "# HELP hpipe_degraded 1 while the hosts up cannot hold the model (requests get 503).",
-                  "# TYPE hpipe_degraded gauge", f"hpipe_degraded {int(self.degraded is not None)}"]
+                  "# TYPE hpipe_degraded gauge", f"hpipe_degraded {int(self.degraded is not None)}",
+                  "# HELP hpipe_deterministic 1 when a request's tokens and logits do not depend on the rest of "
+                  "the traffic (--deterministic on).",
+                  "# TYPE hpipe_deterministic gauge",
+                  f"hpipe_deterministic {int(self.settings.runtime.deterministic == 'on')}"]
         lines += ["# HELP hpipe_time_to_first_token_seconds Time from arrival to the first token.",
                   "# TYPE hpipe_time_to_first_token_seconds histogram", *m.ttft.lines("hpipe_time_to_first_token_seconds"),
                   "# HELP hpipe_time_per_output_token_seconds Mean time between a request's tokens.",

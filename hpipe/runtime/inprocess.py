@@ -10,6 +10,7 @@ import torch
 
 from hpipe.config import DEFAULTS, Speculation
 from hpipe.request import Request
+from hpipe.runtime import invariant
 from hpipe.runtime.draft import proposer_for
 from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.stage import StageRunner
@@ -21,13 +22,14 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
                   max_batch: int = DEFAULTS.max_batch, n_stages: int | None = None, keep_logits: bool = False,
                   static: bool = False, graphs: bool = False, policy: Policy | None = None,
                   pages: int | None = None, page_size: int = DEFAULTS.page_size,
-                  speculation: Speculation = Speculation()) -> dict:
+                  speculation: Speculation = Speculation(), prefix_caching: str = DEFAULTS.prefix_caching) -> dict:
     """Returns {request id: {"output_ids": [...], "logits": [rows] (if keep_logits)}}. static: decode
     micro-batches take the static-shape path (replayed from CUDA graphs on CUDA with `graphs`). pages:
     the KV pool (None: room for max_batch of the longest request)."""
     ids = {r.index: r.id for r in requests}
     sched = Scheduler(requests, slices_for, n_stages or len(runners), max_batch, policy=policy, pages=pages,
-                      page_size=page_size)
+                      page_size=page_size, prefix_caching=prefix_caching,
+                      **invariant.scheduling(page_size, runners[0].deterministic))
     sched.proposer = proposer_for(speculation, runners[0].config.vocab_size, str(runners[0].device),
                                   str(runners[0].dtype).removeprefix("torch."), sched.pool.pages, page_size)
     for runner in runners:     # every stage holds the pool the scheduler hands out

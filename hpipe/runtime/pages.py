@@ -54,6 +54,7 @@ class Segment:
     fresh: bool = False   # its sequence's first segment after a cached prefix: it carries every page
     scored: bool = False  # every row's logits are wanted, not only the sampled one's (prompt log-probabilities)
     draft: tuple[int, ...] = ()   # speculative decoding: the proposed tokens, its last len(draft) rows' inputs
+    prompt: int = 0       # its sequence's prompt length: positions from it on hold generated tokens (0: not told)
 
     @property
     def sampled_rows(self) -> int:
@@ -82,13 +83,14 @@ def layout_of(segments: list[Segment]) -> str:
     return "rows" if len({s.length for s in segments}) == 1 else "packed"
 
 
-def page_keys(keys: list[bytes], tokens, page_size: int, pages: int) -> list[bytes]:
+def page_keys(keys: list[bytes], tokens, page_size: int, pages: int, salt: bytes = b"") -> list[bytes]:
     """`keys` extended to the first `pages` full pages of `tokens` (and returned): each key a
-    digest of its page's tokens chained over every page before it, so that a key names a whole
-    prefix, never a page alone. A sequence keeps its keys: positions never change their token."""
+    digest of its page's tokens chained over every page before it (and `salt`: what else the KV
+    depends on), so that a key names a whole prefix, never a page alone. A sequence keeps its keys:
+    positions never change their token."""
     for i in range(len(keys), pages):
         chunk = array.array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
-        keys.append(hashlib.blake2b((keys[-1] if keys else b"") + chunk, digest_size=16).digest())
+        keys.append(hashlib.blake2b((keys[-1] if keys else salt) + chunk, digest_size=16).digest())
     return keys
 
 

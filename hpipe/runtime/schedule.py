@@ -37,7 +37,7 @@ from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind
 __all__ = ["FRESH_PER_SCHEDULE", "HEADER_LEN", "SEGMENT_FIELDS", "Schedule", "body_capacity", "decode", "encode"]
 
 HEADER_LEN = 8
-SEGMENT_FIELDS = 10
+SEGMENT_FIELDS = 11
 FRESH_PER_SCHEDULE = 2      # segments that carry a whole page table (after a cached prefix) per schedule
 OP_WORK, OP_STOP = 1, 2
 
@@ -105,7 +105,7 @@ def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[lis
     added = [added_pages(s, page_size) for s in schedule.segments]
     body = [v for s, a in zip(schedule.segments, added)
             for v in (s.seq, s.slot, s.start, s.length, int(s.sample), int(s.prefill), int(s.fresh), int(s.scored),
-                      len(a), len(s.draft))]
+                      s.prompt, len(a), len(s.draft))]
     body += [p for a in added for p in a]
     body += [t for s in schedule.segments for t in s.draft]
     body += [v for pair in schedule.released for v in pair]
@@ -140,9 +140,10 @@ def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
     segments, at = [], SEGMENT_FIELDS * n
     drafts = []
     for i in range(n):
-        seq, slot, start, length, sample, prefill, fresh, scored, k, d = \
+        seq, slot, start, length, sample, prefill, fresh, scored, prompt, k, d = \
             body[SEGMENT_FIELDS * i:SEGMENT_FIELDS * (i + 1)]
-        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill), fresh=bool(fresh), scored=bool(scored))
+        seg = Segment(seq, slot, start, length, bool(sample), bool(prefill), fresh=bool(fresh), scored=bool(scored),
+                      prompt=prompt)
         segments.append(table.resolve(seg, body[at:at + k]) if k or start else seg)
         drafts.append(d)
         at += k

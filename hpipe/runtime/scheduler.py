@@ -103,15 +103,19 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter, lookahead: bool = False,
                  policy: Policy | None = None, pages: int | None = None, page_size: int = DEFAULTS.page_size,
                  max_tokens: int | None = None, serving: bool = False, prefix_caching: str = DEFAULTS.prefix_caching,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, grid: int = 0, long_prompt: int = 0):
         """pages: the KV pool (page 0 is scratch); None sizes it for `max_batch` of the longest
         request. max_tokens: the most tokens of one micro-batch (the stages' receive buffers).
         serving: requests keep coming (`add`) until `close()`. prefix_caching "on": a new sequence
         starts after the longest prefix of it whose pages are cached (`hpipe.runtime.pages`).
         proposer: speculative decoding (`hpipe.runtime.speculative`): a decode step of a sequence
         whose request allows it carries the tokens it proposes; such a step is committed only once
-        its previous token is back."""
+        its previous token is back. grid (`--deterministic on`, `hpipe.runtime.invariant`): a prompt is
+        cut only on multiples of `grid` tokens (and at its end), a prefix hit is whole grid pieces of
+        its prompt, and the cache keeps the prefixes of prompts of `long_prompt` tokens or more apart
+        from the others' (their quantized linears take another path)."""
         self.slices_for = slices_for
+        self.grid, self.long_prompt = grid, long_prompt
         self.n_stages = n_stages
         self.max_batch = max(1, max_batch)
         self.max_inflight = max_inflight or 2 * n_stages
@@ -197,15 +201,31 @@ class Scheduler:
         seq.tokens, seq.pages = tokens, []
         seq.pos = seq.cached = seq.fed = 0
         seq.fresh = False
-        seq.cuts = _cuts(self.slices_for, len(tokens))
+        seq.cuts = self._on_grid(_cuts(self.slices_for, len(tokens)), 0, len(tokens))
+
+    def _on_grid(self, cuts: list[int], start: int, end: int) -> list[int]:
+        """Deterministic: the cuts moved down onto the grid (the last stays at `end`)."""
+        if not self.grid:
+            return cuts
+        on = {c // self.grid * self.grid for c in cuts[:-1]}
+        return sorted({c for c in on if start < c < end} | {end})
+
+    def _keys(self, seq: Sequence, tokens, pages: int) -> list[bytes]:
+        """Its first `pages` pages' prefix-cache keys; deterministic, chained from the quantized
+        linears' path its prompt takes (a prefix computed on the other path has other bits)."""
+        long = self.grid and self.long_prompt and len(seq.request.input_ids) >= self.long_prompt
+        return page_keys(seq.keys, tokens, self.pool.page_size, pages, salt=b"long" if long else b"")
 
     def _cached_head(self, seq: Sequence) -> list[int]:
         """The pages of the longest cached prefix of its tokens, never all of them (the last
-        token's logits are sampled)."""
+        token's logits are sampled); deterministic, whole grid pieces of its prompt."""
         if not self.pool.caching or seq.request.params.prompt_logprobs is not None:
             return []          # its prompt's log-probabilities need every position's logits
         size = self.pool.page_size
-        return self.pool.cached_prefix(page_keys(seq.keys, seq.tokens, size, (len(seq.tokens) - 1) // size))
+        head = self.pool.cached_prefix(self._keys(seq, seq.tokens, (len(seq.tokens) - 1) // size))
+        if self.grid:
+            head = head[:len(head) * size // self.grid * self.grid // size]
+        return head
 
     def _start_after(self, seq: Sequence, head: list[int]) -> None:
         """Its prefill starts past its cached head, the rest sliced as the plan slices it."""
@@ -213,13 +233,16 @@ class Scheduler:
         seq.pages = list(head)
         seq.pos = seq.cached = seq.fed = len(head) * self.pool.page_size
         seq.fresh = seq.cached > 0
-        seq.cuts = [seq.cached + c for c in _cuts(self.slices_for, len(seq.tokens) - seq.cached, seq.cached)]
+        seq.cuts = self._on_grid([seq.cached + c for c in _cuts(self.slices_for, len(seq.tokens) - seq.cached,
+                                                                seq.cached)], seq.cached, len(seq.tokens))
 
     def _register(self, seq: Sequence) -> None:
         """Its full pages whose positions hold their tokens' KV go to the prefix cache."""
         if self.pool.caching:
             n = min(seq.fed // self.pool.page_size, len(seq.pages))
-            self.pool.register(seq.pages, page_keys(seq.keys, seq.known_tokens, self.pool.page_size, n)[:n])
+            if self.grid:      # deterministic: generated tokens' KV is not a prompt's (one row each, the kernel)
+                n = min(n, len(seq.request.input_ids) // self.pool.page_size)
+            self.pool.register(seq.pages, self._keys(seq, seq.known_tokens, n)[:n])
 
     def _retire(self, seq: Sequence) -> None:
         """A finished sequence leaves: its pages and slot now, its sampler state with the next schedule
@@ -420,13 +443,19 @@ class Scheduler:
                 if (len(seq.pages) + free) * size <= seq.pos:
                     self._preempt_for(seq)
                     free = self.pool.available
-            n = min(budget, len(seq.tokens) - seq.pos, (len(seq.pages) + max(0, free)) * size - seq.pos)
+            room = (len(seq.pages) + max(0, free)) * size - seq.pos
+            n = min(budget, len(seq.tokens) - seq.pos, room)
+            if self.grid and 0 < n and seq.pos + n < min(len(seq.tokens), len(seq.request.input_ids)):
+                end = (seq.pos + n) // self.grid * self.grid      # deterministic: a prompt's cuts on the grid
+                n = (end if end > seq.pos else min((seq.pos // self.grid + 1) * self.grid, len(seq.tokens))) - seq.pos
+                n = n if n <= room else 0
             if n <= 0 or not self._grow(seq, seq.pos + n):
                 break
             leader = False
             sample = seq.pos + n == len(seq.tokens)
             segments.append(Segment(seq.index, seq.slot, seq.pos, n, sample=sample, prefill=True,
-                                    pages=tuple(seq.pages), fresh=seq.fresh, scored=seq.scoring))
+                                    pages=tuple(seq.pages), fresh=seq.fresh, scored=seq.scoring,
+                                    prompt=len(seq.request.input_ids)))
             fresh += seq.fresh
             seq.fresh = False
             ids += seq.tokens[seq.pos:seq.pos + n]

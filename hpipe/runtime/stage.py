@@ -35,6 +35,8 @@ class StageInputs:
     rotary: tuple | None              # (cos, sin) for RoPE models
     cache: BatchCache | None
     sample_rows: torch.Tensor         # flat token indices whose logits are taken: sampled, then scored
+    paths: object = None              # --deterministic: the quantized linears' path of every row (quant.RowPaths)
+    head_paths: object = None         # and of the head's rows
 
     @property
     def decode(self) -> bool:
@@ -45,10 +47,21 @@ class StageInputs:
 class StageRunner:
     def __init__(self, model: models.ModelSource | Path, config, units: range, device: str = "cpu",
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
-                 page_size: int = DEFAULTS.page_size, weights=None, compiled: bool = False):
+                 page_size: int = DEFAULTS.page_size, weights=None, compiled: bool = False,
+                 deterministic: bool = DEFAULTS.deterministic == "on"):
         """compiled: decode steps run the halves through torch.compile where `compiled_halves_refused` allows
-        (`--compile`); everything else, and every other stage, eagerly."""
+        (`--compile`); everything else, and every other stage, eagerly. deterministic: every row's
+        arithmetic fixed by the row itself (`hpipe.runtime.invariant`)."""
         self.config = config
+        self.deterministic = deterministic
+        if deterministic:
+            from hpipe.errors import HpipeError
+            from hpipe.runtime import invariant
+
+            if invariant.refused(config):
+                raise HpipeError(invariant.refused(config))
+            invariant.register()
+            attn_implementation = invariant.ATTENTION
         self.units = units
         self.device = torch.device(device)
         if self.device.type == "cpu":
@@ -60,6 +73,11 @@ class StageRunner:
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
         self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights)
+        from hpipe import quant
+
+        self.weights_quantized = any(isinstance(m, quant.classes()[:2]) for m in self.model.modules())
+        if deterministic:
+            invariant.tile_linears(self.model)      # float linears (quantized ones choose their path per row)
         self.rotary = models.rotary_embedding(self.model, config, device)
         self.n_units = models.num_units(config)
         self.gpt2 = config.model_type in models.GPT2_LIKE
@@ -114,7 +132,12 @@ class StageRunner:
             k = key_pos[None, None, None, :]
             same_seq = (q_seq[:, None] == k_seq[None, :])[None, None]
         masks = {}
-        if self.blocks:
+        if self.blocks and self.deterministic:
+            from hpipe.runtime import invariant
+
+            grid = invariant.grid_for(self.kv.page_size)
+            masks = {w: invariant.pieces_for(segments, layout, w, grid, dev) for w in self.windows}
+        elif self.blocks:
             for w in self.windows:
                 if self.attn_implementation == "sdpa" and _plain_causal(segments, layout, w):
                     masks[w] = None  # SDPA's own causal kernels (flash on CUDA) need no mask
@@ -136,7 +159,13 @@ class StageRunner:
         sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         shape = (len(segments), segments[0].length) if layout == "rows" else (1, ends[-1])
         cache = BatchCache(self.kv, segments) if self.blocks else None
-        return StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
+        inputs = StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
+        if self.deterministic and self.weights_quantized:
+            from hpipe.runtime import invariant
+
+            inputs.paths = invariant.row_paths(segments, None, dev)
+            inputs.head_paths = invariant.row_paths(segments, rows, dev) if self.last else None
+        return inputs
 
     def _mask_for_attention(self, allowed: torch.Tensor) -> torch.Tensor:
         """SDPA takes the boolean mask; eager attention adds a float mask (0 or the dtype's min)."""
@@ -164,8 +193,14 @@ class StageRunner:
         halves = self.decode_halves if inputs.decode else self.eager
         if halves is not self.eager and torch.is_inference_mode_enabled() and not h.is_inference():
             h = h.clone()       # received hidden states: a graph made for inference tensors serves them too
-        for u in self.units:
-            h = self._run_unit(u, h, inputs, halves)
+        from hpipe.quant import ROW_PATHS
+
+        token = ROW_PATHS.set(inputs.paths)
+        try:
+            for u in self.units:
+                h = self._run_unit(u, h, inputs, halves)
+        finally:
+            ROW_PATHS.reset(token)
         if self.last:
             return h.float()
         return h.reshape(rows * per_row, self.hidden_size)
@@ -180,7 +215,13 @@ class StageRunner:
         if u == self.n_units - 1:
             norm, head = mods
             flat = h.reshape(-1, h.shape[-1]).index_select(0, inputs.sample_rows)
-            return head(norm(flat))
+            from hpipe.quant import ROW_PATHS
+
+            token = ROW_PATHS.set(inputs.head_paths)
+            try:
+                return head(norm(flat))
+            finally:
+                ROW_PATHS.reset(token)
         block = (u - 1) // 2
         norm, module = mods
         if u % 2 == 1:  # attention half
@@ -221,6 +262,8 @@ _COPIES = itertools.count()        # names the compiled copies of the halves apa
 
 def compiled_halves_refused(runner) -> str | None:
     """Why a stage's decode steps cannot share one graph per half among its blocks, or None."""
+    if runner.deterministic:
+        return "--deterministic on: decode steps run piece by piece (inductor's kernels round rows by the batch)"
     if runner.device.type != "cpu":
         return f"{runner.device.type} stages replay CUDA graphs of the static step instead"
     if runner.config.model_type not in models.LLAMA_LIKE:

@@ -85,6 +85,8 @@ def padded_size(n: int) -> int:
 def unsupported(runner) -> str | None:
     """Why a stage cannot take the static path, or None. RoPE variants that rescale with the
     sequence length ("dynamic", "longrope") read positions back to the host, which a graph cannot."""
+    if runner.deterministic:
+        return "--deterministic on: a row attends to its own keys alone, not to padded slots under a mask"
     rope = getattr(runner.rotary, "rope_type", "default") if runner.rotary is not None else "default"
     if rope in ("dynamic", "longrope"):
         return f"its {rope} RoPE reads positions back to the host"

@@ -37,7 +37,7 @@ from hpipe.errors import HpipeError
 from hpipe.grammar import GrammarVocabulary
 from hpipe.lifeline import tie_to_parent
 from hpipe.request import Request, read_requests
-from hpipe.runtime import comm
+from hpipe.runtime import comm, invariant
 from hpipe.runtime.draft import proposer_for
 from hpipe.runtime.pages import Segment, pages_needed
 from hpipe.runtime.pipeline import (Driver, Executors, LogprobReports, Modes, PoolSampling, Sampling, ThreadSampling,
@@ -333,7 +333,8 @@ class StageWorker:
         self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
-                                           weights=self.weights, compiled=config.compile == "on")
+                                           weights=self.weights, compiled=config.compile == "on",
+                                           deterministic=config.deterministic == "on")
         if runner.compile_refused:
             log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
         self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
@@ -454,7 +455,8 @@ class StageWorker:
         sched = Scheduler(requests.requests, self.plan.slicing.slices_for, self.world, config.max_batch,
                           lookahead=self.modes.tsem, policy=self.policy, pages=self.pages,
                           page_size=config.page_size, max_tokens=self.max_tokens, serving=requests.serving,
-                          prefix_caching=config.prefix_caching, proposer=self.proposer)
+                          prefix_caching=config.prefix_caching, proposer=self.proposer,
+                          **invariant.scheduling(config.page_size, config.deterministic == "on"))
         driver = Driver(self.ex, sched, requests.reports(sched))
         sampling = self._sampling(driver.take_ids) if self.world == 1 else None
         requests.start(driver, protocol.Ready(self.pages - 1, config.page_size, requests.max_len, config.max_batch,
@@ -469,6 +471,7 @@ class StageWorker:
             len(r.input_ids) for r in requests.requests),
             options={**dataclasses.asdict(self.modes), "static_decode": self.ex.static is not None,
                      "compiled": self.runner.decode_halves is not self.runner.eager,
+                     "deterministic": self.runner.deterministic,
                      "weights": str(self.weights)},
             policy=dataclasses.asdict(self.policy), kv_pages=self.pages - 1, page_size=config.page_size,
             config=dataclasses.asdict(config), sidp=self.replica.report() if self.replica is not None else None)

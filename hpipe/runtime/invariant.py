@@ -1,0 +1,180 @@
+"""`--deterministic on`: one answer per request. A row's arithmetic is fixed by the row itself (its
+position, its request's prompt), never by the micro-batch around it: which other requests share
+the step, how the prompt was sliced, whether its prefix came from the cache, after a preemption,
+on which stage a unit runs.
+
+What varies otherwise, measured on this kind of CPU (tests/test_determinism.py keeps it so):
+- attention: torch's SDPA gives a query row other bits when the call holds other rows, other
+  sequences (its batch dimension) or padded keys; so a deterministic stage calls it once per
+  *piece*: each generated token alone with exactly its keys, and a prompt in pieces of a fixed grid
+  of positions ([kG, (k+1)G), keys [0, (k+1)G), the last piece ending at the prompt's end), the
+  same pieces however the scheduler sliced it (its cuts and prefix hits fall on the grid);
+- float32 linears: MKL's GEMM rounds a row differently for other numbers of rows; padded to a
+  multiple of `TILE` rows, a row gets the same bits for any count (`RowTiledLinear`);
+- quantized linears: the weight-only kernel and the dense bf16 GEMM each give a row the same bits
+  for any number of rows, but round apart; the path is chosen by the row's request, not by the
+  call's rows (`hpipe.quant.ROW_PATHS`: prompt rows of prompts of `DENSE_PROMPT` tokens or more
+  take the dense GEMM, every other row the kernel);
+- RMSNorm, rotary embeddings and the MLP's elementwise products are row by row already.
+Decode steps run eagerly (no static path, no compiled halves: their kernels read padded keys)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hpipe import quant
+from hpipe.runtime.pages import Segment
+
+__all__ = ["ATTENTION", "GRID", "Pieces", "RowTiledLinear", "grid_for", "pieces_for", "refused", "row_paths",
+           "scheduling", "tile_linears"]
+
+GRID = 64             # tokens: a prompt's attention pieces; the scheduler's cuts and prefix hits fall on it
+TILE = 16             # rows: float32 linears run on a multiple of this many rows
+ATTENTION = "hpipe_rows"      # the attention implementation registered with transformers
+
+
+def grid_for(page_size: int) -> int:
+    """The grid in tokens: GRID, or a multiple of the page size (prefix hits are whole pages)."""
+    return math.lcm(GRID, page_size)
+
+
+def scheduling(page_size: int, deterministic: bool) -> dict:
+    """The scheduler's part (`Scheduler(grid=, long_prompt=)`): prompts cut on the grid, and the
+    prefixes of prompts whose rows take the dense path cached apart."""
+    return {"grid": grid_for(page_size), "long_prompt": quant.DENSE_PROMPT} if deterministic else {}
+
+
+def refused(config) -> str | None:
+    """Why a model cannot run deterministically, or None."""
+    from hpipe import models
+
+    if config.model_type not in models.LLAMA_LIKE:
+        return f"--deterministic on runs llama-like models (their attention goes through transformers' interface); " \
+               f"{config.model_type} does not"
+    return None
+
+
+# ------------------------------------------------------------------------------ attention
+@dataclass(frozen=True)
+class Piece:
+    """Queries [q0, q1) of batch row b attend to keys [k0, k1) of that row, under `mask` (None:
+    every key, the one-query case)."""
+
+    b: int
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: torch.Tensor | None
+
+
+class Pieces(list):
+    """A micro-batch's attention pieces for one window: what a deterministic stage passes as the
+    attention mask (transformers hands it to the attention function as it is)."""
+
+
+def _prompt_rows(seg: Segment) -> int:
+    """How many of the segment's rows are prompt tokens."""
+    if not seg.prefill:
+        return 0
+    return max(0, min(seg.end, seg.prompt or seg.end) - seg.start)
+
+
+def pieces_for(segments: list[Segment], layout: str, window: int | None, grid: int, device) -> Pieces:
+    out = Pieces()
+    q_at = k_at = 0
+    for i, seg in enumerate(segments):
+        b, qb, kb = (i, 0, 0) if layout == "rows" else (0, q_at, k_at)
+        prompt_end = seg.start + _prompt_rows(seg)
+        a = seg.start
+        spans = []
+        while a < prompt_end:                       # prompt rows: pieces of the grid
+            e = min(prompt_end, (a // grid + 1) * grid)
+            spans.append((a, e))
+            a = e
+        spans += [(p, p + 1) for p in range(a, seg.end)]    # generated tokens: one each
+        for a, e in spans:
+            k0 = 0 if window is None else max(0, a - window + 1)
+            mask = None
+            if e - a > 1:
+                q = torch.arange(a, e, device=device)[:, None]
+                k = torch.arange(k0, e, device=device)[None, :]
+                allowed = k <= q
+                if window is not None:
+                    allowed = allowed & (k > q - window)
+                mask = allowed[None, None]
+            out.append(Piece(b, qb + a - seg.start, qb + e - seg.start, kb + k0, kb + e, mask))
+        q_at += seg.length
+        k_at += seg.end
+    return out
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention interface, piece by piece through its own SDPA function.
+    query [b, heads, L, d]; key, value [b, kv heads, K, d]; returns [b, L, heads, d]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    for p in attention_mask:
+        o, _ = sdpa_attention_forward(module, query[p.b:p.b + 1, :, p.q0:p.q1], key[p.b:p.b + 1, :, p.k0:p.k1],
+                                      value[p.b:p.b + 1, :, p.k0:p.k1], p.mask, **kwargs)
+        out[p.b, p.q0:p.q1] = o[0]
+    return out, None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
+
+
+# ------------------------------------------------------------------------------ linears
+def row_paths(segments: list[Segment], rows: list[int] | None, device) -> quant.RowPaths:
+    """The quantized linears' path of every row of the micro-batch (`rows`: of these flattened rows
+    only, the head's), by the row's own request: dense for the prompt rows of long prompts."""
+    dense = []
+    for seg in segments:
+        n = _prompt_rows(seg)
+        long = (seg.prompt or seg.end) >= quant.DENSE_PROMPT
+        dense += [long and j < n for j in range(seg.length)]
+    if rows is not None:
+        dense = [dense[r] for r in rows]
+    return quant.RowPaths.of(dense, device)
+
+
+class RowTiledLinear(torch.nn.Module):
+    """An `nn.Linear` whose rows go through the GEMM padded to a multiple of TILE rows: the bits of a
+    row then do not depend on how many rows share the call (see the module's docstring)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self):
+        return self.linear.weight
+
+    def forward(self, x):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        n = x2.shape[0]
+        pad = -n % TILE
+        if pad:
+            x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+        y = torch.matmul(x2.view(-1, TILE, x2.shape[1]), self.linear.weight.t()).reshape(-1, self.linear.out_features)
+        y = y[:n]
+        if self.linear.bias is not None:
+            y = y + self.linear.bias
+        return y.reshape(*shape[:-1], self.linear.out_features)
+
+
+def tile_linears(model: torch.nn.Module) -> int:
+    """Puts every plain `nn.Linear` of `model` inside a `RowTiledLinear`; returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear]
+    for parent, name, child in swaps:
+        setattr(parent, name, RowTiledLinear(child))
+    return len(swaps)
