@@ -84,6 +84,7 @@ class Ready:
     max_model_len: int
     max_batch: int
     policy: dict
+    deterministic: bool             # --deterministic as the stages resolved it
 
 
 @dataclass(frozen=True)

@@ -555,7 +555,7 @@ class PipelineClient:
                   "# HELP hpipe_deterministic 1 when a request's tokens and logits do not depend on the rest of "
                   "the traffic (--deterministic on).",
                   "# TYPE hpipe_deterministic gauge",
-                  f"hpipe_deterministic {int(self.settings.runtime.deterministic == 'on')}"]
+                  f"hpipe_deterministic {int(bool(self.info and self.info.deterministic))}"]
         lines += ["# HELP hpipe_time_to_first_token_seconds Time from arrival to the first token.",
                   "# TYPE hpipe_time_to_first_token_seconds histogram", *m.ttft.lines("hpipe_time_to_first_token_seconds"),
                   "# HELP hpipe_time_per_output_token_seconds Mean time between a request's tokens.",

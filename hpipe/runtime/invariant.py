@@ -28,10 +28,10 @@ import torch
 from hpipe import quant
 from hpipe.runtime.pages import Segment
 
-__all__ = ["ATTENTION", "GRID", "Pieces", "RowTiledLinear", "grid_for", "pieces_for", "refused", "row_paths",
-           "scheduling", "tile_linears"]
+__all__ = ["ATTENTION", "GRID", "Pieces", "RowTiledLinear", "grid_for", "pieces_for", "refused", "resolve",
+           "row_paths", "scheduling", "tile_linears"]
 
-GRID = 64             # tokens: a prompt's attention pieces; the scheduler's cuts and prefix hits fall on it
+GRID = 16             # tokens: a prompt's attention pieces (one page); the scheduler's cuts and prefix hits fall on it
 TILE = 16             # rows: float32 linears run on a multiple of this many rows
 ATTENTION = "hpipe_rows"      # the attention implementation registered with transformers
 
@@ -45,6 +45,27 @@ def scheduling(page_size: int, deterministic: bool) -> dict:
     """The scheduler's part (`Scheduler(grid=, long_prompt=)`): prompts cut on the grid, and the
     prefixes of prompts whose rows take the dense path cached apart."""
     return {"grid": grid_for(page_size), "long_prompt": quant.DENSE_PROMPT} if deterministic else {}
+
+
+def resolve(setting: str, config, devices: list[str], compile: str, static_decode: str) -> tuple[bool, str]:
+    """--deterministic resolved for a whole plan (every stage decides the same): whether it is on,
+    and why. auto: on for llama-like models on CPU stages, unless asked for compiled or static
+    decode steps (their kernels read padded keys); CUDA stages keep their CUDA graphs (unmeasured)."""
+    if setting == "off":
+        return False, "--deterministic off"
+    why_not = refused(config)
+    if setting == "on":
+        if why_not:
+            from hpipe.errors import HpipeError
+            raise HpipeError(why_not)
+        return True, "--deterministic on"
+    cuda = [d for d in devices if d.startswith("cuda")]
+    for reason, holds in ((why_not, why_not), ("CUDA stages keep their static step and CUDA graphs", cuda),
+                          ("--compile on asks for compiled decode steps", compile == "on"),
+                          ("--static-decode on asks for the static step", static_decode == "on")):
+        if holds:
+            return False, f"--deterministic auto: off ({reason})"
+    return True, "--deterministic auto: on (CPU stages)"
 
 
 def refused(config) -> str | None:

@@ -331,10 +331,15 @@ class StageWorker:
         self.model_dir = str(source.path)
         models.check_plan_matches(plan, self.model_config, source.name)
         self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
+        self.deterministic, why = invariant.resolve(config.deterministic, self.model_config,
+                                                    [s.device for s in plan.stages], config.compile,
+                                                    config.static_decode)
+        if config.deterministic == "auto" and not self.deterministic and self.rank == 0 and "CUDA" not in why:
+            log(f"stage {self.rank}: {why}")
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights, compiled=config.compile == "on",
-                                           deterministic=config.deterministic == "on")
+                                           deterministic=self.deterministic)
         if runner.compile_refused:
             log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
         self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
@@ -456,11 +461,11 @@ class StageWorker:
                           lookahead=self.modes.tsem, policy=self.policy, pages=self.pages,
                           page_size=config.page_size, max_tokens=self.max_tokens, serving=requests.serving,
                           prefix_caching=config.prefix_caching, proposer=self.proposer,
-                          **invariant.scheduling(config.page_size, config.deterministic == "on"))
+                          **invariant.scheduling(config.page_size, self.deterministic))
         driver = Driver(self.ex, sched, requests.reports(sched))
         sampling = self._sampling(driver.take_ids) if self.world == 1 else None
         requests.start(driver, protocol.Ready(self.pages - 1, config.page_size, requests.max_len, config.max_batch,
-                                              dataclasses.asdict(self.policy)))
+                                              dataclasses.asdict(self.policy), self.deterministic))
         try:
             run = run_first_stage(self.ex, driver, sampling) if self.replica is None else \
                 run_replica(self.ex, driver, sampling, self.replica)

@@ -1,0 +1,85 @@
+"""What `--deterministic on` costs: the default model (its GGUF file kept quantized) on one local CPU
+stage, `hpipe launch` with and without the setting, interleaved over --repeats rounds (this
+machine is shared and noisy), the best of each kept and compared as a ratio within the run:
+- batch 1: one 512-token prompt (prefill: its time to first token) and 64 greedy tokens (decode:
+  its time per output token);
+- batch 8: eight 512-token prompts at once (prefill: the time until the last one's first token;
+  decode: generated tokens per second from then on);
+- one 2,048-token prompt (prefill).
+Writes bench/results/determinism.json.
+
+    python bench/determinism.py [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+CASES = {"batch 1": (1, 512, 64), "batch 8": (8, 512, 64), "prefill 2048": (1, 2048, 1)}
+
+
+def prompts(path: Path, n: int, length: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [rng.randrange(3, 49152) for _ in range(length)],
+                                        "sampling": {"temperature": 0}}) + "\n" for i in range(n)))
+    return path
+
+
+def measure(out: Path) -> dict:
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    first = max(r["ttft_s"] for r in rows)
+    last = max(r["e2e_s"] for r in rows)
+    generated = sum(len(r["output_ids"]) - 1 for r in rows)
+    return {"prefill_s": round(first, 4), "tpot_ms": round(1000 * sum(r["tpot_s"] for r in rows) / len(rows), 3),
+            "decode_tokens_per_s": round(generated / (last - first), 2) if generated and last > first else None}
+
+
+def main() -> None:
+    from bench.common import hpipe
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores (the stage takes them all)",
+              "model": "SmolLM2-135M-Instruct Q4_1 (GGUF kept quantized), one local stage", "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="hpipe-bench-det-") as tmp:
+        work = Path(tmp)
+        plan = work / "plan.json"
+        hpipe("plan", "--model", "smollm2", "--stages", "1", "-o", plan, cwd=work)
+        for name, (n, length, new) in CASES.items():
+            source = prompts(work / f"{name.replace(' ', '-')}.jsonl", n, length, seed=n * length)
+            runs: dict[str, list] = {"off": [], "on": []}
+            for k in range(args.repeats):
+                for setting in runs:
+                    out = work / f"o-{name.replace(' ', '-')}-{setting}-{k}.jsonl"
+                    hpipe("launch", plan, "--local", "--prompts", source, "--out", out, "--max-new-tokens", new,
+                          "--max-batch", n, "--deterministic", setting, "--quiet", cwd=work)
+                    runs[setting].append(measure(out))
+                    print(f"  {name}, deterministic {setting}: {runs[setting][-1]}", flush=True)
+            best = {s: {"prefill_s": min(r["prefill_s"] for r in rs), "tpot_ms": min(r["tpot_ms"] for r in rs),
+                        "decode_tokens_per_s": max((r["decode_tokens_per_s"] or 0) for r in rs) or None,
+                        "runs": rs} for s, rs in runs.items()}
+            cost = {"prefill": round(best["on"]["prefill_s"] / best["off"]["prefill_s"], 3)}
+            if new > 1:
+                cost["decode_tpot"] = round(best["on"]["tpot_ms"] / best["off"]["tpot_ms"], 3)
+            report["cases"][name] = {"requests": n, "prompt_tokens": length, "new_tokens": new, **best,
+                                     "on_over_off": cost}
+            print(f"{name}: on/off {cost}", flush=True)
+    out = ROOT / "bench" / "results" / "determinism.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: v["on_over_off"] for k, v in report["cases"].items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
