@@ -392,7 +392,8 @@ def _module_classes():
             x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
             # a compiled decode step keeps the kernel: one graph serves every number of rows, with
             # no guard on the row count that a large batch would break mid-run to recompile
-            paths = ROW_PATHS.get()
+            # (a compiled step never runs deterministically; dynamo would bake the context in)
+            paths = None if torch.compiler.is_compiling() else ROW_PATHS.get()
             if paths is not None and self.dense_from != float("inf"):
                 y = self._by_row(x2, paths).to(x.dtype)
             else:

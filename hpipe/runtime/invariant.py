@@ -6,9 +6,9 @@ on which stage a unit runs.
 What varies otherwise, measured on this kind of CPU (tests/test_determinism.py keeps it so):
 - attention: torch's SDPA gives a query row other bits when the call holds other rows, other
   sequences (its batch dimension) or padded keys; so a deterministic stage calls it once per
-  *piece*: each generated token alone with exactly its keys, and a prompt in pieces of a fixed grid
-  of positions ([kG, (k+1)G), keys [0, (k+1)G), the last piece ending at the prompt's end), the
-  same pieces however the scheduler sliced it (its cuts and prefix hits fall on the grid);
+  *piece*: each generated token alone with exactly its keys, and a prompt in pieces of one KV page
+  ([kP, (k+1)P), keys [0, (k+1)P), the last piece ending at the prompt's end), the same pieces
+  however the scheduler sliced it (its cuts and prefix hits fall on page boundaries);
 - float32 linears: MKL's GEMM rounds a row differently for other numbers of rows; padded to a
   multiple of `TILE` rows, a row gets the same bits for any count (`RowTiledLinear`);
 - quantized linears: the weight-only kernel and the dense bf16 GEMM each give a row the same bits
@@ -20,7 +20,6 @@ Decode steps run eagerly (no static path, no compiled halves: their kernels read
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -28,36 +27,34 @@ import torch
 from hpipe import quant
 from hpipe.runtime.pages import Segment
 
-__all__ = ["ATTENTION", "GRID", "Pieces", "RowTiledLinear", "grid_for", "pieces_for", "refused", "resolve",
+__all__ = ["ATTENTION", "Pieces", "RowTiledLinear", "pieces_for", "refused", "resolve",
            "row_paths", "scheduling", "tile_linears"]
 
-GRID = 16             # tokens: a prompt's attention pieces (one page); the scheduler's cuts and prefix hits fall on it
 TILE = 16             # rows: float32 linears run on a multiple of this many rows
 ATTENTION = "hpipe_rows"      # the attention implementation registered with transformers
 
 
-def grid_for(page_size: int) -> int:
-    """The grid in tokens: GRID, or a multiple of the page size (prefix hits are whole pages)."""
-    return math.lcm(GRID, page_size)
-
-
 def scheduling(page_size: int, deterministic: bool) -> dict:
-    """The scheduler's part (`Scheduler(grid=, long_prompt=)`): prompts cut on the grid, and the
+    """The scheduler's part (`Scheduler(grid=, long_prompt=)`): prompts cut on page boundaries, and the
     prefixes of prompts whose rows take the dense path cached apart."""
-    return {"grid": grid_for(page_size), "long_prompt": quant.DENSE_PROMPT} if deterministic else {}
+    return {"grid": page_size, "long_prompt": quant.DENSE_PROMPT} if deterministic else {}
 
 
-def resolve(setting: str, config, devices: list[str], compile: str, static_decode: str) -> tuple[bool, str]:
+def resolve(setting: str, config, devices: list[str], compile: str, static_decode: str, page_size: int,
+            max_tokens: int) -> tuple[bool, str]:
     """--deterministic resolved for a whole plan (every stage decides the same): whether it is on,
     and why. auto: on for llama-like models on CPU stages, unless asked for compiled or static
-    decode steps (their kernels read padded keys); CUDA stages keep their CUDA graphs (unmeasured)."""
+    decode steps (their kernels read padded keys); CUDA stages keep their CUDA graphs (unmeasured).
+    A micro-batch must hold a page of prompt (prompts are cut on whole pages)."""
     if setting == "off":
         return False, "--deterministic off"
-    why_not = refused(config)
+    why_not = refused(config) or (f"prompts are cut on whole pages of {page_size} tokens, more than a micro-batch "
+                                   f"holds ({max_tokens}): lower --page-size or raise --budget / --max-prefill"
+                                   if page_size > max_tokens else None)
     if setting == "on":
         if why_not:
             from hpipe.errors import HpipeError
-            raise HpipeError(why_not)
+            raise HpipeError(f"--deterministic on: {why_not}")
         return True, "--deterministic on"
     cuda = [d for d in devices if d.startswith("cuda")]
     for reason, holds in ((why_not, why_not), ("CUDA stages keep their static step and CUDA graphs", cuda),
@@ -112,7 +109,7 @@ def pieces_for(segments: list[Segment], layout: str, window: int | None, grid: i
         prompt_end = seg.start + _prompt_rows(seg)
         a = seg.start
         spans = []
-        while a < prompt_end:                       # prompt rows: pieces of the grid
+        while a < prompt_end:                       # prompt rows: pieces of one page (the grid)
             e = min(prompt_end, (a // grid + 1) * grid)
             spans.append((a, e))
             a = e

@@ -414,6 +414,7 @@ class Scheduler:
             if budget <= 0 and not decode_tokens and not self.inflight:   # never idle with prompts waiting
                 budget = self.policy.min_prefill
         budget = min(budget, self.max_tokens - decode_tokens)
+        hard = self.max_tokens - decode_tokens      # the stages' receive buffers: never more
         segments, ids = [], []
         size = self.pool.page_size
         # vLLM's watermark: a page kept free for each running decoder's next step, so that a prompt
@@ -448,10 +449,11 @@ class Scheduler:
             if self.grid and 0 < n and seq.pos + n < min(len(seq.tokens), len(seq.request.input_ids)):
                 end = (seq.pos + n) // self.grid * self.grid      # deterministic: a prompt's cuts on the grid
                 n = (end if end > seq.pos else min((seq.pos // self.grid + 1) * self.grid, len(seq.tokens))) - seq.pos
-                n = n if n <= room else 0
+                n = n if n <= min(room, hard) else 0
             if n <= 0 or not self._grow(seq, seq.pos + n):
                 break
             leader = False
+            hard -= n
             sample = seq.pos + n == len(seq.tokens)
             segments.append(Segment(seq.index, seq.slot, seq.pos, n, sample=sample, prefill=True,
                                     pages=tuple(seq.pages), fresh=seq.fresh, scored=seq.scoring,

@@ -135,8 +135,7 @@ class StageRunner:
         if self.blocks and self.deterministic:
             from hpipe.runtime import invariant
 
-            grid = invariant.grid_for(self.kv.page_size)
-            masks = {w: invariant.pieces_for(segments, layout, w, grid, dev) for w in self.windows}
+            masks = {w: invariant.pieces_for(segments, layout, w, self.kv.page_size, dev) for w in self.windows}
         elif self.blocks:
             for w in self.windows:
                 if self.attn_implementation == "sdpa" and _plain_causal(segments, layout, w):

@@ -331,9 +331,12 @@ class StageWorker:
         self.model_dir = str(source.path)
         models.check_plan_matches(plan, self.model_config, source.name)
         self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
+        self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
+        self.policy = Policy.resolve(config, [s.device for s in self.stages])
+        self.max_tokens = longest_microbatch(self.requests.lengths, plan, config.max_batch, self.policy)
         self.deterministic, why = invariant.resolve(config.deterministic, self.model_config,
                                                     [s.device for s in plan.stages], config.compile,
-                                                    config.static_decode)
+                                                    config.static_decode, config.page_size, self.max_tokens)
         if config.deterministic == "auto" and not self.deterministic and self.rank == 0 and "CUDA" not in why:
             log(f"stage {self.rank}: {why}")
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
@@ -342,11 +345,8 @@ class StageWorker:
                                            deterministic=self.deterministic)
         if runner.compile_refused:
             log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
-        self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
-        self.policy = Policy.resolve(config, [s.device for s in self.stages])
         self.speculation = Speculation.parse(config.speculation)
         self.modes, static = self._modes()
-        self.max_tokens = longest_microbatch(self.requests.lengths, plan, config.max_batch, self.policy)
         self.groups = comm.init(self.rank, self.world, args.master_addr, args.master_port,
                                 os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in self.stages],
                                 config.rendezvous_timeout_s)
