@@ -1,6 +1,12 @@
-"""What `--deterministic on` costs: the default model (its GGUF file kept quantized) on one local CPU
-stage, `hpipe launch` with and without the setting, interleaved over --repeats rounds (this
-machine is shared and noisy), the best of each kept and compared as a ratio within the run:
+"""What `--deterministic on` costs: the default model (its GGUF file kept quantized) on one CPU
+stage, with and without the setting, interleaved (this machine is shared and noisy), compared as
+ratios within the run.
+
+The stage's own steps, in one process (`steps`: the median of --rounds rounds of 8 steps each):
+a decode step of 1 and of 8 rows after 512-token prompts, and a prefill micro-batch of one
+512-token prompt and of 8 prompts of 64 tokens.
+
+Jobs through `hpipe launch` (`jobs`: the best of --repeats):
 - batch 1: one 512-token prompt (prefill: its time to first token) and 64 greedy tokens (decode:
   its time per output token);
 - batch 8: eight 512-token prompts at once (prefill: the time until the last one's first token;
@@ -45,14 +51,56 @@ def measure(out: Path) -> dict:
             "decode_tokens_per_s": round(generated / (last - first), 2) if generated and last > first else None}
 
 
+def stage_steps(rounds: int) -> dict:
+    import statistics
+
+    import torch
+
+    from hpipe import models, quant
+    from hpipe.runtime.pages import Segment
+    from hpipe.runtime.stage import StageRunner
+
+    source = models.resolve_model("smollm2")
+    config = models.load_config(source.path)
+    units = range(models.num_units(config))
+    runners = {s: StageRunner(source, config, units, weights=quant.WeightFormat("gguf"), deterministic=s == "on")
+               for s in ("off", "on")}
+    ids = torch.arange(3, 515)
+    for r in runners.values():
+        r.kv.allocate(16 * 40 + 1)
+        for slot in range(8):
+            r.forward(r.prepare_inputs([Segment(slot, slot, 0, 512, True, True, prompt=512)]), ids)
+    cases = {"decode, 1 row": [Segment(0, 0, 512, 1, True)],
+             "decode, 8 rows": [Segment(s, s, 512, 1, True) for s in range(8)],
+             "prefill, one 512-token prompt": [Segment(8, 8, 0, 512, True, True, prompt=512)],
+             "prefill, 8 prompts of 64 tokens": [Segment(8 + s, 8 + s, 0, 64, True, True, prompt=64) for s in range(8)]}
+    out = {}
+    for name, segments in cases.items():
+        x = torch.arange(3, 3 + sum(s.length for s in segments))
+        times = {s: [] for s in runners}
+        for _ in range(rounds):
+            for setting, r in runners.items():
+                t = time.perf_counter()
+                for _ in range(8):
+                    r.forward(r.prepare_inputs(segments), x)
+                times[setting].append((time.perf_counter() - t) / 8)
+        med = {s: statistics.median(v) for s, v in times.items()}
+        out[name] = {"off_ms": round(1000 * med["off"], 3), "on_ms": round(1000 * med["on"], 3),
+                     "on_over_off": round(med["on"] / med["off"], 3)}
+        print(f"  {name}: {out[name]}", flush=True)
+    return out
+
+
 def main() -> None:
     from bench.common import hpipe
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores (the stage takes them all)",
-              "model": "SmolLM2-135M-Instruct Q4_1 (GGUF kept quantized), one local stage", "cases": {}}
+              "model": "SmolLM2-135M-Instruct Q4_1 (GGUF kept quantized), one local stage",
+              "steps": stage_steps(args.rounds), "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="hpipe-bench-det-") as tmp:
         work = Path(tmp)
         plan = work / "plan.json"
@@ -73,12 +121,13 @@ def main() -> None:
             cost = {"prefill": round(best["on"]["prefill_s"] / best["off"]["prefill_s"], 3)}
             if new > 1:
                 cost["decode_tpot"] = round(best["on"]["tpot_ms"] / best["off"]["tpot_ms"], 3)
-            report["cases"][name] = {"requests": n, "prompt_tokens": length, "new_tokens": new, **best,
+            report["jobs"][name] = {"requests": n, "prompt_tokens": length, "new_tokens": new, **best,
                                      "on_over_off": cost}
             print(f"{name}: on/off {cost}", flush=True)
     out = ROOT / "bench" / "results" / "determinism.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v["on_over_off"] for k, v in report["cases"].items()}, indent=2))
+    print(json.dumps({"steps": {k: v["on_over_off"] for k, v in report["steps"].items()},
+                      "jobs": {k: v["on_over_off"] for k, v in report["jobs"].items()}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -140,12 +140,12 @@ class RuntimeConfig:
                                "(draft:MODEL[:K], its own paged KV, greedy), verified in the same trip through the "
                                "stages; exact for greedy and for sampling; off: one token per step")
     attn: str = setting("sdpa", "--attn", "transformers' attention implementation", choices=("sdpa", "eager"))
-    deterministic: str = setting("auto", "--deterministic", "one answer per request: a row's arithmetic fixed by "
+    deterministic: str = setting("off", "--deterministic", "one answer per request: a row's arithmetic fixed by "
                                  "the row itself (its position, its request's prompt), never by the other requests in "
                                  "its micro-batch, the slicing, the prefix cache or the cuts: the same request gives "
-                                 "the same tokens and logits every time (llama-like models, decode steps eagerly, "
-                                 "prompts cut on whole pages); auto: on where it costs nothing (CPU stages, no "
-                                 "--compile, no --static-decode on), measured in README", choices=SWITCH)
+                                 "the same tokens and logits every time (llama-like models; decode steps eagerly, "
+                                 "prompts cut on whole pages; costs 14 % of a decode step at 8 rows on a CPU, see "
+                                 "README)", choices=("on", "off"))
     rendezvous_timeout_s: float = setting(300.0, "--rendezvous-timeout", "seconds a stage waits for the others to join",
                                unit="s", lo=1.0)
 

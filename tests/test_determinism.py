@@ -113,40 +113,38 @@ def test_prompt_pieces_fall_on_the_grid_and_generated_tokens_go_alone():
     assert paths.dense.tolist() == list(range(195)) and paths.kernel.tolist() == list(range(195, 200))
 
 
-def test_auto_is_on_where_it_costs_nothing(tiny_models):
+def test_a_model_or_settings_it_cannot_serve_are_refused_in_one_line(tiny_models):
     from hpipe.runtime import invariant
 
     llama, gpt2 = (models.load_config(tiny_models[f]) for f in ("llama", "gpt2"))
-    assert invariant.resolve("auto", llama, ["cpu", "cpu"], "off", "auto", 16, 64)[0]
-    for devices, compile_, static, tokens in ((["cpu", "cuda:0"], "off", "auto", 64), (["cpu"], "on", "auto", 64),
-                                              (["cpu"], "off", "on", 64), (["cpu"], "off", "auto", 12)):
-        assert not invariant.resolve("auto", llama, devices, compile_, static, 16, tokens)[0]
-    assert not invariant.resolve("auto", gpt2, ["cpu"], "off", "auto", 16, 64)[0]
+    assert invariant.resolve("on", llama, 16, 64) and not invariant.resolve("off", gpt2, 16, 64)
     with pytest.raises(Exception, match="llama-like"):
-        invariant.resolve("on", gpt2, ["cpu"], "off", "auto", 16, 64)
+        invariant.resolve("on", gpt2, 16, 64)
     with pytest.raises(Exception, match="--page-size"):
-        invariant.resolve("on", llama, ["cpu"], "off", "auto", 16, 12)
+        invariant.resolve("on", llama, 16, 12)
 
 
 @pytest.mark.slow
 def test_switches_and_stages_keep_a_requests_tokens_and_logits(tmp_path):
-    """`hpipe launch` with the defaults (`--deterministic auto`: on, CPU stages) on the default model,
-    the target among 7 others: every combination of the switches on 2 stages, and 3 stages, bit
-    for bit."""
+    """`hpipe launch --deterministic on` on the default model, a greedy target among 7 others (one
+    of them seeded): every combination of the switches on 2 stages, and 3 stages, bit for bit; the
+    seeded request's text is its text alone."""
     rng = random.Random("det-launch")
     target = [rng.randrange(3, 49152) for _ in range(200)]
+    seeded = {"id": "seeded", "input_ids": target[:150], "sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 11}}
     lines = [{"id": "target", "input_ids": target, "sampling": {"temperature": 0}}]
     lines += [{"id": f"o{i}", "input_ids": [rng.randrange(3, 49152) for _ in range(rng.randint(5, 300))]}
-              for i in range(7)]
+              for i in range(6)] + [seeded]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    alone = tmp_path / "target-prompt.jsonl"
+    alone, seeded_alone = tmp_path / "target-prompt.jsonl", tmp_path / "seeded-prompt.jsonl"
     alone.write_text(json.dumps(lines[0]) + "\n")
+    seeded_alone.write_text(json.dumps(seeded) + "\n")
     plans = {}
     for stages in (2, 3):
         plans[stages] = tmp_path / f"plan{stages}.json"
         assert main(["plan", "--model", "smollm2", "--stages", str(stages), "-o", str(plans[stages])]) == 0
-    variants = {"alone": (2, alone, []), "3 stages": (3, prompts, [])}
+    variants = {"alone": (2, alone, []), "seeded alone": (2, seeded_alone, []), "3 stages": (3, prompts, [])}
     for tsem, sat, sampling in itertools.product((True, False), (True, False), ("inline", "cpu")):
         name = f"tsem {'on' if tsem else 'off'}, sat {'on' if sat else 'off'}, sampling {sampling}"
         variants[name] = (2, prompts, [*([] if tsem else ["--no-tsem"]), *([] if sat else ["--no-sat"]),
@@ -156,13 +154,14 @@ def test_switches_and_stages_keep_a_requests_tokens_and_logits(tmp_path):
         stem = name.replace(" ", "-").replace(",", "")
         out, logits = tmp_path / f"{stem}.jsonl", tmp_path / f"{stem}.npz"
         assert main(["launch", str(plans[stages]), "--local", "--prompts", str(source), "--out", str(out),
-                     "--max-new-tokens", "16", "--logits-out", str(logits), "--quiet",
+                     "--max-new-tokens", "16", "--logits-out", str(logits), "--deterministic", "on", "--quiet",
                      *extra]) == 0
         tokens = {r["id"]: r["output_ids"] for r in map(json.loads, out.read_text().splitlines())}
-        runs[name] = (tokens["target"], np.load(logits)["target"])
+        runs[name] = (tokens, np.load(logits))
         summary = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]
         assert summary["options"]["deterministic"] is True
-    reference = runs.pop("alone")
+    reference, seeded_reference = runs.pop("alone"), runs.pop("seeded alone")[0]["seeded"]
     for name, (tokens, rows) in runs.items():
-        assert tokens == reference[0], name
-        assert np.array_equal(rows, reference[1]), name
+        assert tokens["target"] == reference[0]["target"], name
+        assert np.array_equal(rows["target"], reference[1]["target"]), name
+        assert tokens["seeded"] == seeded_reference, f"{name}: the seeded request's text"

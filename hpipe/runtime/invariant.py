@@ -5,7 +5,8 @@ on which stage a unit runs.
 
 What varies otherwise, measured on this kind of CPU (tests/test_determinism.py keeps it so):
 - attention: torch's SDPA gives a query row other bits when the call holds other rows, other
-  sequences (its batch dimension) or padded keys; so a deterministic stage calls it once per
+  sequences (its batch dimension) or padded keys; so a deterministic stage (an attention
+  implementation registered with transformers, its modules unchanged) calls it once per
   *piece*: each generated token alone with exactly its keys, and a prompt in pieces of one KV page
   ([kP, (k+1)P), keys [0, (k+1)P), the last piece ending at the prompt's end), the same pieces
   however the scheduler sliced it (its cuts and prefix hits fall on page boundaries);
@@ -16,7 +17,8 @@ What varies otherwise, measured on this kind of CPU (tests/test_determinism.py k
   call's rows (`hpipe.quant.ROW_PATHS`: prompt rows of prompts of `DENSE_PROMPT` tokens or more
   take the dense GEMM, every other row the kernel);
 - RMSNorm, rotary embeddings and the MLP's elementwise products are row by row already.
-Decode steps run eagerly (no static path, no compiled halves: their kernels read padded keys)."""
+Decode steps run eagerly (no static path, no compiled halves: their kernels read padded keys).
+Not measured on CUDA yet (cuBLAS and its SDPA kernels split by shape too)."""
 
 from __future__ import annotations
 
@@ -40,29 +42,17 @@ def scheduling(page_size: int, deterministic: bool) -> dict:
     return {"grid": page_size, "long_prompt": quant.DENSE_PROMPT} if deterministic else {}
 
 
-def resolve(setting: str, config, devices: list[str], compile: str, static_decode: str, page_size: int,
-            max_tokens: int) -> tuple[bool, str]:
-    """--deterministic resolved for a whole plan (every stage decides the same): whether it is on,
-    and why. auto: on for llama-like models on CPU stages, unless asked for compiled or static
-    decode steps (their kernels read padded keys); CUDA stages keep their CUDA graphs (unmeasured).
-    A micro-batch must hold a page of prompt (prompts are cut on whole pages)."""
+def resolve(setting: str, config, page_size: int, max_tokens: int) -> bool:
+    """--deterministic for a whole plan (every stage decides the same); one line when it cannot be."""
     if setting == "off":
-        return False, "--deterministic off"
+        return False
     why_not = refused(config) or (f"prompts are cut on whole pages of {page_size} tokens, more than a micro-batch "
                                    f"holds ({max_tokens}): lower --page-size or raise --budget / --max-prefill"
                                    if page_size > max_tokens else None)
-    if setting == "on":
-        if why_not:
-            from hpipe.errors import HpipeError
-            raise HpipeError(f"--deterministic on: {why_not}")
-        return True, "--deterministic on"
-    cuda = [d for d in devices if d.startswith("cuda")]
-    for reason, holds in ((why_not, why_not), ("CUDA stages keep their static step and CUDA graphs", cuda),
-                          ("--compile on asks for compiled decode steps", compile == "on"),
-                          ("--static-decode on asks for the static step", static_decode == "on")):
-        if holds:
-            return False, f"--deterministic auto: off ({reason})"
-    return True, "--deterministic auto: on (CPU stages)"
+    if why_not:
+        from hpipe.errors import HpipeError
+        raise HpipeError(f"--deterministic on: {why_not}")
+    return True
 
 
 def refused(config) -> str | None:
@@ -130,16 +120,17 @@ def pieces_for(segments: list[Segment], layout: str, window: int | None, grid: i
     return out
 
 
-def attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' attention interface, piece by piece through its own SDPA function.
-    query [b, heads, L, d]; key, value [b, kv heads, K, d]; returns [b, L, heads, d]."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' attention interface (its modules call it with their projections), piece by
+    piece through torch's SDPA. query [b, heads, L, d]; key, value [b, kv heads, K, d]; returns
+    [b, L, heads, d]. (transformers' own SDPA function around each call costs 4 of its 28 us.)"""
+    gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     for p in attention_mask:
-        o, _ = sdpa_attention_forward(module, query[p.b:p.b + 1, :, p.q0:p.q1], key[p.b:p.b + 1, :, p.k0:p.k1],
-                                      value[p.b:p.b + 1, :, p.k0:p.k1], p.mask, **kwargs)
-        out[p.b, p.q0:p.q1] = o[0]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[p.b:p.b + 1, :, p.q0:p.q1], key[p.b:p.b + 1, :, p.k0:p.k1], value[p.b:p.b + 1, :, p.k0:p.k1],
+            attn_mask=p.mask, scale=scaling, enable_gqa=gqa)
+        out[p.b, p.q0:p.q1] = o[0].transpose(0, 1)
     return out, None
 
 

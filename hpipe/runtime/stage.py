@@ -11,6 +11,7 @@ inputs while this one computes.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import types
@@ -52,6 +53,7 @@ class StageRunner:
         """compiled: decode steps run the halves through torch.compile where `compiled_halves_refused` allows
         (`--compile`); everything else, and every other stage, eagerly. deterministic: every row's
         arithmetic fixed by the row itself (`hpipe.runtime.invariant`)."""
+        config = copy.deepcopy(config)      # transformers writes the attention implementation into it
         self.config = config
         self.deterministic = deterministic
         if deterministic:

@@ -334,11 +334,8 @@ class StageWorker:
         self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
         self.policy = Policy.resolve(config, [s.device for s in self.stages])
         self.max_tokens = longest_microbatch(self.requests.lengths, plan, config.max_batch, self.policy)
-        self.deterministic, why = invariant.resolve(config.deterministic, self.model_config,
-                                                    [s.device for s in plan.stages], config.compile,
-                                                    config.static_decode, config.page_size, self.max_tokens)
-        if config.deterministic == "auto" and not self.deterministic and self.rank == 0 and "CUDA" not in why:
-            log(f"stage {self.rank}: {why}")
+        self.deterministic = invariant.resolve(config.deterministic, self.model_config, config.page_size,
+                                               self.max_tokens)
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights, compiled=config.compile == "on",
