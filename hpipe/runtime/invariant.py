@@ -60,8 +60,8 @@ def refused(config) -> str | None:
     from hpipe import models
 
     if config.model_type not in models.LLAMA_LIKE:
-        return f"--deterministic on runs llama-like models (their attention goes through transformers' interface); " \
-               f"{config.model_type} does not"
+        return f"it runs llama-like models (their attention goes through transformers' interface), not " \
+               f"{config.model_type}: leave it off for this model"
     return None
 
 
