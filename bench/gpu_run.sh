@@ -2,6 +2,13 @@
 # One call on a lent GPU machine (the device tool): install what its image lacks from the wheels
 # carried in .whl/, then run the CUDA tests and the GPU benchmarks, everything logged under $OUT.
 #   bash bench/gpu_run.sh [tests] [step] [ablation] [ablation1] [floor] [hetero]   (default: tests ablation floor hetero)
+# The wheels (13 MB; .whl/ is ignored, listed in .git/info/exclude), made here before the call:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 -d .whl \
+#     gguf==0.19.0 llguidance==1.9.1 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+#     typing-inspection==0.4.5 annotated-types uvicorn==0.54.0 paramiko==5.1.0 bcrypt==5.0.0 cryptography==50.0.2 \
+#     pynacl==1.6.2 cffi==2.1.1 pycparser==3.12 invoke==3.0.3 typing_extensions==4.16.0
+# and the device tool's run with carry [".whl"] and `bash bench/gpu_run.sh ...` (NVIDIA H200, 2026-11-26).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # the image's own Python (root): the carried wheels and hpipe itself (editable: planner/, profiler/
