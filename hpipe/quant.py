@@ -38,6 +38,7 @@ Bounds (tests/test_quant.py checks them):
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import fcntl
 import functools
@@ -50,7 +51,7 @@ import numpy as np
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
-           "ROW_PATHS", "DENSE_PROMPT",
+           "ROW_PATHS", "row_paths", "DENSE_PROMPT",
            "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes"]
 
 PACK_VERSION = 1        # the packed cache's layout: a new one never reads an old one
@@ -85,6 +86,16 @@ class RowPaths:
 
 
 ROW_PATHS: contextvars.ContextVar[RowPaths | None] = contextvars.ContextVar("hpipe_row_paths", default=None)
+
+
+@contextlib.contextmanager
+def row_paths(paths: RowPaths | None):
+    """The rows' paths for the linear calls made inside (None: chosen by the call's row count)."""
+    token = ROW_PATHS.set(paths)
+    try:
+        yield
+    finally:
+        ROW_PATHS.reset(token)
 
 
 # --------------------------------------------------------------------------------------------

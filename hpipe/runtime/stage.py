@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hpipe import models
+from hpipe import models, quant
 from hpipe.config import DEFAULTS
 from hpipe.runtime.kv import BatchCache, KVStore
 from hpipe.runtime.pages import Segment, layout_of
@@ -60,8 +60,9 @@ class StageRunner:
             from hpipe.errors import HpipeError
             from hpipe.runtime import invariant
 
-            if invariant.refused(config):
-                raise HpipeError(invariant.refused(config))
+            why_not = invariant.refused(config)
+            if why_not:
+                raise HpipeError(f"--deterministic on: {why_not}")
             invariant.register()
             attn_implementation = invariant.ATTENTION
         self.units = units
@@ -75,8 +76,6 @@ class StageRunner:
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
         self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights)
-        from hpipe import quant
-
         self.weights_quantized = any(isinstance(m, quant.classes()[:2]) for m in self.model.modules())
         if deterministic:
             invariant.tile_linears(self.model)      # float linears (quantized ones choose their path per row)
@@ -127,12 +126,14 @@ class StageRunner:
             same_seq = None
         else:
             positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments])[None, :]
-            q_seq = torch.cat([torch.full((s.length,), i, device=dev) for i, s in enumerate(segments)])
-            key_pos = torch.cat([torch.arange(s.end, device=dev) for s in segments])
-            k_seq = torch.cat([torch.full((s.end,), i, device=dev) for i, s in enumerate(segments)])
-            q = positions[0][None, None, :, None]
-            k = key_pos[None, None, None, :]
-            same_seq = (q_seq[:, None] == k_seq[None, :])[None, None]
+            q = k = same_seq = None
+            if self.blocks and not self.deterministic:     # the masks' inputs (a deterministic stage's pieces bring their own)
+                q_seq = torch.cat([torch.full((s.length,), i, device=dev) for i, s in enumerate(segments)])
+                key_pos = torch.cat([torch.arange(s.end, device=dev) for s in segments])
+                k_seq = torch.cat([torch.full((s.end,), i, device=dev) for i, s in enumerate(segments)])
+                q = positions[0][None, None, :, None]
+                k = key_pos[None, None, None, :]
+                same_seq = (q_seq[:, None] == k_seq[None, :])[None, None]
         masks = {}
         if self.blocks and self.deterministic:
             from hpipe.runtime import invariant
@@ -194,14 +195,9 @@ class StageRunner:
         halves = self.decode_halves if inputs.decode else self.eager
         if halves is not self.eager and torch.is_inference_mode_enabled() and not h.is_inference():
             h = h.clone()       # received hidden states: a graph made for inference tensors serves them too
-        from hpipe.quant import ROW_PATHS
-
-        token = ROW_PATHS.set(inputs.paths)
-        try:
+        with quant.row_paths(inputs.paths):
             for u in self.units:
                 h = self._run_unit(u, h, inputs, halves)
-        finally:
-            ROW_PATHS.reset(token)
         if self.last:
             return h.float()
         return h.reshape(rows * per_row, self.hidden_size)
@@ -216,13 +212,8 @@ class StageRunner:
         if u == self.n_units - 1:
             norm, head = mods
             flat = h.reshape(-1, h.shape[-1]).index_select(0, inputs.sample_rows)
-            from hpipe.quant import ROW_PATHS
-
-            token = ROW_PATHS.set(inputs.head_paths)
-            try:
+            with quant.row_paths(inputs.head_paths):
                 return head(norm(flat))
-            finally:
-                ROW_PATHS.reset(token)
         block = (u - 1) // 2
         norm, module = mods
         if u % 2 == 1:  # attention half
