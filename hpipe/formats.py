@@ -618,6 +618,7 @@ class PromptRecord:
     raw: bool = False
     sampling: dict | None = None     # per-prompt overrides of the launch's sampling parameters
     stop_token_ids: tuple[int, ...] = ()   # ids that end this prompt's output (besides the model's EOS)
+    max_new_tokens: int | None = None      # this prompt's own limit (None: the launch's --max-new-tokens)
 
 
 def _check_sampling(path, where, obj) -> dict:
@@ -651,11 +652,15 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
         except json.JSONDecodeError as e:
             raise _fail(path, where, f"not valid JSON ({e.msg}); each line must be one JSON object") from None
         _expect(path, where, obj, dict, 'an object like {"id": "q1", "prompt": "..."}')
-        _no_unknown_keys(path, where, obj, {"id", "prompt", "input_ids", "raw", "sampling", "stop_token_ids"})
+        _no_unknown_keys(path, where, obj, {"id", "prompt", "input_ids", "raw", "sampling", "stop_token_ids",
+                                            "max_new_tokens"})
         stops = obj.get("stop_token_ids", [])
         if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                   for t in stops):
             raise _fail(path, f"{where}: stop_token_ids", "expected a list of non-negative integers")
+        limit = obj.get("max_new_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise _fail(path, f"{where}: max_new_tokens", f"expected a whole number of at least 1, got {limit!r}")
         sampling = obj.get("sampling")
         if sampling is not None:
             sampling = _check_sampling(path, f"{where}: sampling", sampling)
@@ -674,13 +679,14 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
             if not obj["prompt"]:
                 raise _fail(path, f"{where}: prompt", "is empty")
             out.append(PromptRecord(id=pid, prompt=obj["prompt"], raw=raw, sampling=sampling,
-                                    stop_token_ids=tuple(stops)))
+                                    stop_token_ids=tuple(stops), max_new_tokens=limit))
         else:
             ids = obj["input_ids"]
             if (not isinstance(ids, list) or not ids
                     or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
                 raise _fail(path, f"{where}: input_ids", "expected a non-empty list of non-negative integers")
-            out.append(PromptRecord(id=pid, input_ids=tuple(ids), sampling=sampling, stop_token_ids=tuple(stops)))
+            out.append(PromptRecord(id=pid, input_ids=tuple(ids), sampling=sampling, stop_token_ids=tuple(stops),
+                                    max_new_tokens=limit))
     if not out:
         raise HpipeError(f"{path}: no prompts in the file")
     return out

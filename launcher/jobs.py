@@ -106,10 +106,11 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
             if bad:
                 raise HpipeError(f"{prompts_path}: prompt {rec.id!r}: {what} {bad[0]} is outside the vocabulary "
                                  f"(size {vocab})")
-        if len(ids) + settings.max_new_tokens > ctx:
-            raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has {len(ids)} tokens; with --max-new-tokens "
-                             f"{settings.max_new_tokens} that exceeds {limit} of {ctx} tokens; "
-                             f"shorten the prompt or lower --max-new-tokens")
+        new = settings.max_new_tokens if rec.max_new_tokens is None else rec.max_new_tokens
+        if len(ids) + new > ctx:
+            which = "--max-new-tokens" if rec.max_new_tokens is None else "its max_new_tokens"
+            raise HpipeError(f"{prompts_path}: prompt {rec.id!r} has {len(ids)} tokens; with {which} {new} that "
+                             f"exceeds {limit} of {ctx} tokens; shorten the prompt or lower {which}")
         # the launch's parameters, a seed of the request's own, then the prompt's overrides (its seed included)
         params = SamplingParams(**{**settings.params.__dict__, "seed": sequence_seed(settings.seed, rec.id),
                                    **(rec.sampling or {})})
@@ -119,7 +120,7 @@ def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSe
         if params.logprobs is not None:
             raise HpipeError(f"{prompts_path}: prompt {rec.id!r} asks for logprobs: hpipe serve answers them "
                              f"(OpenAI's logprobs / top_logprobs); a batch job does not write them: remove it")
-        requests.append(Request(len(requests), rec.id, tuple(ids), params, settings.max_new_tokens, eos,
+        requests.append(Request(len(requests), rec.id, tuple(ids), params, new, eos,
                                 frozenset(rec.stop_token_ids)))
     return PreparedJob(plan, source, config, tokenizer, requests, sorted(done_ids))
 

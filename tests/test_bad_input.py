@@ -95,6 +95,11 @@ def test_prompt_longer_than_context(capsys, llama_plan, tmp_path):
                         "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "20")
     assert code == 2
     one_error_line(err, "'long'", "500 tokens", "context of 512")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "long", "input_ids": [5] * 400, "max_new_tokens": 200}) + "\n")
+    code, err = run_cli(capsys, "launch", str(llama_plan), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                        "--out", str(tmp_path / "o.jsonl"), "--max-new-tokens", "20")
+    assert code == 2
+    one_error_line(err, "'long'", "400 tokens", "its max_new_tokens 200", "context of 512")
 
 
 @pytest.mark.parametrize("content,needles", [
@@ -106,6 +111,8 @@ def test_prompt_longer_than_context(capsys, llama_plan, tmp_path):
     ('{"id": "a", "input_ids": [1], "sampling": {"top_p": 0}}\n', ("line 1: sampling", "top_p=0", "(0, 1]")),
     ('{"id": "a", "input_ids": [1], "sampling": {"temp": 1}}\n', ("line 1: sampling", "unknown key 'temp'")),
     ('{"id": "a", "input_ids": [1], "sampling": 0.7}\n', ("line 1: sampling", "expected an object")),
+    ('{"id": "a", "input_ids": [1], "max_new_tokens": 0}\n', ("line 1: max_new_tokens", "at least 1", "got 0")),
+    ('{"id": "a", "input_ids": [1], "max_new_tokens": "8"}\n', ("line 1: max_new_tokens", "got '8'")),
 ])
 def test_malformed_prompts(capsys, llama_plan, tmp_path, content, needles):
     (tmp_path / "p.jsonl").write_text(content)

@@ -48,13 +48,17 @@ def fetching_plan(path, tmp_path, threshold: int):
     return out
 
 
-def prompts_file(tmp_path, n: int, seed: str):
+def prompts_file(tmp_path, n: int, seed: str, tail: int | None = None):
+    """`n` prompts, greedy and seeded in turn; with `tail`, the last greedy one generates that many
+    tokens (the others --max-new-tokens): the job ends with one sequence, whatever the timing."""
     rng = random.Random(seed)
     lines = []
     for i in range(n):
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 40))]
         sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 50 + i}
         lines.append({"id": f"p{i}", "input_ids": prompt, "sampling": sampling})
+    if tail:
+        lines[(n - 1) // 2 * 2]["max_new_tokens"] = tail
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return path, lines
@@ -126,11 +130,13 @@ def one_stage_run(tiny_models, tmp_path_factory):
     """The reference of the WaS / CaS runs: the same prompts through a one-stage pipeline."""
     tmp = tmp_path_factory.mktemp("sidp-modes")
     single, _ = sidp_plan(tiny_models["llama"], tmp, 2)
-    prompts, lines = prompts_file(tmp, 10, "sidp-modes")
+    prompts, lines = prompts_file(tmp, 10, "sidp-modes", tail=120)
     out = tmp / "single.jsonl"
     assert main(["launch", str(single), "--local", "--prompts", str(prompts), "--out", str(out),
                  "--max-new-tokens", "16", "--max-batch", "4", "--quiet"]) == 0
-    return prompts, lines, results(out)
+    theirs = results(out)
+    assert sorted(len(r["output_ids"]) for r in theirs.values()) == [16] * 9 + [120]     # the tail is there
+    return prompts, lines, theirs
 
 
 @pytest.mark.parametrize("mode,threshold", [("was", 0), ("cas", 0), ("auto", 3)])
