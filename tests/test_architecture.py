@@ -25,7 +25,7 @@ SOURCE_DIRS = {"hpipe": "hpipe", "planner": "hpipe.planner", "profiler": "hpipe.
 FLOORS = {
     0: ["hpipe", "hpipe.errors", "hpipe.config", "hpipe.formats", "hpipe.models", "hpipe.quant", "hpipe.reports", "hpipe.protocol",
         "hpipe.request", "hpipe.memory",
-        "hpipe.net", "hpipe.grid", "hpipe.lifeline"],                                    # ground: errors, formats, models, reports
+        "hpipe.net", "hpipe.grid", "hpipe.lifeline", "hpipe.heap"],                                    # ground: errors, formats, models, reports
     1: ["hpipe.sampling", "hpipe.runtime", "hpipe.ssh"],               # what runs on a host
     2: ["hpipe.profiler", "hpipe.planner", "hpipe.launcher"],          # the three commands' machinery
     3: ["hpipe.cli", "hpipe.demo", "hpipe.__main__"],                  # the top: nothing imports these

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hpipe import models, quant
+from hpipe import heap, models, quant
 from hpipe.config import DEFAULTS
 from hpipe.runtime.kv import BatchCache, KVStore
 from hpipe.runtime.pages import Segment, layout_of
@@ -66,6 +66,7 @@ class StageRunner:
             invariant.register()
             attn_implementation = invariant.ATTENTION
         self.units = units
+        heap.keep_freed_memory()     # activations reuse freed memory, in the profiler's runs as in the job's
         self.device = torch.device(device)
         if self.device.type == "cpu":
             # transformers' SDPA expands grouped KV heads to every query head (a copy of the whole

@@ -1,0 +1,79 @@
+"""What keeping freed activations in the C heap (`hpipe.heap`) is worth: `hpipe launch` of the
+default model on one local stage, one prompt of N token ids, glibc's default thresholds
+(HPIPE_GLIBC_HEAP=default) against hpipe's, alternated round by round in one run (this machine is
+shared and noisy: compare the ratio of medians, not the seconds across runs).
+
+    python bench/heap.py [--lengths 512,2048] [--rounds 3] [--new-tokens 32] [--out bench/results/heap.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import prompt_ids  # noqa: E402
+
+VARIANTS = {"glibc defaults": "default", "hpipe.heap": ""}
+
+
+def hpipe(args: list, env: dict) -> None:
+    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], capture_output=True, text=True,
+                          env=env, stdin=subprocess.DEVNULL)
+    if done.returncode:
+        raise SystemExit(f"hpipe {' '.join(map(str, args[:2]))} failed: {done.stderr.strip()[-1500:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="512,2048")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "heap.json"))
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    base = dict(os.environ, PYTHONPATH=str(ROOT))
+    runs = {(v, n): {"ttft_s": [], "tpot_ms": []} for v in VARIANTS for n in lengths}
+    with tempfile.TemporaryDirectory(prefix="hpipe-heap-") as tmp:
+        work = Path(tmp)
+        plan = work / "plan.json"
+        hpipe(["plan", "--model", "smollm2", "--stages", "1", "-o", plan], base)
+        for n in lengths:
+            (work / f"p{n}.jsonl").write_text(json.dumps({"id": f"n{n}", "input_ids": prompt_ids(n)}) + "\n")
+        for r in range(args.rounds):
+            for variant, value in VARIANTS.items():
+                env = dict(base, HPIPE_GLIBC_HEAP=value)
+                for n in lengths:
+                    out = work / f"r{n}.jsonl"
+                    for f in work.glob(f"r{n}.jsonl*"):
+                        f.unlink()
+                    hpipe(["launch", plan, "--local", "--prompts", work / f"p{n}.jsonl", "--out", out,
+                           "--max-new-tokens", args.new_tokens, "--quiet"], env)
+                    rec = json.loads(out.read_text().splitlines()[0])
+                    runs[(variant, n)]["ttft_s"].append(rec["ttft_s"])
+                    runs[(variant, n)]["tpot_ms"].append(1e3 * rec["tpot_s"])
+                    print(f"round {r} {variant} {n}: ttft {rec['ttft_s']:.3f} s, tpot {1e3 * rec['tpot_s']:.2f} ms",
+                          flush=True)
+    report = {"date": datetime.date.today().isoformat(), "machine_cores": os.cpu_count(),
+              "model": "smollm2 (Q4_1 GGUF), 1 local stage", "new_tokens": args.new_tokens, "rounds": args.rounds,
+              "runs": [{"variant": v, "prompt_tokens": n, **vals} for (v, n), vals in runs.items()], "ratios": {}}
+    for n in lengths:
+        med = {v: {k: statistics.median(runs[(v, n)][k]) for k in ("ttft_s", "tpot_ms")} for v in VARIANTS}
+        report["ratios"][str(n)] = {k: round(med["hpipe.heap"][k] / med["glibc defaults"][k], 3)
+                                    for k in ("ttft_s", "tpot_ms")}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["ratios"]))
+
+
+if __name__ == "__main__":
+    main()
