@@ -50,7 +50,7 @@ import numpy as np
 
 from hpipe.errors import HpipeError
 
-__all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
+__all__ = ["WeightFormat", "Affine", "path_switches", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
            "ROW_PATHS", "row_paths", "DENSE_PROMPT",
            "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes"]
 
@@ -197,6 +197,15 @@ def _blocked_int4_layout() -> bool:
 def stage_weights(fmt: WeightFormat, device: str) -> WeightFormat:
     """The format a stage on `device` runs: the asked one where the device has kernels, else dense."""
     return fmt if fmt.quantized and kernels_on(device)[0] else NONE
+
+
+def path_switches(fmt: WeightFormat, device: str) -> tuple[int, ...]:
+    """The row counts from which a stage's quantized linears on `device` take the dense GEMM
+    instead of the kernel: its time per row steps there, so a profile measures both sides."""
+    if not stage_weights(fmt, device).quantized or not dense_gemm(device.split(":")[0]):
+        return ()
+    kinds = ("int4", "int8") if fmt.kind == "gguf" else (fmt.kind,)
+    return tuple(sorted({DENSE_FROM[k] for k in kinds}))
 
 
 def planned(fmt: "WeightFormat | str", host: str, device: str) -> str:

@@ -176,6 +176,32 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     assert not np.array_equal(one, y)        # the two paths differ in their roundings: both ran
 
 
+@pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no bf16 matrix units (AMX/AVX512-BF16) on this CPU")
+def test_the_profile_measures_both_sides_of_every_path_switch():
+    """`quant.path_switches` names the row counts where a real linear leaves the kernel for the
+    dense GEMM (seen by which of the two it calls), and the profiler's grid holds each of them and
+    the row count below it, quick or not."""
+    from hpipe.profiler.measure import grid
+
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.05, (256, 512)).astype(np.float32)
+    switches = quant.path_switches(quant.WeightFormat.parse("gguf"), "cpu")
+    assert quant.path_switches(quant.NONE, "cpu") == ()
+    for fmt in ("int4:32", "int8"):
+        module = quant.linear_module(quant.pack(w, quant.WeightFormat.parse(fmt)), "cpu")
+        (switch,) = quant.path_switches(quant.WeightFormat.parse(fmt), "cpu")
+        assert switch in switches
+        taken = []
+        module.mm = lambda x2, f=module.mm: taken.append("kernel") or f(x2)
+        module.dense = lambda x2, f=module.dense: taken.append("dense") or f(x2)
+        for rows in (switch - 1, switch):
+            module(torch.randn(rows, 512))
+        assert taken == ["kernel", "dense"], (fmt, switch, taken)
+    for quick in (True, False):
+        s, _ = grid(2048, quick, switches)
+        assert all(k - 1 in s and k in s for k in switches), s
+
+
 def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
     """Inside torch.compile (the `--compile on` decode step) a linear always takes the weight-only
     kernel: a batch past DENSE_FROM rows reuses the graph of any other number of rows (no guard on the
