@@ -279,13 +279,17 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
                     tick()
         decode = {"batch": decode_batches, "context": decode_ctx,
                   "t": {k: [[None] * len(decode_ctx) for _ in decode_batches] for k in ("attn", "mlp", "head")}}
-        for i, b in enumerate(decode_batches):
-            for j, c in enumerate(decode_ctx):
-                segs = [Segment(k, k, c, 1, True) for k in range(b)]
-                decode["t"]["attn"][i][j] = timed(unit_fn(body, 1, segs))
-                decode["t"]["mlp"][i][j] = timed(unit_fn(body, 2, segs))
-                decode["t"]["head"][i][j] = timed_cold(unit_fn(head, n_units - 1, segs))
-                tick()
+        steps = list(itertools.product(range(len(decode_batches)), range(len(decode_ctx))))
+        for p in range(passes):         # as the grid: two shuffled passes, the mean of their medians
+            random.Random(passes + p).shuffle(steps)
+            for i, j in steps:
+                segs = [Segment(k, k, decode_ctx[j], 1, True) for k in range(decode_batches[i])]
+                for kind, t in (("attn", timed(unit_fn(body, 1, segs))), ("mlp", timed(unit_fn(body, 2, segs))),
+                                ("head", timed_cold(unit_fn(head, n_units - 1, segs)))):
+                    old = decode["t"][kind][i][j]
+                    decode["t"][kind][i][j] = t if old is None else (old + t) / 2
+                if p == passes - 1:
+                    tick()
 
     import numpy as np
 
