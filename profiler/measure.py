@@ -259,35 +259,35 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     tables = {k: {"s": s_grid, "c": [0], "t": [[None] for _ in s_grid]} for k in ("embed", "mlp", "head")}
     tables["attn"] = {"s": s_grid, "c": c_grid, "t": [[None] * len(c_grid) for _ in s_grid]}
     kind_unit = {"embed": (body, 0), "attn": (body, 1), "mlp": (body, 2), "head": (head, n_units - 1)}
+    decode = {"batch": decode_batches, "context": decode_ctx,
+              "t": {k: [[None] * len(decode_ctx) for _ in decode_batches] for k in ("attn", "mlp", "head")}}
     jobs = [(k, s, 0) for k in ("embed", "mlp", "head") for s in s_grid] + [("attn", s, c) for s, c in points]
-    # Two passes over the grid, each in its own shuffled order, and per point the mean of the two
-    # medians: a slow spell of the machine (other tenants, frequency changes) is spread over many
-    # points instead of landing on neighbours. Not the lesser of the two: a run meets the machine as
-    # it usually is, not at its best, and the lesser made every prediction ~10 % short on this
-    # shared machine (bench/fidelity.py).
+    jobs += [("decode", i, j) for i in range(len(decode_batches)) for j in range(len(decode_ctx))]
+    # Two passes over the grid and the decode steps together, each pass in its own shuffled order,
+    # and per point the mean of the two medians: a slow spell of the machine (other tenants,
+    # frequency changes; here spells of 10-20 s at 1.35x) is spread over many points instead of
+    # landing on neighbours, or on every decode step when they were measured in a row. Not the
+    # lesser of the two: a run meets the machine as it usually is, not at its best, and the lesser
+    # made every prediction ~10 % short on this shared machine (bench/fidelity.py).
     passes = 2
+
+    def keep(cell: list, i: int, j: int, t: float) -> None:
+        cell[i][j] = t if cell[i][j] is None else (cell[i][j] + t) / 2
+
     with torch.inference_mode():
         for p in range(passes):
             random.Random(p).shuffle(jobs)
-            for kind, s, c in jobs:
-                runner, u = kind_unit[kind]
-                table = tables[kind]
-                i, j = s_grid.index(s), table["c"].index(c)
-                t = (timed_cold if kind == "head" else timed)(unit_fn(runner, u, [Segment(0, 0, c, s, True)]))
-                table["t"][i][j] = t if table["t"][i][j] is None else (table["t"][i][j] + t) / 2
-                if p == passes - 1:
-                    tick()
-        decode = {"batch": decode_batches, "context": decode_ctx,
-                  "t": {k: [[None] * len(decode_ctx) for _ in decode_batches] for k in ("attn", "mlp", "head")}}
-        steps = list(itertools.product(range(len(decode_batches)), range(len(decode_ctx))))
-        for p in range(passes):         # as the grid: two shuffled passes, the mean of their medians
-            random.Random(passes + p).shuffle(steps)
-            for i, j in steps:
-                segs = [Segment(k, k, decode_ctx[j], 1, True) for k in range(decode_batches[i])]
-                for kind, t in (("attn", timed(unit_fn(body, 1, segs))), ("mlp", timed(unit_fn(body, 2, segs))),
-                                ("head", timed_cold(unit_fn(head, n_units - 1, segs)))):
-                    old = decode["t"][kind][i][j]
-                    decode["t"][kind][i][j] = t if old is None else (old + t) / 2
+            for kind, a, b in jobs:
+                if kind == "decode":
+                    segs = [Segment(k, k, decode_ctx[b], 1, True) for k in range(decode_batches[a])]
+                    keep(decode["t"]["attn"], a, b, timed(unit_fn(body, 1, segs)))
+                    keep(decode["t"]["mlp"], a, b, timed(unit_fn(body, 2, segs)))
+                    keep(decode["t"]["head"], a, b, timed_cold(unit_fn(head, n_units - 1, segs)))
+                else:
+                    runner, u = kind_unit[kind]
+                    table = tables[kind]
+                    t = (timed_cold if kind == "head" else timed)(unit_fn(runner, u, [Segment(0, 0, b, a, True)]))
+                    keep(table["t"], s_grid.index(a), table["c"].index(b), t)
                 if p == passes - 1:
                     tick()
 
