@@ -14,9 +14,10 @@ def prompt_ids(n: int) -> list[int]:
     return [3 + (j * 31) % 30000 for j in range(n)]
 
 
-def hpipe(*args, cwd: Path) -> None:
-    """Run one `hpipe` command in a child process; its failure ends the benchmark with its stderr."""
-    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd,
+def hpipe(*args, cwd: Path, env: dict | None = None) -> None:
+    """Run one `hpipe` command in a child process (`env`: its whole environment, else this one's);
+    its failure ends the benchmark with its stderr."""
+    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd, env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise SystemExit(f"hpipe {args[0]} failed: {done.stderr.strip()[-800:]}")

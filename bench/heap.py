@@ -13,7 +13,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,16 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import prompt_ids  # noqa: E402
+from bench.common import hpipe, prompt_ids  # noqa: E402
 
 VARIANTS = {"glibc defaults": "default", "hpipe.heap": ""}
-
-
-def hpipe(args: list, env: dict) -> None:
-    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], capture_output=True, text=True,
-                          env=env, stdin=subprocess.DEVNULL)
-    if done.returncode:
-        raise SystemExit(f"hpipe {' '.join(map(str, args[:2]))} failed: {done.stderr.strip()[-1500:]}")
 
 
 def main() -> None:
@@ -47,7 +39,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hpipe-heap-") as tmp:
         work = Path(tmp)
         plan = work / "plan.json"
-        hpipe(["plan", "--model", "smollm2", "--stages", "1", "-o", plan], base)
+        hpipe("plan", "--model", "smollm2", "--stages", "1", "-o", plan, cwd=work, env=base)
         for n in lengths:
             (work / f"p{n}.jsonl").write_text(json.dumps({"id": f"n{n}", "input_ids": prompt_ids(n)}) + "\n")
         for r in range(args.rounds):
@@ -57,8 +49,8 @@ def main() -> None:
                     out = work / f"r{n}.jsonl"
                     for f in work.glob(f"r{n}.jsonl*"):
                         f.unlink()
-                    hpipe(["launch", plan, "--local", "--prompts", work / f"p{n}.jsonl", "--out", out,
-                           "--max-new-tokens", args.new_tokens, "--quiet"], env)
+                    hpipe("launch", plan, "--local", "--prompts", work / f"p{n}.jsonl", "--out", out,
+                          "--max-new-tokens", args.new_tokens, "--quiet", cwd=work, env=env)
                     rec = json.loads(out.read_text().splitlines()[0])
                     runs[(variant, n)]["ttft_s"].append(rec["ttft_s"])
                     runs[(variant, n)]["tpot_ms"].append(1e3 * rec["tpot_s"])

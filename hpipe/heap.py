@@ -7,8 +7,8 @@ every step would map new pages, fault them in zeroed and unmap them again. Measu
 with SmolLM2's GGUF blocks (`hpipe.profiler.measure`, 500-token slices): an MLP half 9.6 ms with
 glibc's defaults against 5.1 ms with the thresholds below; a 2,048-token prompt's prefill through
 `hpipe launch` 2.6-3.1 s against 2.1-2.3 s. A profile is only as good as its likeness to the run,
-so the stage workers, the profiler's workers and every in-process runner call `keep_freed_memory()`
-first: both see the same heap.
+so `StageRunner` calls `keep_freed_memory()` as it starts: the stage workers, the profiler's
+workers and every in-process runner see the same heap.
 
 The heap then holds up to a step's largest transient working set (what the step had mapped at its
 peak anyway); weights, KV pages and packed caches are allocated once and are not affected.

@@ -50,8 +50,8 @@ import numpy as np
 
 from hpipe.errors import HpipeError
 
-__all__ = ["WeightFormat", "Affine", "path_switches", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
-           "ROW_PATHS", "row_paths", "DENSE_PROMPT",
+__all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
+           "ROW_PATHS", "row_paths", "DENSE_PROMPT", "path_switches",
            "Int4Linear", "Int8Linear", "Int8Embedding", "kernels_on", "stage_weights", "packed_bytes"]
 
 PACK_VERSION = 1        # the packed cache's layout: a new one never reads an old one

@@ -80,7 +80,7 @@ def _small_model(directory: Path, vocab: int) -> Path:
     return directory
 
 
-def _run(model: Path, stages: int, work: Path, round_: int = 0) -> dict[str, float]:
+def _run(model: Path, stages: int, work: Path, round_: int) -> dict[str, float]:
     from hpipe import models
     from hpipe.config import RuntimeConfig
     from hpipe.launcher.jobs import LaunchSettings, prepare
