@@ -44,3 +44,20 @@ def token_prompts(path: Path, n: int, length: int = 64, vocab: int = 30003) -> P
                                                                      for j in range(length)]}) + "\n"
                             for i in range(n)))
     return path
+
+
+def fetch_figures(summary: dict, wall_s: float) -> dict:
+    """Per replica of a grouped run: steps per mode, the housekeeper's fetch time per WaS step
+    against the mean step (the wall over the steps with work), the forward's waits for a slot."""
+    out = []
+    for r in summary["replicas"]:
+        s = r.get("sidp")
+        if not s:
+            continue
+        steps = sum(s["steps"].values())
+        was = s["steps"]["was"]
+        out.append({"steps": s["steps"], "step_ms": round(1e3 * wall_s / max(steps, 1), 2),
+                    "fetch_ms_per_was_step": round(1e3 * s["was"]["fetch_s"] / max(was, 1), 2),
+                    "slot_wait_ms_per_was_step": round(1e3 * s["was"]["wait_s"] / max(was, 1), 2),
+                    "cas_rows_sent": s["cas"]["rows_sent"], "cas_rows_served": s["cas"]["rows_served"]})
+    return {"group": out} if out else {}

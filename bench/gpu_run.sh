@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the device tool): install what its image lacks from the wheels
 # carried in .whl/, then run the CUDA tests and the GPU benchmarks, everything logged under $OUT.
-#   bash bench/gpu_run.sh [tests] [step] [ablation] [ablation1] [floor] [hetero]   (default: tests ablation floor hetero)
+#   bash bench/gpu_run.sh [tests] [step] [ablation] [ablation1] [floor] [hetero] [sidp] [int4]
+#   (default: tests ablation floor hetero; `tests` adds the SiDP replicas on the GPU)
 # The wheels (13 MB; .whl/ is ignored, listed in .git/info/exclude), made here before the call:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 -d .whl \
@@ -28,11 +29,13 @@ timeout -k 5 "$BUDGET" bash -c '
     floor) python3 bench/decode.py --setups gpu-floor --repeats ${FLOOR_REPEATS:-2} --name "'"$DEV"'-floor" > "$OUT/$w.log" 2>&1 ;;
     ablation1) python3 bench/decode.py --setups gpu --gpu-stages 1 --repeats 1 --name "'"$DEV"'-1stage" > "$OUT/$w.log" 2>&1 ;;
     step) python3 bench/gpu_step.py > "$OUT/$w.log" 2>&1 ;;
-    hetero) python3 bench/hetero.py --devices cuda:0,cpu > "$OUT/$w.log" 2>&1 ;;
+    sidp) python3 bench/sidp_gpu.py --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
+    int4) python3 bench/gpu_int4.py --log-dir "$OUT/int4-logs" > "$OUT/$w.log" 2>&1 ;;
+    hetero) python3 bench/hetero.py --devices cuda:0,cpu --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
   esac; done' &
 if [[ " $what " == *" tests "* ]]; then
   HPIPE_TEST_DEVICES=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile --timeout 200 \
-    tests/test_cuda.py tests/test_exactness.py tests/test_quant.py -k "cuda or test_cuda" --junitxml "$OUT/cuda-tests.xml" \
+    tests/test_cuda.py tests/test_exactness.py tests/test_quant.py tests/test_sidp_runtime.py -k "cuda or gpu" --junitxml "$OUT/cuda-tests.xml" \
     > "$OUT/cuda-tests.log" 2>&1
   echo "tests: rc $?"; tail -n 25 "$OUT/cuda-tests.log"
 fi

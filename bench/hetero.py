@@ -1,17 +1,18 @@
-"""A heterogeneous pipeline end to end: profile a GPU and the CPU, plan from the profile (the DP
-gives each device its share), launch, and compare the measured prefill makespan with the
-prediction. Uses a random-init Llama (~1B parameters on CUDA) built here, no download.
-Writes bench/results/hetero_<devices>.json.
+"""A heterogeneous pipeline end to end (HPipe's mixed-device case): profile a GPU and the CPU, plan
+from the profile (the DP gives each device its share), launch one prompt, and compare the plan's
+prediction with the run: prefill as the time to first token against the predicted makespan, decode
+as the run summary's check reads it off the timeline (`plan_check`: every stage's compute, every hop
+and the way back, predicted and measured, per steady token). A random-init Llama (~1B parameters)
+built here, no download. Writes bench/results/hetero_<devices>[_<name>].json.
 
-    python bench/hetero.py --devices cuda:0,cpu [--tokens 2048] [--slices 8] [--dtype bfloat16]
+    python bench/hetero.py --devices cuda:0,cpu [--tokens 1024] [--slices 8] [--new-tokens 64]
+                           [--dtype bfloat16] [--repeats 2] [--name NVIDIA-H200]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -21,67 +22,84 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import hpipe, prompt_ids, random_llama  # noqa: E402
+
+
+def run_once(plan: Path, prompts: Path, work: Path, k: int, new_tokens: int) -> dict:
+    """One launch of the plan on one prompt: its time to first token and the summary's plan check."""
+    out, tl = work / f"o-{k}.jsonl", work / f"t-{k}.json"
+    hpipe("launch", plan, "--local", "--prompts", prompts, "--out", out, "--max-new-tokens", new_tokens,
+          "--timeline-out", tl, "--quiet", cwd=work)
+    r = json.loads(out.read_text().splitlines()[0])
+    check = json.loads(Path(f"{out}.summary.json").read_text()).get("plan_check") or {}
+    return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "check": check}
+
 
 def main() -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from hpipe import formats
-    from hpipe.config import RuntimeConfig
-    from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
-    from hpipe.launcher.local import launch_local
+    from hpipe.launcher.local import threads_per_stage
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", default="cuda:0,cpu")
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--slices", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="launches of the plan; the faster is kept")
+    ap.add_argument("--name", default="", help="suffix of the results file (the device)")
     args = ap.parse_args()
     devices = args.devices.split(",")
-    report = {"devices": devices, "dtype": args.dtype, "tokens": args.tokens}
+    report = {"devices": devices, "dtype": args.dtype, "tokens": args.tokens, "new_tokens": args.new_tokens}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
-                             num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                             num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=8192)
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "model")
-        run = lambda *a: subprocess.run([sys.executable, "-m", "hpipe", *a], check=True, cwd=ROOT)  # noqa: E731
-        # the CPU is profiled with the threads a CPU stage gets beside the GPU stages (see launcher.local)
-        from hpipe.launcher.local import threads_per_stage
-
+        work = Path(tmp)
+        model = random_llama(work / "model", 32000, hidden=args.hidden, layers=args.layers,
+                             mlp=int(args.hidden * 2.75), heads=(args.hidden // 64, max(1, args.hidden // 256)),
+                             dtype=args.dtype)
+        # the CPU is profiled with the threads a CPU stage gets beside the GPU stages (launcher.local)
         cpu_threads = max(threads_per_stage(devices))
-        run("profile", "--model", str(tmp / "model"), "--local", "--devices", args.devices, "--quick",
-            "--max-seq-len", str(args.tokens), "--dtype", args.dtype, "--threads", str(cpu_threads),
-            "-o", str(tmp / "profile.json"))
+        hpipe("profile", "--model", model, "--local", "--devices", args.devices, "--quick", "--max-seq-len",
+              args.tokens + args.new_tokens, "--dtype", args.dtype, "--threads", cpu_threads,
+              "-o", work / "profile.json", cwd=work)
         report["cpu_threads"] = cpu_threads
-        prof = formats.load_profile(tmp / "profile.json")
+        prof = formats.load_profile(work / "profile.json")
         report["fit_error"] = {d["id"]: d["fit_error"] for d in prof["devices"]}
         report["links"] = [{k: x[k] for k in ("src", "dst", "backend", "alpha_s", "beta_bytes_per_s")}
                            for x in prof["links"]]
-        inv = tmp / "cluster.toml"
+        inv = work / "cluster.toml"
         inv.write_text(f'[[hosts]]\nname = "local"\naddress = "127.0.0.1"\npython = "{sys.executable}"\n'
                        f'devices = {json.dumps(devices)}\n')
-        run("plan", "--model", str(tmp / "model"), "--cluster", str(inv), "--profile", str(tmp / "profile.json"),
-            "--seq-len", str(args.tokens), "--num-slices", str(args.slices), "-o", str(tmp / "plan.json"))
-        plan = formats.load_plan(tmp / "plan.json")
-        ids = torch.randint(0, 32000, (args.tokens,)).tolist()
-        (tmp / "p.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "input_ids": ids}) + "\n" for i in range(4)))
-        settings = LaunchSettings(runtime=RuntimeConfig(max_batch=1), max_new_tokens=1)
-        job = prepare(str(tmp / "plan.json"), str(tmp / "p.jsonl"), str(tmp / "o.jsonl"), settings)
-        out = launch_local(job, str(tmp / "plan.json"), str(tmp / "o.jsonl"), settings, quiet=True)
-        done = sorted(r["ttft_s"] for r in out.output.results)
-        measured = statistics.median([b - a for a, b in zip(done, done[1:])])
-        report["plan"] = {"stages": [[s.device, list(s.units)] for s in plan.stages],
-                          "predicted_makespan_s": plan.predicted["makespan_s"],
-                          "uniform_cuts_predicted_makespan_s": plan.predicted["uniform_makespan_s"],
-                          "measured_makespan_s": measured,
-                          "relative_difference": (measured - plan.predicted["makespan_s"]) / plan.predicted["makespan_s"],
-                          "predicted_utilization": plan.predicted["utilization"],
-                          "measured_busy_fraction": list(busy_fractions(out.output.timelines).values())}
-    name = "_".join(d.replace(":", "") for d in devices)
+        plan = work / "plan.json"
+        hpipe("plan", "--model", model, "--cluster", inv, "--profile", work / "profile.json", "--seq-len",
+              args.tokens, "--num-slices", args.slices, "--new-tokens", args.new_tokens, "-o", plan, cwd=work)
+        predicted = json.loads(plan.read_text())["predicted"]
+        prompts = work / "p.jsonl"
+        prompts.write_text(json.dumps({"id": "one", "input_ids": prompt_ids(args.tokens)}) + "\n")
+        runs = [run_once(plan, prompts, work, k, args.new_tokens) for k in range(args.repeats)]
+        best = min(runs, key=lambda r: r["ttft_s"])
+        dec = min((r["check"].get("decode") for r in runs if r["check"].get("decode")),
+                  key=lambda d: d["measured_ms_per_token"], default=None)
+        stages = formats.load_plan(plan).stages
+        report["plan"] = {"stages": [[s.device, list(s.units)] for s in stages],
+                          "slices": predicted.get("slices"),
+                          "predicted_makespan_s": predicted["makespan_s"],
+                          "uniform_cuts_predicted_makespan_s": predicted.get("uniform_makespan_s"),
+                          "measured_ttft_s": [round(r["ttft_s"], 4) for r in runs],
+                          "prefill_error": (predicted["makespan_s"] - best["ttft_s"]) / best["ttft_s"],
+                          "predicted_with_measured_compute_s": best["check"].get("predicted_with_measured_compute_s"),
+                          "measured_stage_busy_s": best["check"].get("measured_stage_busy_s"),
+                          "predicted_stage_busy_s": predicted.get("stage_busy_s")}
+        if dec:
+            report["decode"] = {"predicted_ms_per_token": dec["predicted_ms_per_token"],
+                                "measured_ms_per_token": dec["measured_ms_per_token"],
+                                "error": (dec["predicted_ms_per_token"] - dec["measured_ms_per_token"])
+                                / dec["measured_ms_per_token"],
+                                "predicted_with_measured_compute_ms": dec.get("predicted_with_measured_compute_ms"),
+                                "terms_ms": {k: [v, dec["measured_terms_ms"].get(k, 0.0)]
+                                             for k, v in dec.get("predicted_terms_ms", {}).items()},
+                                "tpot_ms": [round(1000 * r["tpot_s"], 3) for r in runs]}
+    name = "_".join(d.replace(":", "") for d in devices) + (f"_{args.name}" if args.name else "")
     path = ROOT / "bench" / "results" / f"hetero_{name}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

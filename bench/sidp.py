@@ -49,6 +49,8 @@ def hpipe(*args, cwd: Path) -> str:
 def main() -> None:
     from serve import sample_requests
 
+    from bench.common import fetch_figures
+
     from hpipe import models
 
     ap = argparse.ArgumentParser()
@@ -118,23 +120,6 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "sidp.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-
-
-def fetch_figures(summary: dict, wall_s: float) -> dict:
-    """Per replica of a grouped run: steps per mode, the housekeeper's fetch time per WaS step
-    against the mean step (the wall over the steps with work), the forward's waits for a slot."""
-    out = []
-    for r in summary["replicas"]:
-        s = r.get("sidp")
-        if not s:
-            continue
-        steps = sum(s["steps"].values())
-        was = s["steps"]["was"]
-        out.append({"steps": s["steps"], "step_ms": round(1e3 * wall_s / max(steps, 1), 2),
-                    "fetch_ms_per_was_step": round(1e3 * s["was"]["fetch_s"] / max(was, 1), 2),
-                    "slot_wait_ms_per_was_step": round(1e3 * s["was"]["wait_s"] / max(was, 1), 2),
-                    "cas_rows_sent": s["cas"]["rows_sent"], "cas_rows_served": s["cas"]["rows_served"]})
-    return {"group": out} if out else {}
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from hpipe.errors import HpipeError
 from hpipe.launcher.jobs import GroupSeat, LaunchSettings, PreparedJob
 from hpipe.launcher.serving import PipelineClient
 from hpipe.net import free_port
+from hpipe.runtime.was_sources import remove_published
 
 __all__ = ["ReplicaReport", "check_replicas", "launch_replicas", "mapped_bytes", "replica_job", "write_mode_trace"]
 
@@ -48,23 +49,27 @@ class ReplicaReport:
 
 
 def check_replicas(plan: formats.Plan, plan_path: str, local: bool, timeline_out: str | None = None) -> None:
-    """What this version runs of a SiDP plan: CPU replicas on this machine, whose WaS source is the
-    weights' one mapping (shared-mapping, or host-pool: the mapping as the pool the slots copy from)."""
+    """What this version runs of a SiDP plan: replicas on this machine, each group all CPUs (WaS's
+    source the weights' one mapping: shared-mapping, or host-pool, the mapping as the pool the
+    slots copy from) or all GPUs (host-pool: one pinned host copy; peer: the owners' device memory
+    through CUDA IPC; `hpipe.runtime.was_sources`)."""
     if timeline_out and Path(timeline_out).suffix.lower() not in (".png", ".json"):
         raise HpipeError(f"--timeline-out {timeline_out}: a SiDP job draws its batch and mode per step: give a "
                          f"file name ending in .png or .json")
     if not local:
         raise HpipeError(f"{plan_path}: a SiDP plan runs its replicas on this machine (--local); over SSH "
                          f"each host would run its own group: launch the plan on each host")
-    gpu = [i for i, s in enumerate(plan.stages) if s.device != "cpu"]
-    if gpu:
-        raise HpipeError(f"{plan_path}: stages[{gpu[0]}] is a SiDP replica on {plan.stages[gpu[0]].device}: replicas "
-                         f"on GPUs (the pinned host pool, copy streams, P2P) are not in this version of hpipe; plan "
-                         f"CPU replicas or launch a plan made with --mode pipeline")
-    peer = [i for i, g in enumerate(plan.sidp) if g.source == "peer"]
-    if peer:
-        raise HpipeError(f"{plan_path}: sidp[{peer[0]}] reads WaS weights from a peer GPU, but its replicas are "
-                         f"CPUs: set its source to host-pool or shared-mapping (--sidp-source)")
+    for i, g in enumerate(plan.sidp):
+        kinds = {"cpu" if plan.stages[r].device == "cpu" else "gpu" for r in g.replicas}
+        if len(kinds) > 1:
+            raise HpipeError(f"{plan_path}: sidp[{i}] mixes CPU and GPU replicas: a group's replicas share their "
+                             f"MLP weights one way; plan the GPUs and the CPU as separate hosts or with --mode pipeline")
+        if kinds == {"cpu"} and g.source == "peer":
+            raise HpipeError(f"{plan_path}: sidp[{i}] reads WaS weights from a peer GPU, but its replicas are "
+                             f"CPUs: set its source to host-pool or shared-mapping (--sidp-source)")
+        if kinds == {"gpu"} and g.source == "shared-mapping":
+            raise HpipeError(f"{plan_path}: sidp[{i}] runs GPU replicas on weights mapped in host memory: set its "
+                             f"source to host-pool (one pinned host copy) or peer (--sidp-source)")
 
 
 def replica_job(job: PreparedJob, r: int) -> PreparedJob:
@@ -141,6 +146,8 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
                 report.replicas[r].update(mapped_bytes(client.launch.workers[0].proc.pid, roots) or {})
         finally:    # at once: a group's replicas end together (each waits for the others' stop)
             list(pool.map(lambda c: c.close(), clients))
+            for seat in {s.token for s in seats.values()}:
+                remove_published(seat)              # a GPU group's host pool and IPC handles in /dev/shm
     for r, client in enumerate(clients):
         sidp = (client.output.summary or {}).get("sidp")
         if sidp is not None and r < len(report.replicas):

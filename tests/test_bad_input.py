@@ -204,3 +204,31 @@ def test_a_failures_last_log_lines_are_the_stages_own_not_library_warnings(tmp_p
                                                   '  File "x.py", line 3 | ValueError: boom')
     assert (tmp_path / "stage-1.log").read_text().count("FutureWarning") == 2
     assert logs.last(0) == "" and (tmp_path / "stage-0.log").read_text() == ""
+
+
+@pytest.mark.parametrize("devices,source,needle", [
+    (("cpu", "cuda:0"), "host-pool", "mixes CPU and GPU replicas"),
+    (("cuda:0", "cuda:0"), "shared-mapping", "GPU replicas on weights mapped in host memory"),
+    (("cpu", "cpu"), "peer", "reads WaS weights from a peer GPU, but its replicas are CPUs")])
+def test_sidp_groups_that_cannot_share_their_weights(capsys, tiny_models, tmp_path, devices, source, needle):
+    """A SiDP group mixing CPU and GPU replicas, GPU replicas on a host mapping, CPU replicas
+    reading a peer GPU: one line naming the group and what to set, before any replica starts."""
+    import dataclasses
+
+    from hpipe import formats
+
+    one = tmp_path / "one.json"
+    assert main(["plan", "--model", str(tiny_models["llama"]), "--stages", "1", "-o", str(one)]) == 0
+    base = formats.load_plan(one)
+    group = formats.SidpGroupPlan("local", (0, 1), tuple(b % 2 for b in range(base.model.blocks)), 0, source)
+    group = dataclasses.replace(group, slots=group.slots_needed(0))
+    plan = tmp_path / "sidp.json"
+    formats.write_plan(dataclasses.replace(base, mode="sidp", sidp=(group,), stages=tuple(
+        dataclasses.replace(base.stages[0], device=d) for d in devices)), plan)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7]}) + "\n")
+    code, err = run_cli(capsys, "launch", str(plan), "--local", "--prompts", str(prompts), "--out",
+                        str(tmp_path / "o.jsonl"))
+    assert code == 2
+    one_error_line(err, "sidp[0]", needle)
+    assert not (tmp_path / "o.jsonl").exists() or not (tmp_path / "o.jsonl").read_text()

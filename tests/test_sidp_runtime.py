@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import VOCAB, assert_greedy_equal, reference_greedy
 from hpipe import formats
@@ -171,3 +173,52 @@ def test_was_cas_and_the_switch_give_the_pipelines_tokens(tiny_models, one_stage
         for m in modes:
             switch = m.index("cas")
             assert switch > 0 and set(m[:switch]) == {"was"}
+
+
+def gpu_plans(path, tmp_path, source: str, threshold: int):
+    """The one-stage pipeline plan on cuda:0, and the SiDP plan of 2 replicas sharing that GPU
+    (standing in for two cards) whose WaS reads from `source`."""
+    single = tmp_path / "single-gpu.json"
+    assert main(["plan", "--model", str(path), "--stages", "1", "--device", "cuda:0", "--slices", "16",
+                 "-o", str(single)]) == 0
+    plan = formats.load_plan(single)
+    owners = tuple(b % 2 for b in range(plan.model.blocks))
+    group = formats.SidpGroupPlan("local", (0, 1), owners, 0, source, threshold)
+    sidp = tmp_path / "sidp-gpu.json"
+    formats.write_plan(dataclasses.replace(plan, stages=plan.stages * 2, mode="sidp", sidp=(
+        dataclasses.replace(group, slots=group.slots_needed(0)),)), sidp)
+    return single, sidp
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+@pytest.mark.parametrize("source,mode,threshold", [("host-pool", "was", 0), ("peer", "was", 0),
+                                                   ("host-pool", "cas", 0), ("peer", "auto", 3)])
+def test_gpu_replicas_give_the_pipelines_tokens(tiny_models, reference_models, tmp_path, source, mode, threshold):
+    """Two GPU replicas sharing one GPU: WaS filling its slots on a copy stream from one pinned host
+    copy (host-pool) or from the owner's device memory through CUDA IPC (peer), CaS staging its rows
+    through the host, and the switch: the one-stage pipeline's tokens on the same GPU (greedy ones
+    up to a float32 tie), each replica holding only the MLPs it owns."""
+    single, sidp = gpu_plans(tiny_models["llama"], tmp_path, source, threshold)
+    prompts, lines = prompts_file(tmp_path, 10, f"sidp-gpu-{source}-{mode}", tail=60)
+    args = ["--local", "--prompts", str(prompts), "--max-new-tokens", "16", "--max-batch", "4", "--quiet"]
+    out, ref = tmp_path / "sidp.jsonl", tmp_path / "single.jsonl"
+    assert main(["launch", str(sidp), *args, "--out", str(out), "--sidp-mode", mode]) == 0
+    assert main(["launch", str(single), *args, "--out", str(ref)]) == 0
+    ours, theirs = results(out), results(ref)
+    for line in lines:
+        a, b = ours[line["id"]]["output_ids"], theirs[line["id"]]["output_ids"]
+        if line["sampling"]["temperature"] == 0:
+            assert_greedy_equal(reference_models["llama"], line["input_ids"], a, b)
+        else:
+            assert a == b, line["id"]
+    summary = json.loads((tmp_path / "sidp.jsonl.summary.json").read_text())
+    replicas = [r["sidp"] for r in summary["replicas"]]
+    assert all(r["device_bytes_released"] > 0 for r in replicas), "each replica dropped the MLPs it fetches"
+    if mode != "cas":
+        assert all(r["was"]["fetches"] > 0 and r["was"]["fetch_s"] > 0 for r in replicas)
+    if mode != "was":           # in step (auto: in the tail, where one replica may be left with rows)
+        assert replicas[0]["steps"]["cas"] == replicas[1]["steps"]["cas"] > 0
+        assert sum(r["cas"]["rows_sent"] for r in replicas) == sum(r["cas"]["rows_served"] for r in replicas) > 0
+    if mode == "cas":
+        assert all(r["cas"]["rows_sent"] > 0 for r in replicas)
+    assert not list(Path("/dev/shm").glob("hpipe-sidp-*")), "the group's files are removed"

@@ -6,9 +6,12 @@ replica runs the MLP halves it does not own is the step's mode, one object:
 
 - WaS (weight as a service): from a cache of `slots` MLP modules sized once before the clock
   starts, which a housekeeper thread fills ahead of the forward in the peak-shifting order
-  (`SidpGroupPlan.prefetch_order`), copying from the plan's source. On a CPU host the source is
-  the weights' one mapping in the page cache (the host pool); with source `shared-mapping` the
-  replica runs the mapped module itself: nothing to fetch.
+  (`SidpGroupPlan.prefetch_order`), copying from the plan's source (`hpipe.runtime.was_sources`).
+  On a CPU host the source is the weights' one mapping in the page cache (the host pool); with
+  source `shared-mapping` the replica runs the mapped module itself: nothing to fetch. A GPU
+  replica copies on a stream of its own, from one pinned host copy shared by the group
+  (`host-pool`) or from the owner's device memory through CUDA IPC (`peer`), and holds on its
+  device only the MLPs it owns and its slots.
 - CaS (compute as a service): the replica sends the MLP's input rows to the owner, which runs them
   with its own in one GEMM and sends each replica its slice. A replica without rows sends nothing
   and the owner does not wait for it: it knows every replica's rows from the step's all-gather. An
@@ -46,8 +49,10 @@ from torch import nn
 
 from hpipe import formats
 from hpipe.errors import HpipeError
+from hpipe.runtime import was_sources
 from hpipe.runtime.pipeline import (Driver, Executors, Sampling, Work, _forward, _join, _prepare, _start_prepare,
                                     _thread, run_summary)
+from hpipe.runtime.was_sources import module_tensors
 
 __all__ = ["PATIENCE", "Seat", "Replica", "needs_group", "run_replica", "runs_plain"]
 
@@ -158,10 +163,6 @@ def _cause(e: Exception) -> str:
 
 
 # ---------------------------------------------------------------------------------- WaS's weight cache
-def _tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [t for _, t in sorted(itertools.chain(module.named_parameters(), module.named_buffers()))]
-
-
 class MappedWeights:
     """Source `shared-mapping`: every replica maps every block's weights; WaS runs them in place."""
 
@@ -175,24 +176,31 @@ class MappedWeights:
     def give_back(self, block: int) -> None:
         pass
 
+    def report(self) -> dict:
+        return dict(self.stats)
+
 
 class FetchedWeights:
-    """WaS's cache: `slots` copies of an MLP module, allocated once, which a housekeeper thread fills
-    in `order` (cyclically, step after step) from the source modules; `take(b)` waits until block b
-    is in a slot, `give_back(b)` frees its slot for the next fetch. The order runs whole cycles of
-    the group's size ahead of the forward, which takes a cycle's blocks in its own order: with at
-    least a cycle's remote blocks of slots (the plan's validation), the fetch the forward waits for
-    always finds a free slot."""
+    """WaS's cache: `slots` copies of an MLP module (`template`, on the replica's device), allocated
+    once, which a housekeeper thread fills in `order` (cyclically, step after step) from the source
+    tensors of each block through `copies` (`HostCopies` on a CPU, `StreamCopies` on a GPU);
+    `take(b)` waits until block b is in a slot, `give_back(b)` frees its slot for the next fetch.
+    The order runs whole cycles of the group's size ahead of the forward, which takes a cycle's
+    blocks in its own order: with at least a cycle's remote blocks of slots (the plan's
+    validation), the fetch the forward waits for always finds a free slot."""
 
-    def __init__(self, sources: dict[int, nn.Module], order: list[int], slots: int, errors: list):
-        template = _tensors(sources[order[0]])
+    def __init__(self, template: nn.Module, sources: dict[int, list[torch.Tensor]], order: list[int], slots: int,
+                 copies, errors: list):
+        shapes = [t.shape for t in module_tensors(template)]
         for b in order:
-            if [t.shape for t in _tensors(sources[b])] != [t.shape for t in template]:
+            if [t.shape for t in sources[b]] != shapes:
                 raise HpipeError(f"WaS cache slots hold one MLP shape; block {b}'s MLP differs from block "
                                  f"{order[0]}'s: run this model with --sidp-mode cas")
-        self.sources, self.order, self.errors = sources, order, errors
+        self.sources, self.order, self.copies, self.errors = sources, order, copies, errors
         with torch.inference_mode():
-            self.slots = [copy.deepcopy(sources[order[0]]) for _ in range(slots)]
+            self.slots = [copy.deepcopy(template) for _ in range(slots)]
+        self.slot_tensors = [module_tensors(m) for m in self.slots]
+        self.bytes_per_fetch = sum(t.numel() * t.element_size() for t in self.slot_tensors[0])
         self.cond = threading.Condition()
         self.free = list(range(slots))
         self.held: dict[int, int] = {}           # block -> slot
@@ -205,13 +213,9 @@ class FetchedWeights:
                 while not self.free or block in self.held:
                     self.cond.wait()
                 slot = self.free.pop()
-            t = time.perf_counter()
-            with torch.inference_mode():
-                for dst, src in zip(_tensors(self.slots[slot]), _tensors(self.sources[block])):
-                    dst.copy_(src)
+            self.copies.fill(slot, self.slot_tensors[slot], self.sources[block])
             with self.cond:
                 self.stats["fetches"] += 1
-                self.stats["fetch_s"] += time.perf_counter() - t
                 self.held[block] = slot
                 self.cond.notify_all()
 
@@ -223,12 +227,21 @@ class FetchedWeights:
                     raise self.errors[0]
                 self.cond.wait(timeout=0.1)
             self.stats["wait_s"] += time.perf_counter() - t
-            return self.slots[self.held[block]]
+            slot = self.held[block]
+        self.copies.filled(slot)
+        return self.slots[slot]
 
     def give_back(self, block: int) -> None:
         with self.cond:
-            self.free.append(self.held.pop(block))
+            slot = self.held.pop(block)
+            self.copies.emptied(slot)
+            self.free.append(slot)
             self.cond.notify_all()
+
+    def report(self) -> dict:
+        """The fetches, their time (a GPU's: the copy stream's, from its events), the forward's waits,
+        and the bytes of one fetch."""
+        return {**self.stats, "fetch_s": self.copies.fetch_seconds(), "bytes_per_fetch": self.bytes_per_fetch}
 
 
 # ---------------------------------------------------------------------------------- the two modes
@@ -253,10 +266,15 @@ class WasMode:
 
 
 class CasMode:
+    """The rows travel over the group's gloo link in host memory: a GPU replica's go through the
+    host both ways (replicas that share one GPU cannot form an NCCL group)."""
+
     name = "cas"
 
-    def __init__(self, link: GroupLink, seat: Seat, owned: dict[int, nn.Module], hidden: int, dtype):
+    def __init__(self, link: GroupLink, seat: Seat, owned: dict[int, nn.Module], hidden: int, dtype,
+                 device: torch.device):
         self.link, self.seat, self.modules, self.hidden, self.dtype = link, seat, owned, hidden, dtype
+        self.device = device
         self.stats = {"rows_sent": 0, "rows_served": 0}
 
     def owned(self, block: int, module: nn.Module, x: torch.Tensor, step: Step) -> torch.Tensor:
@@ -267,10 +285,10 @@ class CasMode:
         rows = [torch.empty(step.rows[r], self.hidden, dtype=x.dtype) for r in senders]
         for w in [self.link.recv(buf, r, block) for buf, r in zip(rows, senders)]:
             self.link.wait(w)
-        y = module(torch.cat([x, *rows]))
+        y = module(torch.cat([x, *(buf.to(x.device) for buf in rows)]))
         sends, at = [], x.shape[0]
         for r, buf in zip(senders, rows):
-            sends.append(self.link.send(y[at:at + buf.shape[0]], r, block))
+            sends.append(self.link.send(y[at:at + buf.shape[0]].cpu(), r, block))
             at += buf.shape[0]
         for w in sends:
             self.link.wait(w)
@@ -279,17 +297,17 @@ class CasMode:
 
     def remote(self, block: int, x: torch.Tensor, step: Step) -> torch.Tensor:
         owner = self.seat.group.owners[block]
-        self.link.wait(self.link.send(x, owner, block))
-        y = torch.empty_like(x)
+        self.link.wait(self.link.send(x.cpu(), owner, block))
+        y = torch.empty(x.shape, dtype=x.dtype)
         self.link.wait(self.link.recv(y, owner, block))
         self.stats["rows_sent"] += x.shape[0]
-        return y
+        return y.to(x.device)
 
     def serve(self, step: Step) -> None:
         """An owner without rows of its own: its blocks, in the forward's order, for the others."""
         if not any(step.rows):
             return
-        empty = torch.empty(0, self.hidden, dtype=self.dtype)
+        empty = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
             for block, module in self.modules.items():
                 self.owned(block, module, empty, step)
@@ -401,6 +419,40 @@ class RemoteMLP(nn.Module):
         return self.replica.mode.remote(self.block, flat, self.replica.step).view(x.shape)
 
 
+def was_cache(seat: Seat, mlps: dict[int, nn.Module], device: torch.device, token: str, timeout_s: float,
+              errors: list) -> tuple[MappedWeights | FetchedWeights, int]:
+    """WaS's cache for this replica, from its group's source and its device (`hpipe.runtime.was_sources`).
+    Returns it and the device bytes freed (a GPU replica drops its own copies of the MLPs it fetches)."""
+    group = seat.group
+    remote = group.prefetch_order(seat.member)
+    if group.source == "shared-mapping":
+        return MappedWeights(mlps), 0
+    if device.type == "cpu":               # the host pool is the weights' mapping itself
+        if not remote:
+            return MappedWeights(mlps), 0
+        return FetchedWeights(mlps[remote[0]], {b: module_tensors(mlps[b]) for b in remote}, remote, group.slots,
+                              was_sources.HostCopies(), errors), 0
+    owned = {b: mlps[b] for b in seat.owned}
+    if group.source == "host-pool":
+        was_sources.publish_host_pool(token, seat.member, owned)
+    else:
+        was_sources.publish_peer(token, seat.member, owned)
+    if not remote:
+        return MappedWeights(mlps), 0
+    template = mlps[remote[0]]
+    mappings = []
+    if group.source == "host-pool":
+        sources, mappings = was_sources.open_host_pool(token, group.owners, seat.member, template, timeout_s)
+    else:
+        sources = was_sources.open_peer(token, group.owners, seat.member, timeout_s)
+    cache = FetchedWeights(template, sources, remote, group.slots, was_sources.StreamCopies(device, group.slots),
+                           errors)
+    cache.mappings = mappings              # the host pool's mappings live as long as the cache reads them
+    freed = sum(was_sources.release(mlps[b]) for b in sorted(set(remote)))
+    torch.cuda.empty_cache()
+    return cache, freed
+
+
 class Replica:
     """One replica's SiDP machinery, built once before the clock starts: the WaS cache, the CaS
     mode, how it keeps in step with the others, and the step trace (the paper's Fig. 15)."""
@@ -410,13 +462,12 @@ class Replica:
         self.seat = seat
         group = seat.group
         mlps = runner.mlp_modules()                      # block -> the mapped MLP module
-        remote = group.prefetch_order(seat.member)
-        cache = MappedWeights(mlps) if group.source == "shared-mapping" or not remote else \
-            FetchedWeights(mlps, remote, group.slots, errors)
+        cache, self.released_bytes = was_cache(seat, mlps, runner.device, token, timeout_s, errors)
         self.was = WasMode(cache)
         link = GroupLink(seat, addr, port, token, timeout_s) if needs_group(group, mode) else None
         self.link = link
-        self.cas = CasMode(link, seat, {b: mlps[b] for b in seat.owned}, runner.hidden_size, runner.dtype)
+        self.cas = CasMode(link, seat, {b: mlps[b] for b in seat.owned}, runner.hidden_size, runner.dtype,
+                           runner.device)
         self.pace = Alone(self) if link is None else InStep(self) if mode == "cas" else \
             Epochs(self, link, Switch(self.was, self.cas, group.threshold))
         self.mode = self.was
@@ -447,8 +498,8 @@ class Replica:
 
     def report(self) -> dict:
         return {"member": self.seat.member, "owned_blocks": len(self.seat.owned), "source": self.seat.group.source,
-                "threshold": self.seat.group.threshold, "steps": self.steps, "was": self.was.cache.stats,
-                "cas": self.cas.stats, "trace": self.trace}
+                "threshold": self.seat.group.threshold, "steps": self.steps, "was": self.was.cache.report(),
+                "cas": self.cas.stats, "device_bytes_released": self.released_bytes, "trace": self.trace}
 
 
 # ---------------------------------------------------------------------------------- the loop
