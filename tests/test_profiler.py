@@ -226,3 +226,18 @@ def test_the_rest_after_a_cached_prefix_is_sliced_for_its_context(paper_profile,
         assert ours == pytest.approx(best, rel=1e-9)
         as_own = [s // 16 for s in plan.slicing.slices_for(160 - c_tok)]
         assert ours <= objective(as_own, c) * (1 + 1e-9)
+
+
+def test_link_latency_is_the_fastest_small_message():
+    """A slow 8-byte round trip (a host answering late) does not become the link's latency: the
+    fastest message up to 4 KB does; the bandwidth comes from the large messages alone."""
+    from hpipe.profiler.links import fit_alpha_beta
+
+    beta = 12.5e6                                   # a 100 Mbit/s link
+    points = [(n, 2e-4 + n / beta) for n in (1024, 4096, 1 << 20, 4 << 20, 16 << 20)]
+    alpha, fitted = fit_alpha_beta([(8, 4e-3), *points])
+    assert alpha == pytest.approx(2e-4 + 1024 / beta)
+    assert fitted == pytest.approx(beta, rel=1e-6)
+    alpha, _ = fit_alpha_beta([(8, 1e-4), *points])
+    assert alpha == pytest.approx(1e-4)
+    assert fit_alpha_beta([(1 << 20, 0.1), (2 << 20, 0.2)])[0] == pytest.approx(0.1)   # no small messages
