@@ -5,12 +5,13 @@ sshd, one link shaped to 100 Mbit/s, one thread per host), at several prompt len
 
 Each setting: `hpipe profile` (--quick, the threads the stages will get), `hpipe plan --profile
 --seq-len N` for every length, `hpipe launch` of one prompt of N token ids with --max-new-tokens,
-then the plan's prediction against the run: prefill as the time to first token, decode as the
+(--repeats times: this machine is shared, and one launch can meet a slow spell; the median launch
+is compared), then the plan's prediction against the run: prefill as the time to first token, decode as the
 run summary's check reads it off the timeline (`plan_check`: every stage's compute, every hop and
 the way back, predicted and measured, per steady token).
 
     python bench/fidelity.py [--settings local-1,local-2,local-3,hosts-2,hosts-3] [--lengths 512,2048]
-                             [--new-tokens 64] [--out bench/results/fidelity.json]
+                             [--new-tokens 64] [--repeats 3] [--out bench/results/fidelity.json]
                              [--keep-profile hosts-3=tests/data/profile-3hosts.json]
 
 Needs root and openssh-server for the hosts-* settings (others run anywhere).
@@ -56,7 +57,24 @@ def hpipe(*args, cwd: Path) -> str:
     return done.stdout
 
 
-def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep: Path | None) -> dict:
+def launch_once(plan: Path, prompts: Path, work: Path, tag: str, new_tokens: int, cluster) -> tuple[dict, dict, str]:
+    """One `hpipe launch` of the plan on the prompt: its result, the summary's plan check, what it printed."""
+    results, tl = work / f"r-{tag}.jsonl", work / f"t-{tag}.json"
+    results.unlink(missing_ok=True)
+    where = ["--cluster", cluster.inventory_path] if cluster else ["--local"]
+    stdout = hpipe("launch", plan, *where, "--prompts", prompts, "--out", results, "--max-new-tokens", new_tokens,
+                   "--timeline-out", tl, cwd=work)
+    summary = json.loads(Path(f"{results}.summary.json").read_text())
+    return json.loads(results.read_text().splitlines()[0]), summary.get("plan_check") or {}, stdout
+
+
+def median_by(items: list, key):
+    """The middle item by `key` (the lower middle of an even count)."""
+    return sorted(items, key=key)[(len(items) - 1) // 2]
+
+
+def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep: Path | None,
+                repeats: int = 3) -> dict:
     stages, hosts, threads = SETTINGS[name]
     cluster = None
     if hosts:
@@ -81,21 +99,21 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
             hpipe("plan", "--model", "smollm2", *devices, "--profile", profile, "--seq-len", n,
                   "--new-tokens", new_tokens, "-o", plan, cwd=work)
             pr = json.loads(plan.read_text())["predicted"]
-            prompts, results, tl = work / f"p-{n}.jsonl", work / f"r-{n}.jsonl", work / f"t-{n}.json"
+            prompts = work / f"p-{n}.jsonl"
             prompts.write_text(json.dumps({"id": f"n{n}", "input_ids": prompt_ids(n)}) + "\n")
-            results.unlink(missing_ok=True)
-            launch = ["--cluster", cluster.inventory_path] if cluster else ["--local"]
-            stdout = hpipe("launch", plan, *launch, "--prompts", prompts, "--out", results, "--max-new-tokens",
-                           new_tokens, "--timeline-out", tl, cwd=work)
-            r = json.loads(results.read_text().splitlines()[0])
-            summary = json.loads(Path(f"{results}.summary.json").read_text())
-            check = summary.get("plan_check") or {}
-            dec = check.get("decode") or {}
+            launches = [launch_once(plan, prompts, work, f"{n}-{k}", new_tokens, cluster) for k in range(repeats)]
+            # the median launch: prefill by its time to first token, decode by its steady ms/token
+            r, check, stdout = median_by(launches, lambda x: x[0]["ttft_s"])
+            dec = median_by(launches, lambda x: (x[1].get("decode") or {}).get("measured_ms_per_token", 0.0))[1] \
+                .get("decode") or {}
             row = {"seq_len": n, "stages": len(pr["stage_busy_s"]), "slices": pr["slices"],
                    "prefill_predicted_s": round(pr["makespan_s"], 4), "prefill_measured_s": round(r["ttft_s"], 4),
                    "prefill_error": round((pr["makespan_s"] - r["ttft_s"]) / r["ttft_s"], 4),
+                   "prefill_measured_runs_s": [round(x[0]["ttft_s"], 4) for x in launches],
                    "decode_predicted_ms": round(dec["predicted_ms_per_token"], 3) if dec else None,
                    "decode_measured_ms": round(dec["measured_ms_per_token"], 3) if dec else None,
+                   "decode_measured_runs_ms": [round((x[1].get("decode") or {}).get("measured_ms_per_token", 0.0), 3)
+                                               for x in launches],
                    "tpot_ms": round(1000 * r["tpot_s"], 3),
                    "decode_error": round((dec["predicted_ms_per_token"] - dec["measured_ms_per_token"])
                                          / dec["measured_ms_per_token"], 4) if dec else None,
@@ -129,6 +147,7 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="launches per length; the median is compared")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
     ap.add_argument("--keep-profile", action="append", default=[], help="SETTING=PATH: keep that setting's profile")
     args = ap.parse_args()
@@ -139,7 +158,7 @@ def main() -> None:
     for name in args.settings.split(","):
         with tempfile.TemporaryDirectory(prefix=f"hpipe-fidelity-{name}-") as tmp:
             report["settings"][name] = run_setting(name, lengths, args.new_tokens, Path(tmp),
-                                                   Path(keep[name]).resolve() if name in keep else None)
+                                                   Path(keep[name]).resolve() if name in keep else None, args.repeats)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     worst = collections.defaultdict(float)
     model = collections.defaultdict(float)
