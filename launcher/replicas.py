@@ -140,14 +140,18 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
             t0 = time.time()
             restart = lambda r, on_failure: _restart(clients, job, plan_path, serve, r,  # noqa: E731
                                                      threads if cpu[r] else None, seats[r], log, quiet, on_failure)
-            asyncio.run(_dispatch(clients, job, out_path, report, log, t0, restart))
+            # a peer group's replicas read each other's GPU memory: one lost, the others stop with it
+            together = {r: g.replicas for g in plan.sidp if g.source == "peer" for r in g.replicas}
+            asyncio.run(_dispatch(clients, job, out_path, report, log, t0, restart, together))
             report.wall_s = time.time() - t0
             for r, client in enumerate(clients):
                 report.replicas[r].update(mapped_bytes(client.launch.workers[0].proc.pid, roots) or {})
         finally:    # at once: a group's replicas end together (each waits for the others' stop)
-            list(pool.map(lambda c: c.close(), clients))
-            for seat in {s.token for s in seats.values()}:
-                remove_published(seat)              # a GPU group's host pool and IPC handles in /dev/shm
+            try:
+                list(pool.map(lambda c: c.close(), clients))
+            finally:
+                for token in {s.token for s in seats.values()}:
+                    remove_published(token)         # a GPU group's host pool and IPC handles in /dev/shm
     for r, client in enumerate(clients):
         sidp = (client.output.summary or {}).get("sidp")
         if sidp is not None and r < len(report.replicas):
@@ -168,7 +172,7 @@ def _restart(clients: list[PipelineClient], job: PreparedJob, plan_path: str, se
 
 
 async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: str, report: ReplicaReport, log,
-                    t0: float, restart=None) -> None:
+                    t0: float, restart=None, together: dict[int, tuple[int, ...]] | None = None) -> None:
     loop = asyncio.get_running_loop()
     room = asyncio.Condition()
     lost: set[int] = set()              # replicas gone for good
@@ -201,11 +205,20 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
             if r in lost or r in restarting or clients[r].failure is None:
                 return
             fell_with_peer = bool(clients[r].output.peers_lost)
-            (restarting if fell_with_peer and restart is not None else lost).add(r)
+            readers = [q for q in (together or {}).get(r, ()) if q != r and q not in lost]
+            (restarting if fell_with_peer and restart is not None and not readers else lost).add(r)
             causes.append(f"replica {r}: {cause}")
             log(f"hpipe: replica {r} ({report.replicas[r]['device']}) lost: {cause}; its open requests go on the "
                 + ("others; starting it again on its own (WaS)" if r in restarting else "others"))
+            if readers:     # they read its freed GPU memory from now on: they stop too
+                lost.update(readers)
+                restarting.difference_update(readers)
+                causes.append(f"replicas {', '.join(map(str, readers))}: stopped with replica {r}, whose GPU memory "
+                              f"they read (--sidp-source peer; host-pool survives a lost replica)")
+                log(f"hpipe: {causes[-1]}")
             room.notify_all()
+        for q in readers:
+            await loop.run_in_executor(None, clients[q].close)
         if r in restarting:
             try:
                 await loop.run_in_executor(None, restart, r, lambda cause, r=r: failed(r, cause))

@@ -176,6 +176,9 @@ class MappedWeights:
     def give_back(self, block: int) -> None:
         pass
 
+    def stop(self) -> None:
+        pass
+
     def report(self) -> dict:
         return dict(self.stats)
 
@@ -205,13 +208,17 @@ class FetchedWeights:
         self.free = list(range(slots))
         self.held: dict[int, int] = {}           # block -> slot
         self.stats = {"fetches": 0, "fetch_s": 0.0, "wait_s": 0.0}
-        _thread(self._housekeeper, "hpipe-was-housekeeper", errors)
+        self.stopping = False
+        copies.begin()
+        self.housekeeper = _thread(self._housekeeper, "hpipe-was-housekeeper", errors)
 
     def _housekeeper(self) -> None:
         for block in itertools.cycle(self.order):
             with self.cond:
-                while not self.free or block in self.held:
+                while not self.stopping and (not self.free or block in self.held):
                     self.cond.wait()
+                if self.stopping:
+                    return
                 slot = self.free.pop()
             self.copies.fill(slot, self.slot_tensors[slot], self.sources[block])
             with self.cond:
@@ -237,6 +244,14 @@ class FetchedWeights:
             self.copies.emptied(slot)
             self.free.append(slot)
             self.cond.notify_all()
+
+    def stop(self) -> None:
+        """The replica's loop is over: no more fills, and the last one done."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.housekeeper.join()
+        self.copies.finish()
 
     def report(self) -> dict:
         """The fetches, their time (a GPU's: the copy stream's, from its events), the forward's waits,
@@ -442,7 +457,7 @@ def was_cache(seat: Seat, mlps: dict[int, nn.Module], device: torch.device, toke
     template = mlps[remote[0]]
     mappings = []
     if group.source == "host-pool":
-        sources, mappings = was_sources.open_host_pool(token, group.owners, seat.member, template, timeout_s)
+        sources, mappings = was_sources.open_host_pool(token, group.owners, seat.member, mlps, timeout_s)
     else:
         sources = was_sources.open_peer(token, group.owners, seat.member, timeout_s)
     cache = FetchedWeights(template, sources, remote, group.slots, was_sources.StreamCopies(device, group.slots),
@@ -463,6 +478,8 @@ class Replica:
         group = seat.group
         mlps = runner.mlp_modules()                      # block -> the mapped MLP module
         cache, self.released_bytes = was_cache(seat, mlps, runner.device, token, timeout_s, errors)
+        self.token, self.timeout_s = token, timeout_s
+        self.reads_peers = group.source == "peer" and runner.device.type == "cuda" and seat.size > 1
         self.was = WasMode(cache)
         link = GroupLink(seat, addr, port, token, timeout_s) if needs_group(group, mode) else None
         self.link = link
@@ -495,6 +512,13 @@ class Replica:
             self.steps[mode.name] += 1
             self.trace.append([round(time.time(), 4), step.batch, mode.name])
         return step
+
+    def finish(self) -> None:
+        """After the loop: WaS stops fetching; in a peer group, every member waits until none reads
+        another's memory any more (an owner's exit frees what the others opened)."""
+        self.was.cache.stop()
+        if self.reads_peers:
+            was_sources.done_reading(self.token, self.seat.member, self.seat.size, self.timeout_s)
 
     def report(self) -> dict:
         return {"member": self.seat.member, "owned_blocks": len(self.seat.owned), "source": self.seat.group.source,
@@ -537,6 +561,7 @@ def run_replica(ex: Executors, driver: Driver, sampling: Sampling, replica: Repl
         work.record(ex.timeline, "compute", t)
         sampling.submit(work.schedule, out)
         driver.versions.give_back()
+    replica.finish()
     _join(threads, errors)
     if errors:
         raise errors[0]

@@ -36,7 +36,7 @@ from torch import nn
 from hpipe.errors import HpipeError
 
 __all__ = ["HostCopies", "StreamCopies", "publish_host_pool", "open_host_pool", "publish_peer", "open_peer",
-           "release", "remove_published", "module_tensors"]
+           "done_reading", "release", "remove_published", "module_tensors"]
 
 SHM_DIR = "/dev/shm"
 POLL_S = 0.05
@@ -58,6 +58,12 @@ class HostCopies:
 
     def __init__(self):
         self.seconds = 0.0
+
+    def begin(self) -> None:
+        """The slots are made: nothing is queued anywhere."""
+
+    def finish(self) -> None:
+        """Every fill has returned."""
 
     def fill(self, slot: int, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         t = time.perf_counter()
@@ -91,6 +97,16 @@ class StreamCopies:
         self.pending: collections.deque = collections.deque()
         self.lock = threading.Lock()                       # the housekeeper folds, and so does the report
         self.seconds = 0.0
+
+    def begin(self) -> None:
+        """Before the first fill: the copy stream (one of torch's pool, which waits for nothing)
+        waits for what the forward's stream has queued so far: the slots' own copies from the
+        template, and a peer source's wait for its owner's event."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def finish(self) -> None:
+        """The last fill done: nothing reads a source any more (a peer's memory may go)."""
+        self.stream.synchronize()
 
     def fill(self, slot: int, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -162,28 +178,30 @@ def publish_host_pool(token: str, member: int, owned: dict[int, nn.Module]) -> i
     return total
 
 
-def open_host_pool(token: str, owners: tuple[int, ...], member: int, template: nn.Module, timeout_s: float
-                   ) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
+def open_host_pool(token: str, owners: tuple[int, ...], member: int, modules: dict[int, nn.Module],
+                   timeout_s: float) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
     """Every block this member does not own, as host tensors over its owner's file (mapped shared,
-    page-locked once for the device's DMA). Returns ({block: tensors}, the mappings)."""
-    layout = [(t.dtype, t.shape, t.numel() * t.element_size()) for t in module_tensors(template)]
-    per_block = sum(_padded(n) for *_, n in layout)
+    page-locked once for the device's DMA), each block laid out as this member's own copy of that
+    block's MLP (`modules`, before `release`). Returns ({block: tensors}, the mappings)."""
+    def layout(b: int) -> list[tuple]:
+        return [(t.dtype, t.shape, t.numel() * t.element_size()) for t in module_tensors(modules[b])]
+
     sources, mappings = {}, []
     for owner in sorted(set(owners) - {member}):
         path = _path(token, owner, "pool")
         _wait_for(path, owner, timeout_s)
         blocks = [b for b, o in enumerate(owners) if o == owner]
-        size = os.path.getsize(path)
-        if size != per_block * len(blocks):
+        size, expected = os.path.getsize(path), sum(_padded(n) for b in blocks for *_, n in layout(b))
+        if size != expected:
             raise HpipeError(f"{path}: {size} bytes where replica {owner}'s {len(blocks)} MLPs take "
-                             f"{per_block * len(blocks)}: the replicas load different models")
+                             f"{expected}: the replicas load different models")
         pool = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         _page_lock(pool)
         mappings.append(pool)
         at = 0
         for b in blocks:
             tensors = []
-            for dtype, shape, n in layout:
+            for dtype, shape, n in layout(b):
                 tensors.append(pool[at:at + n].view(dtype).view(shape))
                 at += _padded(n)
             sources[b] = tensors
@@ -220,6 +238,16 @@ def open_peer(token: str, owners: tuple[int, ...], member: int, timeout_s: float
         for b, args in handles.items():
             sources[b] = [rebuild_cuda_tensor(*a) for a in args]
     return sources
+
+
+def done_reading(token: str, member: int, members: int, timeout_s: float) -> None:
+    """The end of a peer group's job: this member has stopped reading the others' memory; it
+    waits until every member has, so that no owner's memory goes while another still copies from
+    it (a member lost meanwhile is waited for `timeout_s`, then left)."""
+    _write_atomically(_path(token, member, "done"), lambda f: None)
+    deadline = time.time() + timeout_s
+    while not all(os.path.exists(_path(token, m, "done")) for m in range(members)) and time.time() < deadline:
+        time.sleep(POLL_S)
 
 
 def remove_published(token: str) -> None:
