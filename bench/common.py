@@ -14,13 +14,26 @@ def prompt_ids(n: int) -> list[int]:
     return [3 + (j * 31) % 30000 for j in range(n)]
 
 
-def hpipe(*args, cwd: Path, env: dict | None = None) -> None:
-    """Run one `hpipe` command in a child process (`env`: its whole environment, else this one's);
-    its failure ends the benchmark with its stderr."""
+def hpipe(*args, cwd: Path, env: dict | None = None) -> str:
+    """Run one `hpipe` command in a child process (`env`: its whole environment, else this one's)
+    and return what it printed; its failure ends the benchmark with its stderr."""
     done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"hpipe {args[0]} failed: {done.stderr.strip()[-800:]}")
+        raise SystemExit(f"hpipe {' '.join(map(str, args[:2]))} failed: {done.stderr.strip()[-1500:]}")
+    return done.stdout
+
+
+def launch_checked(plan: Path, prompts: Path, work: Path, tag: str, new_tokens: int, where: list,
+                   env: dict | None = None) -> tuple[dict, dict, str]:
+    """One `hpipe launch` of a plan on a one-prompt file with a timeline: the prompt's result, the
+    run summary's check against the plan (`plan_check`), and what the launch printed."""
+    out, timeline = work / f"r-{tag}.jsonl", work / f"t-{tag}.json"
+    out.unlink(missing_ok=True)
+    stdout = hpipe("launch", plan, *where, "--prompts", prompts, "--out", out, "--max-new-tokens", new_tokens,
+                   "--timeline-out", timeline, cwd=work, env=env)
+    summary = json.loads(Path(f"{out}.summary.json").read_text())
+    return json.loads(out.read_text().splitlines()[0]), summary.get("plan_check") or {}, stdout
 
 
 def random_llama(directory: Path, vocab: int, hidden: int = 1024, layers: int = 8, mlp: int | None = None,

@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench.common import prompt_ids  # noqa: E402
+from bench.common import hpipe as run_hpipe, launch_checked, prompt_ids  # noqa: E402
 
 SETTINGS = {   # name: (local stages or None, hosts as (name, link Mbit/s or None), profile threads)
     "local-1": (1, None, 0),
@@ -49,23 +48,7 @@ SETTINGS = {   # name: (local stages or None, hosts as (name, link Mbit/s or Non
 
 
 def hpipe(*args, cwd: Path) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env=env, stdin=subprocess.DEVNULL)
-    if done.returncode:
-        raise SystemExit(f"hpipe {' '.join(map(str, args[:2]))} failed: {done.stderr.strip()[-1500:]}")
-    return done.stdout
-
-
-def launch_once(plan: Path, prompts: Path, work: Path, tag: str, new_tokens: int, cluster) -> tuple[dict, dict, str]:
-    """One `hpipe launch` of the plan on the prompt: its result, the summary's plan check, what it printed."""
-    results, tl = work / f"r-{tag}.jsonl", work / f"t-{tag}.json"
-    results.unlink(missing_ok=True)
-    where = ["--cluster", cluster.inventory_path] if cluster else ["--local"]
-    stdout = hpipe("launch", plan, *where, "--prompts", prompts, "--out", results, "--max-new-tokens", new_tokens,
-                   "--timeline-out", tl, cwd=work)
-    summary = json.loads(Path(f"{results}.summary.json").read_text())
-    return json.loads(results.read_text().splitlines()[0]), summary.get("plan_check") or {}, stdout
+    return run_hpipe(*args, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
 def median_by(items: list, key):
@@ -101,7 +84,8 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
             pr = json.loads(plan.read_text())["predicted"]
             prompts = work / f"p-{n}.jsonl"
             prompts.write_text(json.dumps({"id": f"n{n}", "input_ids": prompt_ids(n)}) + "\n")
-            launches = [launch_once(plan, prompts, work, f"{n}-{k}", new_tokens, cluster) for k in range(repeats)]
+            launches = [launch_checked(plan, prompts, work, f"{n}-{k}", new_tokens, where,
+                                       env=dict(os.environ, PYTHONPATH=str(ROOT))) for k in range(repeats)]
             # the median launch: prefill by its time to first token, decode by its steady ms/token
             r, check, stdout = median_by(launches, lambda x: x[0]["ttft_s"])
             dec = median_by(launches, lambda x: (x[1].get("decode") or {}).get("measured_ms_per_token", 0.0))[1] \

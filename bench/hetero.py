@@ -22,17 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import hpipe, prompt_ids, random_llama  # noqa: E402
-
-
-def run_once(plan: Path, prompts: Path, work: Path, k: int, new_tokens: int) -> dict:
-    """One launch of the plan on one prompt: its time to first token and the summary's plan check."""
-    out, tl = work / f"o-{k}.jsonl", work / f"t-{k}.json"
-    hpipe("launch", plan, "--local", "--prompts", prompts, "--out", out, "--max-new-tokens", new_tokens,
-          "--timeline-out", tl, "--quiet", cwd=work)
-    r = json.loads(out.read_text().splitlines()[0])
-    check = json.loads(Path(f"{out}.summary.json").read_text()).get("plan_check") or {}
-    return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "check": check}
+from bench.common import hpipe, launch_checked, prompt_ids, random_llama  # noqa: E402
 
 
 def main() -> None:
@@ -76,7 +66,10 @@ def main() -> None:
         predicted = json.loads(plan.read_text())["predicted"]
         prompts = work / "p.jsonl"
         prompts.write_text(json.dumps({"id": "one", "input_ids": prompt_ids(args.tokens)}) + "\n")
-        runs = [run_once(plan, prompts, work, k, args.new_tokens) for k in range(args.repeats)]
+        runs = []
+        for k in range(args.repeats):
+            result, check, _ = launch_checked(plan, prompts, work, str(k), args.new_tokens, ["--local"])
+            runs.append({"ttft_s": result["ttft_s"], "tpot_s": result["tpot_s"], "check": check})
         best = min(runs, key=lambda r: r["ttft_s"])
         dec = min((r["check"].get("decode") for r in runs if r["check"].get("decode")),
                   key=lambda d: d["measured_ms_per_token"], default=None)

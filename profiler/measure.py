@@ -240,13 +240,11 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
         (0.2-0.7 ms here) and its cost is the memory it reads: timed alone, a few calls on the
         first blocks right after another point's work read 10-30 % slower than the same halves
         inside a step (the 2,047-token context's attention: 0.62-0.71 against 0.52 ms)."""
-        inputs = body.prepare_inputs(segments)
-        x = torch.randn(*inputs.shape, hidden, device=dev, dtype=body.dtype)
-        units = range(u, 1 + 2 * cycle, 2)
+        half = unit_fn(body, u, segments)       # the same half of the next block each call
 
         def run():
-            for v in units:
-                body._run_unit(v, x, inputs, body.eager)
+            for _ in range(cycle):
+                half()
         return run
 
     points = [(s, c) for c in c_grid for s in s_grid if s + c <= n]

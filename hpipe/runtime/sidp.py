@@ -207,7 +207,7 @@ class FetchedWeights:
         self.cond = threading.Condition()
         self.free = list(range(slots))
         self.held: dict[int, int] = {}           # block -> slot
-        self.stats = {"fetches": 0, "fetch_s": 0.0, "wait_s": 0.0}
+        self.stats = {"fetches": 0, "wait_s": 0.0}     # the fetches' time is the copies' (report)
         self.stopping = False
         copies.begin()
         self.housekeeper = _thread(self._housekeeper, "hpipe-was-housekeeper", errors)
@@ -463,7 +463,7 @@ def was_cache(seat: Seat, mlps: dict[int, nn.Module], device: torch.device, toke
     cache = FetchedWeights(template, sources, remote, group.slots, was_sources.StreamCopies(device, group.slots),
                            errors)
     cache.mappings = mappings              # the host pool's mappings live as long as the cache reads them
-    freed = sum(was_sources.release(mlps[b]) for b in sorted(set(remote)))
+    freed = sum(was_sources.release(mlps[b]) for b in remote)
     torch.cuda.empty_cache()
     return cache, freed
 
