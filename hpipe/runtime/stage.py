@@ -91,6 +91,7 @@ class StageRunner:
         self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
         attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
         self.cache_argument = models.cache_argument(attention)
+        self.calls = stage_calls(units, self.n_units, joined=not self.gpt2)
         self.eager = Halves(self.cache_argument)
         self.compile_refused = compiled_halves_refused(self) if compiled else None
         self.decode_halves = CompiledHalves(self) if compiled and self.compile_refused is None else self.eager
@@ -197,11 +198,19 @@ class StageRunner:
         if halves is not self.eager and torch.is_inference_mode_enabled() and not h.is_inference():
             h = h.clone()       # received hidden states: a graph made for inference tensors serves them too
         with quant.row_paths(inputs.paths):
-            for u in self.units:
-                h = self._run_unit(u, h, inputs, halves)
+            for units in self.calls:
+                h = self._run_block(units, h, inputs, halves) if len(units) == 2 else \
+                    self._run_unit(units[0], h, inputs, halves)
         if self.last:
             return h.float()
         return h.reshape(rows * per_row, self.hidden_size)
+
+    def _run_block(self, units: tuple[int, int], h: torch.Tensor, inputs: StageInputs,
+                   halves: "Halves") -> torch.Tensor:
+        a, m = units
+        block = (a - 1) // 2
+        mask = inputs.masks[models.sliding_window_of_block(self.config, block)]
+        return halves.block(a, *self._mods[a], *self._mods[m], h, inputs.rotary, mask, inputs.cache, block)
 
     def _run_unit(self, u: int, h: torch.Tensor, inputs: StageInputs, halves: "Halves") -> torch.Tensor:
         mods = self._mods[u]
@@ -235,13 +244,34 @@ def mlp_half(norm, mlp, h):
     return h + mlp(norm(h))
 
 
+def whole_block(attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache_kw: dict):
+    return mlp_half(mlp_norm, mlp, attention_half(attention_norm, attention, h, rotary, mask, cache_kw))
+
+
+def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...]]:
+    """The stage's units as its forward calls them: a block whose two halves the stage holds is one
+    call (one compiled graph), everything else a unit alone (the embedding, the head, the halves of
+    blocks cut in the middle, and every unit where `joined` is False)."""
+    calls: list[tuple[int, ...]] = []
+    for u in units:
+        mlp = 0 < u < n_units - 1 and u % 2 == 0
+        if joined and mlp and calls and calls[-1] == (u - 1,):
+            calls[-1] = (u - 1, u)
+        else:
+            calls.append((u,))
+    return calls
+
+
 class Halves:
-    """How a stage runs a block's attention and MLP halves: transformers' modules called as they are,
-    the micro-batch's cache object told the layer by transformers. Chosen once per stage and kind of
+    """How a stage runs its blocks and halves: transformers' modules called as they are, the
+    micro-batch's cache object told the layer by transformers. Chosen once per stage and kind of
     micro-batch (decode steps may take `CompiledHalves`)."""
 
     def __init__(self, cache_argument: str):
         self.cache_argument = cache_argument
+
+    def block(self, u, attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache, block):
+        return whole_block(attention_norm, attention, mlp_norm, mlp, h, rotary, mask, {self.cache_argument: cache})
 
     def attention(self, u, norm, module, h, rotary, mask, cache, block):
         return attention_half(norm, module, h, rotary, mask, {self.cache_argument: cache})
@@ -254,7 +284,7 @@ _COPIES = itertools.count()        # names the compiled copies of the halves apa
 
 
 def compiled_halves_refused(runner) -> str | None:
-    """Why a stage's decode steps cannot share one graph per half among its blocks, or None."""
+    """Why a stage's decode steps cannot share one graph per block among its blocks, or None."""
     if runner.deterministic:
         return "--deterministic on: decode steps run piece by piece (inductor's kernels round rows by the batch)"
     if runner.device.type != "cpu":
@@ -267,34 +297,44 @@ def compiled_halves_refused(runner) -> str | None:
 
 
 class CompiledHalves(Halves):
-    """Decode steps through torch.compile (inductor), regionally: one graph per half and kind of
-    block, shared by every block of that kind (30 blocks compile once, not 30 times; a whole-stage
-    graph took 40-75 s to compile here, a half's a few seconds). Guards skip the modules (checking
-    every parameter of a half on every call cost more than its norms); so that a graph never runs
-    on modules it was not made for, blocks share one only where their modules' classes, plain
-    attributes and tensor shapes agree (`_signature`), and each stage compiles its own copies of the
-    functions (two stages or two models in one process never run each other's graphs). The layer
-    index is the one attribute left out: transformers hands it to the cache, and a `LayerKV` binds
-    that layer's tensors instead. Dynamic shapes from the first call: one graph serves every context
-    length and number of rows. Inductor's artifacts are kept under hpipe's cache directory."""
+    """Decode steps through torch.compile (inductor), regionally: one graph per whole block (and per
+    half of a block cut between stages), shared by every block of its kind (30 blocks compile once,
+    not 30 times; a whole-stage graph took 40-126 s to compile here, a block's about 10). A block is
+    one graph rather than two halves because each graph call costs dynamo's guards and its wrapper
+    (about 45 us here, 60 calls a step for SmolLM2's halves); the graph's wrapper is C++
+    (`cpp_wrapper`), which calls its kernels without Python in between. Guards skip the modules
+    (checking every parameter of a block on every call cost more than its norms); so that a graph
+    never runs on modules it was not made for, blocks share one only where their modules' classes,
+    plain attributes and tensor shapes agree (`_signature`), and each stage compiles its own copies
+    of the functions (two stages or two models in one process never run each other's graphs). The
+    layer index is the one attribute left out: transformers hands it to the cache, and a `LayerKV`
+    binds that layer's tensors instead. Dynamic shapes from the first call: one graph serves every
+    context length and number of rows. Inductor's artifacts are kept under hpipe's cache directory."""
 
     def __init__(self, runner):
         super().__init__(runner.cache_argument)
         use_inductor_cache()
         self.fns: dict[int, object] = {}
         copies: dict[tuple, object] = {}
-        for u in runner.units:
+        for call in runner.calls:
+            u = call[0]
             if not 0 < u < runner.n_units - 1:
                 continue
-            fn = attention_half if u % 2 == 1 else mlp_half
-            key = (fn.__name__, _signature(*runner._mods[u]))
+            fn = whole_block if len(call) == 2 else attention_half if u % 2 == 1 else mlp_half
+            key = (fn.__name__, _signature(*(m for v in call for m in runner._mods[v])))
             if key not in copies:
                 copies[key] = _compiled_copy(fn)
             self.fns[u] = copies[key]
         self.graphs = len(copies)
 
-    def attention(self, u, norm, module, h, rotary, mask, cache, block):
+    def block(self, u, attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache, block):
         if block not in cache.store.keys:       # a layer's pages are made by its first write (eager)
+            return super().block(u, attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache, block)
+        return self.fns[u](attention_norm, attention, mlp_norm, mlp, h, rotary, mask,
+                           {self.cache_argument: cache.layer(block)})
+
+    def attention(self, u, norm, module, h, rotary, mask, cache, block):
+        if block not in cache.store.keys:
             return super().attention(u, norm, module, h, rotary, mask, cache, block)
         return self.fns[u](norm, module, h, rotary, mask, {self.cache_argument: cache.layer(block)})
 
@@ -306,7 +346,8 @@ def _compiled_copy(fn):
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_COPIES)}")     # equal code objects share a cache
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     return torch.compile(own, dynamic=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                  "cpp_wrapper": True})
 
 
 def _signature(*modules) -> tuple:

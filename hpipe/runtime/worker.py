@@ -558,7 +558,7 @@ def warm_up(runner, max_len: int) -> None:
         step([Segment(0, 0, n - 1, 1, True)])
         step([Segment(0, 0, n - 1, 1, True), Segment(1, 0, n - 2, 1, True)])
         log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode halves compiled in {time.time() - t:.1f} s "
-            f"({runner.decode_halves.graphs} kinds of half)")
+            f"({runner.decode_halves.graphs} graphs: blocks and halves)")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 
