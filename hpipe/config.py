@@ -121,10 +121,11 @@ class RuntimeConfig:
     static_decode: str = setting("auto", "--static-decode", "decode steps with static shapes (padded, whole KV "
                                  "slots under a mask), the path CUDA graphs replay; auto: with CUDA graphs (on a "
                                  "CPU it is slower, see README)", choices=SWITCH)
-    compile: str = setting("off", "--compile", "decode steps run each block's attention and MLP halves through "
-                           "torch.compile (inductor), one graph per half shared by every block (CPU stages of "
-                           "llama-like models): 0.85-0.9x the time of an eager step on SmolLM2; the first start "
-                           "compiles for 5-15 s, later starts load the cache (see README)", choices=("on", "off"))
+    compile: str = setting("off", "--compile", "decode steps run each block through torch.compile (inductor), one "
+                           "graph shared by every block, its wrapper C++ (CPU stages of llama-like models): 0.75x "
+                           "the time of an eager step on SmolLM2; the first start on a machine compiles for about "
+                           "10 s, later starts for 3-4 (see README); a failed compile leaves the run eager",
+                           choices=("on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "
                                   "previous micro-batch computes; auto: on CUDA stages (a CPU stage's forward "
                                   "already keeps its cores busy, see README)", choices=SWITCH)

@@ -232,3 +232,27 @@ def test_sidp_groups_that_cannot_share_their_weights(capsys, tiny_models, tmp_pa
     assert code == 2
     one_error_line(err, "sidp[0]", needle)
     assert not (tmp_path / "o.jsonl").exists() or not (tmp_path / "o.jsonl").read_text()
+
+
+def test_a_compile_that_fails_leaves_the_run_eager_with_one_line(tiny_models, tmp_path):
+    """`--compile on` on a machine without a working C++ compiler (inductor's, named by $CXX) and no
+    cached graphs: one line says the decode runs eagerly and why, and the job gives the tokens of
+    `--compile off`."""
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(tiny_models["llama"]), "--stages", "2", "-o", str(plan)]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "input_ids": list(range(3, 40))}) + "\n")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    outputs = {}
+    for setting in ("on", "off"):
+        out = tmp_path / f"{setting}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "hpipe", "launch", str(plan), "--local", "--prompts", str(prompts),
+                               "--out", str(out), "--max-new-tokens", "8", "--compile", setting],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        failed = [line for line in done.stderr.splitlines() if "its compile failed" in line]
+        assert len(failed) == (2 if setting == "on" else 0), done.stderr    # one line per stage
+        assert all("No working C++ compiler" in line for line in failed), failed
+        outputs[setting] = json.loads(out.read_text().splitlines()[0])["output_ids"]
+    assert outputs["on"] == outputs["off"]
