@@ -311,7 +311,7 @@ def main() -> None:
             for rep in range(args.repeats):
                 for v in variants:
                     got = child("llama.cpp", model, "", args.threads) if v == "llama.cpp" else \
-                        {**launch_numbers(model, v, Path(tmp), compiled=model == "smollm2"),
+                        {**launch_numbers(model, v, Path(tmp), compiled=v != "none"),
                          **child("forward", model, v, args.threads)}
                     for k, x in got.items():
                         best[v][k] = x if k.endswith("bytes") else min(best[v].get(k, x), x)

@@ -303,11 +303,12 @@ def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_
 
 @pytest.mark.parametrize("fmt", ["none", "int4:32"])
 def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models, device):
-    """`--compile on`: decode steps through the halves compiled once for every block (inductor), on 2
-    stages with a mid-block cut and batches of 1-3 rows (both graphs of each half: one row, and any
-    other number), on the dynamic path and on the static one, against one process running the same
-    modules eagerly. Float32 weights within float32 summation noise; quantized within the bf16 grid
-    of the kernels' results."""
+    """`--compile on`: decode steps through one graph per block compiled once for every block
+    (inductor), on 2 stages with a mid-block cut (each stage runs its whole blocks through the block
+    graph and the cut block's half through a half's graph) and batches of 1-3 rows (both forms of
+    each graph: one row, and any other number), on the dynamic path and on the static one, against
+    one process running the same modules eagerly. Float32 weights within float32 summation noise;
+    quantized within the bf16 grid of the kernels' results."""
     path = tiny_models["llama"]
     config = models.load_config(path)
     weights = quant.WeightFormat.parse(fmt)
@@ -321,8 +322,9 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     for static in (False, True):
         runners = [StageRunner(path, config, range(a, b), weights=weights, compiled=True, device=device)
                    for a, b in ((0, 4), (4, n_units))]
-        if device == "cpu":   # one graph per half and kind of block, shared by the blocks (regional)
+        if device == "cpu":   # a block's graph shared by the whole blocks, and the cut block's half's
             assert [r.decode_halves.graphs for r in runners] == [2, 2]
+            assert [r.calls[:2] for r in runners] == [[(0,), (1, 2)], [(4,), (5, 6)]]
         else:                 # a GPU stage replays CUDA graphs of its static step instead, and says so
             assert all("CUDA graphs" in r.compile_refused for r in runners)
         results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3,
