@@ -209,8 +209,12 @@ class StageRunner:
                    halves: "Halves") -> torch.Tensor:
         a, m = units
         block = (a - 1) // 2
-        mask = inputs.masks[models.sliding_window_of_block(self.config, block)]
-        return halves.block(a, *self._mods[a], *self._mods[m], h, inputs.rotary, mask, inputs.cache, block)
+        return halves.block(a, *self._mods[a], *self._mods[m], h, inputs.rotary, self._mask(inputs, block),
+                            inputs.cache, block)
+
+    def _mask(self, inputs: StageInputs, block: int) -> torch.Tensor | None:
+        """The micro-batch's attention mask for this block's window."""
+        return inputs.masks[models.sliding_window_of_block(self.config, block)]
 
     def _run_unit(self, u: int, h: torch.Tensor, inputs: StageInputs, halves: "Halves") -> torch.Tensor:
         mods = self._mods[u]
@@ -227,7 +231,7 @@ class StageRunner:
         block = (u - 1) // 2
         norm, module = mods
         if u % 2 == 1:  # attention half
-            mask = inputs.masks[models.sliding_window_of_block(self.config, block)]
+            mask = self._mask(inputs, block)
             if self.gpt2:
                 out, _ = module(norm(h), attention_mask=mask, **{self.cache_argument: inputs.cache})
                 return h + out
