@@ -1,7 +1,7 @@
 """Where a single-stream decode step goes on one CPU stage (SmolLM2-135M, the GGUF file's own
 quantized weights, after a 256-token prompt), and what `--compile on` takes off it:
 - the dynamic eager step (the runtime's default), the static-shape step eager (the CUDA-graph
-  path), and the dynamic step with the halves compiled (`StageRunner(compiled=True)`: one graph
+  path), and the dynamic step with the halves compiled (`StageRunner(compile="on")`: one graph
   per half shared by every block, as the runtime runs it), each the median of --steps; the compile
   time (cold, or warm from inductor's cache under hpipe's cache directory) is what the first one-row
   and two-row steps took, as the runtime's warm-up;
@@ -73,7 +73,7 @@ def main() -> None:
     with torch.inference_mode():
         report["dynamic_eager_ms"], ref = timed(dynamic)
         report["static_eager_ms"], _ = timed(static_path(StaticDecode(runner, 1, False, PROMPT + args.steps + 8)))
-        runner = StageRunner(source, config, range(models.num_units(config)), weights=weights, compiled=True)
+        runner = StageRunner(source, config, range(models.num_units(config)), weights=weights, compile="on")
         runner.kv.allocate(64)
         runner.forward(runner.prepare_inputs([Segment(0, 0, 0, PROMPT, True)]), torch.arange(3, 3 + PROMPT))
         t = time.time()

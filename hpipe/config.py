@@ -121,11 +121,12 @@ class RuntimeConfig:
     static_decode: str = setting("auto", "--static-decode", "decode steps with static shapes (padded, whole KV "
                                  "slots under a mask), the path CUDA graphs replay; auto: with CUDA graphs (on a "
                                  "CPU it is slower, see README)", choices=SWITCH)
-    compile: str = setting("off", "--compile", "decode steps run each block through torch.compile (inductor), one "
+    compile: str = setting("auto", "--compile", "decode steps run each block through torch.compile (inductor), one "
                            "graph shared by every block, its wrapper C++ (CPU stages of llama-like models): 0.75x "
-                           "the time of an eager step on SmolLM2; the first start on a machine compiles for about "
-                           "10 s, later starts for 3-4 (see README); a failed compile leaves the run eager",
-                           choices=("on", "off"))
+                           "the time of an eager step on SmolLM2. on: compile at start (about 10 s the first time "
+                           "on a host, 3-4 s later); auto: where `hpipe warmup` has compiled the model's graphs on "
+                           "this host, else eagerly; off: eagerly. A failed compile leaves the run eager",
+                           choices=("auto", "on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "
                                   "previous micro-batch computes; auto: on CUDA stages (a CPU stage's forward "
                                   "already keeps its cores busy, see README)", choices=SWITCH)

@@ -4,13 +4,21 @@ against."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# inductor's cache, and with it what `hpipe warmup` marked warm (`--compile auto`, the default), is
+# the session's own: the suite runs the same paths on a developer's machine as on CI's fresh one
+_INDUCTOR = tempfile.mkdtemp(prefix="hpipe-test-inductor-")
+atexit.register(shutil.rmtree, _INDUCTOR, True)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 

@@ -4,7 +4,10 @@ started by `hpipe launch --local`, against one single-process transformers forwa
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -135,6 +138,45 @@ def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
         static += ["--compile", "on"]
     return (["--sampling", sampling] + (["--prepare-thread", "on"] if tsem else ["--no-tsem"])
             + ([] if sat else ["--no-sat"]) + ["--no-cuda-graphs"] + static)
+
+
+def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_tokens(tiny_models, reference_models,
+                                                                                    tmp_path):
+    """`--compile auto`, the default: before `hpipe warmup` a launch runs eagerly and each stage says
+    in one line what would compile it; `hpipe warmup` compiles the model's graphs once (a whole
+    block, and the halves of a block cut between stages) into inductor's cache; the same launch
+    then runs them (its summary says so) and gives the eager launch's tokens."""
+    from hpipe.runtime.stage import COLD
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}     # this test's own cache
+    path = str(tiny_models["llama"])
+    plan, prompts = tmp_path / "plan.json", tmp_path / "p.jsonl"
+    assert main(["plan", "--model", path, "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0   # block 1 cut
+    prompt_ids = [list(range(3, 40)), list(range(50, 61))]
+    write_prompts(prompts, prompt_ids)
+
+    def hpipe(*args):
+        done = subprocess.run([sys.executable, "-m", "hpipe", *args], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        return done
+
+    def launch(tag: str):
+        out = tmp_path / f"{tag}.jsonl"
+        done = hpipe("launch", str(plan), "--local", "--prompts", str(prompts), "--out", str(out),
+                     "--max-new-tokens", "10", "--max-batch", "2")
+        options = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]["options"]
+        tokens = {k: v["output_ids"] for k, v in read_results(out).items()}
+        return [line for line in done.stderr.splitlines() if COLD in line], options["compiled"], tokens
+
+    cold_lines, compiled, eager_tokens = launch("cold")
+    assert not compiled and len(cold_lines) == 2, cold_lines          # one line per stage
+    assert all("hpipe warmup" in line for line in cold_lines)
+    assert "3 decode graphs compiled" in hpipe("warmup", "--model", path).stdout
+    warm_lines, compiled, tokens = launch("warm")
+    assert compiled and not warm_lines
+    for i, prompt in enumerate(prompt_ids):       # inductor's sums are not eager's bit for bit: near-ties aside
+        assert_greedy_equal(reference_models["llama"], prompt, tokens[f"p{i}"], eager_tokens[f"p{i}"])
 
 
 def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, reference_models, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import types
 
 import gguf
 import numpy as np
@@ -138,6 +139,39 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device
         ref = x.double().numpy() @ w.T
         assert y.shape == (rows, ROWS)
         assert (np.abs(y - ref) <= kernel_bound(x, w, ref)).all(), np.abs(y - ref).max()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qtype):
+    """A GGUF embedding table in 4-bit blocks (128 rows: two of the CPU packing's 64-row blocks)
+    stays int4: every row looked up is the gguf package's own dequantization within the bf16
+    rounding of its scales, and the head tied to it runs the int4 kernel on the same tensors,
+    against a float64 matmul of the rows the embedding gives."""
+    if not quant.int4_rows_gatherable(128, "cpu"):
+        pytest.skip("this torch build packs int4 for the CPU in another layout (the table goes to int8)")
+    rng = np.random.default_rng(6)
+    n, k = 128, 256
+    values = rng.normal(0, 0.05, (n, k)).astype(np.float32)
+    raw = gguf.quants.quantize(values, qtype)
+    theirs = gguf.quants.dequantize(raw, qtype).astype(np.float64)
+    a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(k, n)))
+    packed = quant.pack(a, quant.WeightFormat("gguf"), "cpu", as_embedding=True)
+    assert set(packed) == {"int4", "scales_zeros"}
+    embedding = quant.embedding_module(packed, "cpu", torch.float32)
+    head = quant.linear_module(packed, "cpu")
+    assert embedding.packed.data_ptr() == head.packed.data_ptr()
+    ids = torch.tensor([[0, 31, 32, 63], [64, 100, 127, 5]])
+    rows = embedding(ids).double().numpy()
+    assert rows.shape == (2, 4, k)
+    u = int4_codes(a)[ids.numpy()]
+    sz = packed["scales_zeros"].double().numpy()[:, ids.numpy()]           # [K / 32, 2, 4, 2]
+    s, z = (np.repeat(np.moveaxis(sz[..., i], 0, -1), 32, axis=-1) for i in (0, 1))
+    bound = U * (np.abs(u - 8) * np.abs(s) + np.abs(z)) * (1 + U) + 2.0 ** -23 * np.abs(z)
+    assert (np.abs(rows - theirs[ids.numpy()]) <= bound).all()
+    table = embedding(torch.arange(n)).double().numpy()
+    x = torch.randn(3, k)
+    ref = x.double().numpy() @ table.T
+    assert (np.abs(head(x).double().numpy() - ref) <= kernel_bound(x, table, ref)).all()
 
 
 def dense_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -320,7 +354,7 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=8 + 4 * i, eos_ids=frozenset())
                 for i, p in enumerate(prompts)]
     for static in (False, True):
-        runners = [StageRunner(path, config, range(a, b), weights=weights, compiled=True, device=device)
+        runners = [StageRunner(path, config, range(a, b), weights=weights, compile="on", device=device)
                    for a, b in ((0, 4), (4, n_units))]
         if device == "cpu":   # a block's graph shared by the whole blocks, and the cut block's half's
             assert [r.decode_halves.graphs for r in runners] == [2, 2]

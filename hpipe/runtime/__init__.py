@@ -1,6 +1,7 @@
 """hpipe's runtime: one worker process per pipeline stage (`python -m hpipe.runtime.worker`).
 
-- `stage`: a stage's units and the steps of a micro-batch (prepare inputs, forward);
+- `stage`: a stage's units and the steps of a micro-batch (prepare inputs, forward), its
+  compiled decode graphs and `warm_compile` (`hpipe warmup`);
 - `pages`: a sequence's KV pages and a micro-batch's segments (no torch);
 - `kv`: the KV cache itself (torch);
 - `sequence`: one request's state on stage 0, its status enum (no torch);
@@ -20,7 +21,7 @@ from hpipe.runtime.pages import Segment, microbatch_kind
 from hpipe.runtime.schedule import Schedule
 from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.sequence import Sequence, Status
-from hpipe.runtime.stage import StageRunner
+from hpipe.runtime.stage import StageRunner, warm_compile
 
 __all__ = ["KVStore", "Policy", "Schedule", "Scheduler", "Segment", "Sequence", "StageRunner", "Status",
-           "microbatch_kind", "run_inprocess"]
+           "microbatch_kind", "run_inprocess", "warm_compile"]

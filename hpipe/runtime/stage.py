@@ -48,11 +48,12 @@ class StageInputs:
 class StageRunner:
     def __init__(self, model: models.ModelSource | Path, config, units: range, device: str = "cpu",
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
-                 page_size: int = DEFAULTS.page_size, weights=None, compiled: bool = False,
+                 page_size: int = DEFAULTS.page_size, weights=None, compile: str = DEFAULTS.compile,
                  deterministic: bool = DEFAULTS.deterministic == "on"):
-        """compiled: decode steps run the halves through torch.compile where `compiled_halves_refused` allows
-        (`--compile`); everything else, and every other stage, eagerly. deterministic: every row's
-        arithmetic fixed by the row itself (`hpipe.runtime.invariant`)."""
+        """compile (`--compile`): "on", decode steps run their blocks through torch.compile where
+        `compiled_halves_refused` allows; "auto", the same where `hpipe warmup` has compiled this
+        stage's graphs on this host (`warm_graphs`); "off", eagerly. Everything else runs eagerly.
+        deterministic: every row's arithmetic fixed by the row itself (`hpipe.runtime.invariant`)."""
         config = copy.deepcopy(config)      # transformers writes the attention implementation into it
         self.config = config
         self.deterministic = deterministic
@@ -93,8 +94,8 @@ class StageRunner:
         self.cache_argument = models.cache_argument(attention)
         self.calls = stage_calls(units, self.n_units, joined=not self.gpt2)
         self.eager = Halves(self.cache_argument)
-        self.compile_refused = compiled_halves_refused(self) if compiled else None
-        self.decode_halves = CompiledHalves(self) if compiled and self.compile_refused is None else self.eager
+        self.compile_refused = compiled_halves_refused(self, compile)
+        self.decode_halves = CompiledHalves(self) if self.compile_refused is None else self.eager
 
     @property
     def first(self) -> bool:
@@ -287,8 +288,15 @@ class Halves:
 _COPIES = itertools.count()        # names the compiled copies of the halves apart
 
 
-def compiled_halves_refused(runner) -> str | None:
-    """Why a stage's decode steps cannot share one graph per block among its blocks, or None."""
+COLD = "no graph of its blocks is compiled on this host yet"
+
+
+def compiled_halves_refused(runner, mode: str) -> str | None:
+    """Why a stage's decode steps do not run one compiled graph per block under `--compile mode`, or
+    None. Under "auto" a stage whose graphs `hpipe warmup` has not compiled here gives `COLD`, with
+    what to do about it."""
+    if mode == "off":
+        return "--compile off"
     if runner.deterministic:
         return "--deterministic on: decode steps run piece by piece (inductor's kernels round rows by the batch)"
     if runner.device.type != "cpu":
@@ -297,7 +305,110 @@ def compiled_halves_refused(runner) -> str | None:
         return f"{runner.config.model_type} blocks are not compiled (llama-like models are)"
     if not runner.blocks:
         return "the stage holds no block"
+    if mode == "auto" and not warm_graphs(runner):
+        return (f"{COLD}: `hpipe warmup` with the plan's model, --quantize and --dtype compiles them once "
+                f"(about 30 s; later starts take 3-4 s a stage) and decode steps then take about 0.75x the time")
     return None
+
+
+def graph_plan(runner) -> dict[int, tuple]:
+    """Unit -> (function, key) of every graph the stage's decode steps call: a whole block's, or a
+    half's of a block cut between stages (keyed by the function and `_signature` of its modules)."""
+    plan = {}
+    for call in runner.calls:
+        u = call[0]
+        if 0 < u < runner.n_units - 1:
+            fn = whole_block if len(call) == 2 else attention_half if u % 2 == 1 else mlp_half
+            plan[u] = (fn, (fn.__name__, _signature(*(m for v in call for m in runner._mods[v]))))
+    return plan
+
+
+def _warm_marks(runner) -> list[Path]:
+    """One file per graph of the stage beside inductor's artifacts, named by what the graph bakes in:
+    torch's and hpipe's versions, the function's code, its modules' signature, the attention
+    implementation and the KV page size (what the traced cache reads)."""
+    import hashlib
+
+    import hpipe
+
+    use_inductor_cache()
+    root = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "hpipe-warm"
+    marks = []
+    for fn, key in graph_plan(runner).values():
+        text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, key, runner.attn_implementation,
+                     runner.kv.page_size))
+        marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
+    return marks
+
+
+def warm_graphs(runner) -> bool:
+    """Whether `hpipe warmup` compiled every graph this stage's decode steps call, on this host."""
+    marks = _warm_marks(runner)
+    return bool(marks) and all(m.exists() for m in marks)
+
+
+def mark_warm(runner) -> None:
+    for m in _warm_marks(runner):
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.touch()
+
+
+def warm_up(runner, max_len: int, log) -> None:
+    """Before the clock starts (the KV pool is allocated): one small slice through the stage's units
+    (kernel selection, thread pools, first-touch allocations); with compiled halves, the decode
+    steps that compile them: one row (its context read in place), two rows of different lengths
+    (under a mask). Every step stays inside the slice's own pages. A compile that fails (no C++
+    compiler, an inductor bug) leaves the stage eager, said in one line."""
+    import time
+
+    n = max(1, min(16, max_len))
+
+    @torch.inference_mode()      # as the run prepares and computes (a compiled graph tells the two apart)
+    def step(segments):
+        rows = sum(s.length for s in segments)
+        x = torch.zeros(rows, dtype=torch.long, device=runner.device) if runner.first else \
+            torch.zeros(rows, runner.hidden_size, dtype=runner.dtype, device=runner.device)
+        runner.forward(runner.prepare_inputs(segments), x)
+
+    step([Segment(0, 0, 0, n, True)])
+    if runner.decode_halves is not runner.eager and n > 2:
+        t = time.time()
+        try:
+            step([Segment(0, 0, n - 1, 1, True)])
+            step([Segment(0, 0, n - 1, 1, True), Segment(1, 0, n - 2, 1, True)])
+        except Exception as e:      # no C++ compiler, an inductor bug: the run goes on eagerly
+            runner.decode_halves = runner.eager
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode runs eagerly, its compile failed "
+                f"(--compile off skips it): {type(e).__name__}: {first}")
+        else:
+            log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode compiled in {time.time() - t:.1f} s "
+                f"({runner.decode_halves.graphs} graphs: whole blocks and halves of cut ones)")
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def warm_compile(model: models.ModelSource, config, weights, dtype: str, log) -> int:
+    """`hpipe warmup`: compiles, on this host, every graph a CPU stage of `model` can call (a whole
+    block, the attention half and the MLP half of a block cut between stages) into inductor's cache,
+    and marks them warm for `--compile auto`. Returns how many graphs are warm."""
+    from hpipe.errors import HpipeError
+
+    n = models.num_units(config)
+    marks: set[Path] = set()
+    for units in (range(2), range(2, n), range(n)):      # a cut block's halves, then whole blocks
+        runner = StageRunner(model, config, units, "cpu", dtype, weights=weights, compile="on")
+        if runner.compile_refused is not None:
+            raise HpipeError(f"{model.name}: decode steps are not compiled ({runner.compile_refused}); its runs "
+                             f"need no warmup")
+        if not warm_graphs(runner):
+            runner.kv.allocate(4)
+            warm_up(runner, 16, log)
+            if runner.decode_halves is runner.eager:
+                raise HpipeError(f"{model.name}: the compile failed (the line above says why); runs stay eager")
+            mark_warm(runner)
+        marks.update(_warm_marks(runner))
+    return len(marks)
 
 
 class CompiledHalves(Halves):
@@ -320,12 +431,7 @@ class CompiledHalves(Halves):
         use_inductor_cache()
         self.fns: dict[int, object] = {}
         copies: dict[tuple, object] = {}
-        for call in runner.calls:
-            u = call[0]
-            if not 0 < u < runner.n_units - 1:
-                continue
-            fn = whole_block if len(call) == 2 else attention_half if u % 2 == 1 else mlp_half
-            key = (fn.__name__, _signature(*(m for v in call for m in runner._mods[v])))
+        for u, (fn, key) in graph_plan(runner).items():
             if key not in copies:
                 copies[key] = _compiled_copy(fn)
             self.fns[u] = copies[key]

@@ -39,7 +39,7 @@ from hpipe.lifeline import tie_to_parent
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm, invariant
 from hpipe.runtime.draft import proposer_for
-from hpipe.runtime.pages import Segment, pages_needed
+from hpipe.runtime.pages import pages_needed
 from hpipe.runtime.pipeline import (Driver, Executors, LogprobReports, Modes, PoolSampling, Sampling, ThreadSampling,
                                     Timeline, run_first_stage, run_later_stage)
 from hpipe.runtime.sampler_pool import SamplerPool
@@ -48,7 +48,7 @@ from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.sequence import Sequence
 from hpipe.runtime.sidp import Replica, Seat, run_replica, runs_plain
 from hpipe.runtime.speculative import SPEC_ROWS
-from hpipe.runtime.stage import StageRunner
+from hpipe.runtime.stage import COLD, StageRunner, warm_up
 from hpipe.runtime.static_decode import StaticDecode, unsupported
 from hpipe.sampling import RequestSampler
 
@@ -338,10 +338,11 @@ class StageWorker:
                                                self.max_tokens)
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
-                                           weights=self.weights, compiled=config.compile == "on",
+                                           weights=self.weights, compile=config.compile,
                                            deterministic=self.deterministic)
-        if runner.compile_refused:
-            log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
+        if runner.compile_refused and (config.compile == "on" or runner.compile_refused.startswith(COLD)):
+            log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile {config.compile}): "
+                f"{runner.compile_refused}")
         self.speculation = Speculation.parse(config.speculation)
         self.modes, static = self._modes()
         self.groups = comm.init(self.rank, self.world, args.master_addr, args.master_port,
@@ -349,7 +350,7 @@ class StageWorker:
                                 config.rendezvous_timeout_s)
         self.pages = self._agree_kv_pages()
         runner.kv.allocate(self.pages)
-        warm_up(runner, self.requests.max_len)
+        warm_up(runner, self.requests.max_len, log)
         static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs,
                                      self.requests.max_len) if static else None
         self.graphs = static_decode.capture() if static_decode is not None else 0
@@ -536,38 +537,6 @@ def longest_microbatch(lengths: list[int], plan, max_batch: int, policy: Policy)
     slices = [max(plan.slicing.slices_for(n)) for n in unique]
     slices += [max(plan.slicing.slices_for(n - c, c)) for c in plan.slicing.by_context for n in unique if n > c]
     return max(slices + [policy.max_tokens]) + max_batch
-
-
-def warm_up(runner, max_len: int) -> None:
-    """Before the clock starts (the KV pool is allocated): one small slice through the stage's units
-    (kernel selection, thread pools, first-touch allocations); with compiled halves, the decode
-    steps that compile them: one row (its context read in place), two rows of different lengths
-    (under a mask). Every step stays inside the slice's own pages."""
-    n = max(1, min(16, max_len))
-
-    @torch.inference_mode()      # as the run prepares and computes (a compiled graph tells the two apart)
-    def step(segments):
-        rows = sum(s.length for s in segments)
-        x = torch.zeros(rows, dtype=torch.long) if runner.first else \
-            torch.zeros(rows, runner.hidden_size, dtype=runner.dtype)
-        runner.forward(runner.prepare_inputs(segments), x)
-
-    step([Segment(0, 0, 0, n, True)])
-    if runner.decode_halves is not runner.eager and n > 2:
-        t = time.time()
-        try:
-            step([Segment(0, 0, n - 1, 1, True)])
-            step([Segment(0, 0, n - 1, 1, True), Segment(1, 0, n - 2, 1, True)])
-        except Exception as e:      # no C++ compiler, an inductor bug: the run goes on eagerly
-            runner.decode_halves = runner.eager
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode runs eagerly, its compile failed "
-                f"(--compile off skips it): {type(e).__name__}: {first}")
-        else:
-            log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode compiled in {time.time() - t:.1f} s "
-                f"({runner.decode_halves.graphs} graphs: whole blocks and halves of cut ones)")
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
 
 
 if __name__ == "__main__":
