@@ -671,6 +671,9 @@ def _print_launch(summary: dict, out: str) -> None:
                f"{s.get('generated_tokens', 0)} tokens in {s.get('wall_s', 0):.2f} s "
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
+    if s.get("options", {}).get("compile_cold"):
+        typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize and --dtype compiles its "
+                   "steps once on each host (about 30 s); runs then take about 0.75x the time a token")
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "
                    f"({s['prefix_hit_tokens'] / max(1, s['prefix_query_tokens']):.0%}) and not prefilled again")

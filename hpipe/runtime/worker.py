@@ -340,9 +340,8 @@ class StageWorker:
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights, compile=config.compile,
                                            deterministic=self.deterministic)
-        if runner.compile_refused and (config.compile == "on" or runner.compile_refused.startswith(COLD)):
-            log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile {config.compile}): "
-                f"{runner.compile_refused}")
+        if runner.compile_refused and config.compile == "on":
+            log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
         self.speculation = Speculation.parse(config.speculation)
         self.modes, static = self._modes()
         self.groups = comm.init(self.rank, self.world, args.master_addr, args.master_port,
@@ -474,6 +473,7 @@ class StageWorker:
             len(r.input_ids) for r in requests.requests),
             options={**dataclasses.asdict(self.modes), "static_decode": self.ex.static is not None,
                      "compiled": self.runner.decode_halves is not self.runner.eager,
+                     "compile_cold": (self.runner.compile_refused or "").startswith(COLD),
                      "deterministic": self.runner.deterministic,
                      "weights": str(self.weights)},
             policy=dataclasses.asdict(self.policy), kv_pages=self.pages - 1, page_size=config.page_size,
