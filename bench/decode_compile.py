@@ -51,7 +51,7 @@ def main() -> None:
     source = models.resolve_model("smollm2")
     config = models.load_config(source.path)
     weights = quant.WeightFormat.parse("gguf")
-    runner = StageRunner(source, config, range(models.num_units(config)), weights=weights)
+    runner = StageRunner(source, config, range(models.num_units(config)), weights=weights, compile="off")
     runner.kv.allocate(64)
     runner.forward(runner.prepare_inputs([Segment(0, 0, 0, PROMPT, True)]), torch.arange(3, 3 + PROMPT))
     report: dict = {"threads": args.threads, "weights": str(weights), "prompt": PROMPT, "steps": args.steps}

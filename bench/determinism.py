@@ -62,7 +62,8 @@ def stage_steps(rounds: int) -> dict:
     source = models.resolve_model("smollm2")
     config = models.load_config(source.path)
     units = range(models.num_units(config))
-    runners = {s: StageRunner(source, config, units, weights=quant.WeightFormat("gguf"), deterministic=s == "on")
+    runners = {s: StageRunner(source, config, units, weights=quant.WeightFormat("gguf"), deterministic=s == "on",
+                                compile="off")
                for s in ("off", "on")}
     ids = torch.arange(3, 515)
     for r in runners.values():

@@ -40,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(1)
     source = models.resolve_model("smollm2")
     config = models.load_config(source.path)
-    runners = [StageRunner(source, config, range(models.num_units(config)), weights=quant.WeightFormat("gguf"))]
+    runners = [StageRunner(source, config, range(models.num_units(config)), weights=quant.WeightFormat("gguf"), compile="off")]
     prompt = tuple((i * 7919) % 40000 + 100 for i in range(args.context))
     in_place = kv.BatchCache.__init__
 

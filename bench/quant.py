@@ -126,9 +126,9 @@ def child_hpipe_memory(name: str, fmt: str, threads: int) -> dict:
     source = models.resolve_model(str(model_path(name)))
     config = models.load_config(source.path)
     weights = quant.WeightFormat.parse(fmt)
-    StageRunner(source, config, range(2, 3), weights=weights)       # imports and the packed cache, once
+    StageRunner(source, config, range(2, 3), weights=weights, compile="off")       # imports and the packed cache, once
     before, parts = rss(), rss_parts()
-    runner = StageRunner(source, config, range(models.num_units(config)), weights=weights)
+    runner = StageRunner(source, config, range(models.num_units(config)), weights=weights, compile="off")
     runner.kv.allocate(2)
     with torch.inference_mode():
         runner.forward(runner.prepare_inputs([Segment(0, 0, 0, 8, True)]), torch.arange(3, 11))
@@ -151,7 +151,8 @@ def child_hpipe_forward(name: str, fmt: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     source = models.resolve_model(str(model_path(name)))
     config = models.load_config(source.path)
-    runner = StageRunner(source, config, range(models.num_units(config)), weights=quant.WeightFormat.parse(fmt))
+    runner = StageRunner(source, config, range(models.num_units(config)), weights=quant.WeightFormat.parse(fmt),
+                         compile="off")
     runner.kv.allocate(32)
     with torch.inference_mode():
         runner.forward(runner.prepare_inputs([Segment(0, 0, 0, PROMPT, True)]), torch.tensor(prompt_ids(PROMPT)))

@@ -54,7 +54,7 @@ def main() -> None:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
         cfg = models.load_config(Path(tmp))
-        runner = StageRunner(Path(tmp), cfg, range(models.num_units(cfg)), device=dev, dtype=dtype)
+        runner = StageRunner(Path(tmp), cfg, range(models.num_units(cfg)), device=dev, dtype=dtype, compile="off")
         ref = AutoModelForCausalLM.from_pretrained(tmp, dtype=models.torch_dtype(dtype)).eval().to(dev)
     params = sum(p.numel() for p in ref.parameters())
 
