@@ -376,7 +376,7 @@ def warm_up(runner, max_len: int, log) -> None:
         try:
             step([Segment(0, 0, n - 1, 1, True)])
             step([Segment(0, 0, n - 1, 1, True), Segment(1, 0, n - 2, 1, True)])
-        except Exception as e:      # no C++ compiler, an inductor bug: the run goes on eagerly
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor bug: the run goes on eagerly
             runner.decode_halves = runner.eager
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode runs eagerly, its compile failed "
