@@ -739,11 +739,11 @@ def warmup(
 
     source = models.resolve_model(model, progress=_note)
     config = models.load_config(source.path)
-    weights = quant.stage_weights(_weights(model, quantize), "cpu")
+    weights, dtype = quant.stage_weights(_weights(model, quantize), "cpu"), _dtype(dtype)
     t = time.time()
-    graphs = runtime.warm_compile(source, config, weights, _dtype(dtype), _note)
+    graphs = runtime.warm_compile(source, config, weights, dtype, _note)
     typer.echo(f"{source.name}: {graphs} decode graphs compiled and warm on this host ({time.time() - t:.0f} s; "
-               f"weights {weights}, {_dtype(dtype)}); runs with --compile auto (the default) use them")
+               f"weights {weights}, {dtype}); runs with --compile auto (the default) use them")
 
 
 @app.command()

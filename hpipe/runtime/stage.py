@@ -98,6 +98,11 @@ class StageRunner:
         self.decode_halves = CompiledHalves(self) if self.compile_refused is None else self.eager
 
     @property
+    def compile_cold(self) -> bool:
+        """`--compile auto` found no graphs that `hpipe warmup` compiled for this stage here."""
+        return (self.compile_refused or "").startswith(COLD)
+
+    @property
     def first(self) -> bool:
         return self.units.start == 0
 
@@ -347,12 +352,6 @@ def warm_graphs(runner) -> bool:
     return bool(marks) and all(m.exists() for m in marks)
 
 
-def mark_warm(runner) -> None:
-    for m in _warm_marks(runner):
-        m.parent.mkdir(parents=True, exist_ok=True)
-        m.touch()
-
-
 def warm_up(runner, max_len: int, log) -> None:
     """Before the clock starts (the KV pool is allocated): one small slice through the stage's units
     (kernel selection, thread pools, first-touch allocations); with compiled halves, the decode
@@ -401,13 +400,16 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log) ->
         if runner.compile_refused is not None:
             raise HpipeError(f"{model.name}: decode steps are not compiled ({runner.compile_refused}); its runs "
                              f"need no warmup")
-        if not warm_graphs(runner):
+        own = _warm_marks(runner)
+        if not all(m.exists() for m in own):
             runner.kv.allocate(4)
             warm_up(runner, 16, log)
             if runner.decode_halves is runner.eager:
                 raise HpipeError(f"{model.name}: the compile failed (the line above says why); runs stay eager")
-            mark_warm(runner)
-        marks.update(_warm_marks(runner))
+            for m in own:
+                m.parent.mkdir(parents=True, exist_ok=True)
+                m.touch()
+        marks.update(own)
     return len(marks)
 
 

@@ -48,7 +48,7 @@ from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.sequence import Sequence
 from hpipe.runtime.sidp import Replica, Seat, run_replica, runs_plain
 from hpipe.runtime.speculative import SPEC_ROWS
-from hpipe.runtime.stage import COLD, StageRunner, warm_up
+from hpipe.runtime.stage import StageRunner, warm_up
 from hpipe.runtime.static_decode import StaticDecode, unsupported
 from hpipe.sampling import RequestSampler
 
@@ -473,7 +473,7 @@ class StageWorker:
             len(r.input_ids) for r in requests.requests),
             options={**dataclasses.asdict(self.modes), "static_decode": self.ex.static is not None,
                      "compiled": self.runner.decode_halves is not self.runner.eager,
-                     "compile_cold": (self.runner.compile_refused or "").startswith(COLD),
+                     "compile_cold": self.runner.compile_cold,
                      "deterministic": self.runner.deterministic,
                      "weights": str(self.weights)},
             policy=dataclasses.asdict(self.policy), kv_pages=self.pages - 1, page_size=config.page_size,
