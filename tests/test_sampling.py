@@ -111,6 +111,31 @@ def test_bfloat16_logits_with_many_ties_match_reference():
 
 
 @pytest.mark.parametrize("layout", ["row", "column"])
+def test_greedy_batches_without_penalties_take_the_first_maximum(layout):
+    """A batch of greedy rows without penalties (a chat's default) is read straight off the logits:
+    the first maximum of each (biased) row, ties included, as the reference and the candidates'
+    path give; with or without the distributions asked for."""
+    rng = random.Random("greedy")
+    for trial in range(8):
+        vocab = rng.choice([64, 500])
+        rows = [(SamplingParams(temperature=rng.choice([0.0, 1e-6]), top_k=rng.choice([0, 3]),
+                                logit_bias={str(rng.randrange(vocab)): 2.0} if rng.random() < 0.3 else {}),
+                 [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]) for _ in range(rng.randint(1, 4))]
+        bf16 = lambda b: (torch.randn(b, vocab) * 2).to(torch.bfloat16).float()  # noqa: E731  ties at the maximum
+        outputs = run_against_reference(vocab, rows, steps=3, rng=rng, layout=layout, logits_fn=bf16)
+        sampler = CPUSampler(vocab, max_batch=len(rows), max_len=4, layout=layout)
+        for i, (params, prompt) in enumerate(rows):
+            sampler.add(i, params, prompt)
+        logits = bf16(len(rows))
+        biased = logits.double()
+        for i, (params, _) in enumerate(rows):
+            for t, bias in params.logit_bias:
+                biased[i, t] += bias
+        assert sampler.step(logits, list(range(len(rows)))).tolist() == biased.argmax(dim=1).tolist()
+        assert all(len(o) == 3 for o in outputs.values())
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
 def test_edge_cases(layout):
     rng = random.Random(1)
     vocab = 40
