@@ -158,17 +158,16 @@ class CPUSampler:
         logits = logits.detach().to("cpu", torch.float32)
         cols = torch.tensor(cols_l, dtype=torch.long)
         params = [st.params[c] for c in cols_l]
-        if any(p.biased for p in params):
-            logits = self._biased(logits, params)
+        biased = self._biased(logits, params) if any(p.biased for p in params) else logits
         for c in cols_l:
             if st.lengths[c] >= self.max_len:
                 raise SamplingError(f"a sequence reached max_len={self.max_len} sampled tokens")
 
         pen_rows = [i for i, p in enumerate(params) if p.penalized]
-        if not pen_rows and all(p.greedy for p in params):
+        if all(p.greedy and not p.penalized and not p.biased for p in params):
             out_ids, probs_out = self._argmax(logits, return_probs)
         else:
-            out_ids, probs_out = self._candidates(st, logits, cols_l, params, pen_rows, return_probs)
+            out_ids, probs_out = self._candidates(st, logits, biased, cols_l, params, pen_rows, return_probs)
 
         # 3. the new ids join each sequence's history and penalty state (B scatters)
         new = out_ids
@@ -185,7 +184,7 @@ class CPUSampler:
         return (out_ids, probs_out) if return_probs else out_ids
 
     def _argmax(self, logits: torch.Tensor, return_probs: bool):
-        """Greedy rows without penalties (a chat's default): the first maximum of each row, read
+        """Greedy rows without penalties or biases (a chat's default): the first maximum of each row, read
         straight off the logits (one pass, where the candidates' top-k and float64 choice took
         3x as long after a forward, with the vocabulary's logits out of cache)."""
         out_ids = torch.argmax(logits, dim=1)
@@ -195,22 +194,23 @@ class CPUSampler:
             probs_out[torch.arange(logits.shape[0]), out_ids] = 1.0
         return out_ids, probs_out
 
-    def _candidates(self, st: _Replica, logits: torch.Tensor, cols_l: list[int], params, pen_rows: list[int],
-                    return_probs: bool):
-        """Steps 1 and 2 of the semantics for any rows: the candidates from one top-k over the
-        penalized logits, then each row's choice among them in float64."""
+    def _candidates(self, st: _Replica, logits: torch.Tensor, biased: torch.Tensor, cols_l: list[int], params,
+                    pen_rows: list[int], return_probs: bool):
+        """Steps 0-2 of the semantics for any rows: the candidates from one top-k over the biased and
+        penalized logits (float32), then each row's choice among them, its values recomputed from
+        the logits in float64 (biases and penalties)."""
         b = len(cols_l)
         cols = torch.tensor(cols_l, dtype=torch.long)
         # 1. penalized logits, for choosing the candidates (float32, in the work buffer)
         seen_idx = self._seen_matrix(st, cols_l, pen_rows) if pen_rows else None
         if self.layout == "column":
             work = st.work[:, :b]
-            work.copy_(logits.t())
+            work.copy_(biased.t())
             vocab_dim = 0
         else:
-            work = st.work[:b] if pen_rows else logits
+            work = st.work[:b] if pen_rows else biased
             if pen_rows:
-                work.copy_(logits)
+                work.copy_(biased)
             vocab_dim = 1
         if pen_rows:
             self._penalize_in_place(st, work, seen_idx, cols, params, pen_rows)
@@ -309,9 +309,13 @@ class CPUSampler:
             work[r[:, None].expand_as(ids), ids] = self._apply(vals, count, in_prompt, rep, freq, pres)
 
     def _exact_penalized(self, st: _Replica, logits, rows, ids, cols, params) -> torch.Tensor:
-        """float64 penalized logits of the candidates `ids` [R, K], from the original logits."""
+        """float64 biased and penalized logits of the candidates `ids` [R, K], from the original logits
+        (a bias of 100 added in float32 would move a probability by ~1e-6)."""
         r = torch.tensor(rows, dtype=torch.long)
         vals = logits[r[:, None].expand_as(ids), ids].double()
+        for j, i in enumerate(rows):
+            for t, bias in params[i].logit_bias:
+                vals[j][ids[j] == t] += bias
         if any(params[i].penalized for i in rows):
             c = cols[r][:, None].expand_as(ids)
             count, in_prompt = st.counts[st.at(ids, c)], st.in_prompt[st.at(ids, c)]

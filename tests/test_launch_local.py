@@ -143,8 +143,9 @@ def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
 def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_tokens(tiny_models, reference_models,
                                                                                     tmp_path):
     """`--compile auto`, the default: before `hpipe warmup` a launch runs eagerly and its report says
-    in one line what would compile it; `hpipe warmup` compiles the model's graphs once (a whole
-    block, and the halves of a block cut between stages) into inductor's cache; the same launch
+    in one line what would compile it; `hpipe warmup` compiles the model's graphs once (a run of
+    whole blocks, one whole block, and the halves of a block cut between stages) into inductor's
+    cache; the same launch
     then runs them (its summary says so) and gives the eager launch's tokens."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}     # this test's own cache
     path = str(tiny_models["llama"])
@@ -170,7 +171,7 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
 
     hint, compiled, eager_tokens = launch("cold")
     assert compiled == (False, True) and len(hint) == 1 and hint[0].startswith("decode ran eagerly"), hint
-    assert "3 decode graphs compiled" in hpipe("warmup", "--model", path).stdout
+    assert "4 decode graphs compiled" in hpipe("warmup", "--model", path).stdout     # 4 blocks, 1 block, 2 halves
     hint, compiled, tokens = launch("warm")
     assert compiled == (True, False) and not hint
     for i, prompt in enumerate(prompt_ids):       # inductor's sums are not eager's bit for bit: near-ties aside

@@ -21,6 +21,7 @@ from hpipe.cli import main
 from hpipe.formats import Slicing
 from hpipe.request import Request
 from hpipe.runtime.inprocess import run_inprocess
+from hpipe.runtime import stage as stage_module
 from hpipe.runtime.stage import StageRunner
 
 U = 2.0 ** -8          # bf16's unit roundoff (8 significant bits, round to nearest)
@@ -336,13 +337,16 @@ def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_
 
 
 @pytest.mark.parametrize("fmt", ["none", "int4:32"])
-def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models, device):
-    """`--compile on`: decode steps through one graph per block compiled once for every block
-    (inductor), on 2 stages with a mid-block cut (each stage runs its whole blocks through the block
-    graph and the cut block's half through a half's graph) and batches of 1-3 rows (both forms of
-    each graph: one row, and any other number), on the dynamic path and on the static one, against
-    one process running the same modules eagerly. Float32 weights within float32 summation noise;
-    quantized within the bf16 grid of the kernels' results."""
+def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models, device, monkeypatch):
+    """`--compile on`: decode steps through graphs compiled once for every call of their kind
+    (inductor), on 2 stages with a mid-block cut: the first runs its one whole block through the
+    single block's graph and the cut block's attention half through that half's graph, the second
+    the cut block's MLP half through its graph and its two whole blocks as one call (2 blocks a call
+    here, for the tiny model's 4 blocks), with batches of 1-3 rows (both forms of each graph: one
+    row, and any other number), on the dynamic path and on the static one, against one process
+    running the same modules eagerly. Float32 weights within float32 summation noise; quantized
+    within the bf16 grid of the kernels' results."""
+    monkeypatch.setattr(stage_module, "BLOCKS_PER_CALL", 2)
     path = tiny_models["llama"]
     config = models.load_config(path)
     weights = quant.WeightFormat.parse(fmt)
@@ -358,7 +362,7 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
                    for a, b in ((0, 4), (4, n_units))]
         if device == "cpu":   # a block's graph shared by the whole blocks, and the cut block's half's
             assert [r.decode_halves.graphs for r in runners] == [2, 2]
-            assert [r.calls[:2] for r in runners] == [[(0,), (1, 2)], [(4,), (5, 6)]]
+            assert [r.calls for r in runners] == [[(0,), (1, 2), (3,)], [(4,), (5, 6, 7, 8), (9,)]]
         else:                 # a GPU stage replays CUDA graphs of its static step instead, and says so
             assert all("CUDA graphs" in r.compile_refused for r in runners)
         results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3,

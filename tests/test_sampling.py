@@ -5,6 +5,7 @@ runs reproducible whatever the batch; sampled ids follow the returned distributi
 from __future__ import annotations
 
 import collections
+import functools
 import random
 
 import pytest
@@ -110,6 +111,10 @@ def test_bfloat16_logits_with_many_ties_match_reference():
                               logits_fn=lambda b: (torch.randn(b, vocab) * 2).to(torch.bfloat16).float())
 
 
+def bf16_logits(rows: int, vocab: int) -> torch.Tensor:
+    return (torch.randn(rows, vocab) * 2).to(torch.bfloat16).float()
+
+
 @pytest.mark.parametrize("layout", ["row", "column"])
 def test_greedy_batches_without_penalties_take_the_first_maximum(layout):
     """A batch of greedy rows without penalties (a chat's default) is read straight off the logits:
@@ -121,7 +126,7 @@ def test_greedy_batches_without_penalties_take_the_first_maximum(layout):
         rows = [(SamplingParams(temperature=rng.choice([0.0, 1e-6]), top_k=rng.choice([0, 3]),
                                 logit_bias={str(rng.randrange(vocab)): 2.0} if rng.random() < 0.3 else {}),
                  [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]) for _ in range(rng.randint(1, 4))]
-        bf16 = lambda b: (torch.randn(b, vocab) * 2).to(torch.bfloat16).float()  # noqa: E731  ties at the maximum
+        bf16 = functools.partial(bf16_logits, vocab=vocab)       # ties at the maximum
         outputs = run_against_reference(vocab, rows, steps=3, rng=rng, layout=layout, logits_fn=bf16)
         sampler = CPUSampler(vocab, max_batch=len(rows), max_len=4, layout=layout)
         for i, (params, prompt) in enumerate(rows):

@@ -93,6 +93,9 @@ class StageRunner:
         attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
         self.cache_argument = models.cache_argument(attention)
         self.calls = stage_calls(units, self.n_units, joined=not self.gpt2)
+        # each call of whole blocks: their modules and block numbers, gathered once
+        self._blocks = {c[0]: ([(*self._mods[a], *self._mods[a + 1]) for a in c[::2]], [(a - 1) // 2 for a in c[::2]])
+                        for c in self.calls if len(c) >= 2}
         self.eager = Halves(self.cache_argument)
         self.compile_refused = compiled_halves_refused(self, compile)
         self.decode_halves = CompiledHalves(self) if self.compile_refused is None else self.eager
@@ -205,18 +208,15 @@ class StageRunner:
             h = h.clone()       # received hidden states: a graph made for inference tensors serves them too
         with quant.row_paths(inputs.paths):
             for units in self.calls:
-                h = self._run_block(units, h, inputs, halves) if len(units) == 2 else \
+                h = self._run_blocks(units[0], h, inputs, halves) if len(units) >= 2 else \
                     self._run_unit(units[0], h, inputs, halves)
         if self.last:
             return h.float()
         return h.reshape(rows * per_row, self.hidden_size)
 
-    def _run_block(self, units: tuple[int, int], h: torch.Tensor, inputs: StageInputs,
-                   halves: "Halves") -> torch.Tensor:
-        a, m = units
-        block = (a - 1) // 2
-        return halves.block(a, *self._mods[a], *self._mods[m], h, inputs.rotary, self._mask(inputs, block),
-                            inputs.cache, block)
+    def _run_blocks(self, u: int, h: torch.Tensor, inputs: StageInputs, halves: "Halves") -> torch.Tensor:
+        mods, blocks = self._blocks[u]
+        return halves.blocks(u, mods, h, inputs.rotary, [self._mask(inputs, b) for b in blocks], inputs.cache, blocks)
 
     def _mask(self, inputs: StageInputs, block: int) -> torch.Tensor | None:
         """The micro-batch's attention mask for this block's window."""
@@ -254,14 +254,26 @@ def mlp_half(norm, mlp, h):
     return h + mlp(norm(h))
 
 
-def whole_block(attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache_kw: dict):
-    return mlp_half(mlp_norm, mlp, attention_half(attention_norm, attention, h, rotary, mask, cache_kw))
+def whole_blocks(blocks: list[tuple], h, rotary, masks: list, caches: list[dict]):
+    """Consecutive whole blocks, each (attention norm, attention, MLP norm, MLP) with its mask and cache."""
+    for (attention_norm, attention, mlp_norm, mlp), mask, cache_kw in zip(blocks, masks, caches):
+        h = mlp_half(mlp_norm, mlp, attention_half(attention_norm, attention, h, rotary, mask, cache_kw))
+    return h
+
+
+# Whole blocks per call (one compiled graph) where a stage holds that many in a row; the rest of a run
+# go one block a call. Each graph call costs dynamo's guards, its argument gathering and its wrapper,
+# about 60 us here: SmolLM2's decode step at 1 thread took 11.0 ms with 30 calls, 10.3 with pairs,
+# 9.1-9.5 with 3, 4, 5, 10 or 15 blocks a call (2 threads: 9.1 -> 7.8 ms with 4); a graph of 4
+# compiles in ~15 s cold, one of 10 in 29, of 15 in 46 (bench/decode_compile.py).
+BLOCKS_PER_CALL = 4
 
 
 def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...]]:
-    """The stage's units as its forward calls them: a block whose two halves the stage holds is one
-    call (one compiled graph), everything else a unit alone (the embedding, the head, the halves of
-    blocks cut in the middle, and every unit where `joined` is False)."""
+    """The stage's units as its forward calls them: whole blocks (both halves held) go
+    `BLOCKS_PER_CALL` consecutive ones a call, those left over one a call (each call one compiled
+    graph); everything else is a unit alone (the embedding, the head, the halves of blocks cut in the
+    middle, and every unit where `joined` is False)."""
     calls: list[tuple[int, ...]] = []
     for u in units:
         mlp = 0 < u < n_units - 1 and u % 2 == 0
@@ -269,7 +281,21 @@ def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...
             calls[-1] = (u - 1, u)
         else:
             calls.append((u,))
-    return calls
+    grouped: list[tuple[int, ...]] = []
+    for call in calls:
+        run = grouped[-1] if grouped and len(call) == 2 and len(grouped[-1]) >= 2 else None
+        if run is not None and len(run) < 2 * BLOCKS_PER_CALL and run[-1] + 1 == call[0]:
+            grouped[-1] = run + call
+        else:
+            grouped.append(call)
+    # a run's tail shorter than a full call goes one block a call (one more graph, not one per length)
+    out: list[tuple[int, ...]] = []
+    for call in grouped:
+        if 2 < len(call) < 2 * BLOCKS_PER_CALL:
+            out.extend(call[i:i + 2] for i in range(0, len(call), 2))
+        else:
+            out.append(call)
+    return out
 
 
 class Halves:
@@ -280,8 +306,8 @@ class Halves:
     def __init__(self, cache_argument: str):
         self.cache_argument = cache_argument
 
-    def block(self, u, attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache, block):
-        return whole_block(attention_norm, attention, mlp_norm, mlp, h, rotary, mask, {self.cache_argument: cache})
+    def blocks(self, u, mods, h, rotary, masks, cache, blocks):
+        return whole_blocks(mods, h, rotary, masks, [{self.cache_argument: cache}] * len(mods))
 
     def attention(self, u, norm, module, h, rotary, mask, cache, block):
         return attention_half(norm, module, h, rotary, mask, {self.cache_argument: cache})
@@ -297,7 +323,7 @@ COLD = "no graph of its blocks is compiled on this host yet"
 
 
 def compiled_halves_refused(runner, mode: str) -> str | None:
-    """Why a stage's decode steps do not run one compiled graph per block under `--compile mode`, or
+    """Why a stage's decode steps do not run compiled graphs of its blocks under `--compile mode`, or
     None. Under "auto" a stage whose graphs `hpipe warmup` has not compiled here gives `COLD`, with
     what to do about it."""
     if mode == "off":
@@ -323,8 +349,8 @@ def graph_plan(runner) -> dict[int, tuple]:
     for call in runner.calls:
         u = call[0]
         if 0 < u < runner.n_units - 1:
-            fn = whole_block if len(call) == 2 else attention_half if u % 2 == 1 else mlp_half
-            plan[u] = (fn, (fn.__name__, _signature(*(m for v in call for m in runner._mods[v]))))
+            fn = whole_blocks if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
+            plan[u] = (fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v]))))
     return plan
 
 
@@ -382,7 +408,7 @@ def warm_up(runner, max_len: int, log) -> None:
                 f"(--compile off skips it): {type(e).__name__}: {first}")
         else:
             log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode compiled in {time.time() - t:.1f} s "
-                f"({runner.decode_halves.graphs} graphs: whole blocks and halves of cut ones)")
+                f"({runner.decode_halves.graphs} graphs: runs of whole blocks, single ones, halves of cut ones)")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 
@@ -414,11 +440,12 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log) ->
 
 
 class CompiledHalves(Halves):
-    """Decode steps through torch.compile (inductor), regionally: one graph per whole block (and per
-    half of a block cut between stages), shared by every block of its kind (30 blocks compile once,
-    not 30 times; a whole-stage graph took 40-126 s to compile here, a block's about 10). A block is
-    one graph rather than two halves because each graph call costs dynamo's guards and its wrapper
-    (about 45 us here, 60 calls a step for SmolLM2's halves); the graph's wrapper is C++
+    """Decode steps through torch.compile (inductor), regionally: one graph per call of
+    `BLOCKS_PER_CALL` whole blocks, per single whole block, and per half of a block cut between
+    stages, each shared by every call of its kind (30 blocks compile two graphs, not 30; a
+    whole-stage graph took 40-126 s to compile here, one of 4 blocks about 15). Blocks go several to
+    a graph, and a block is one graph rather than two halves, because each graph call costs dynamo's
+    guards, its argument gathering and its wrapper (about 60 us here); the graph's wrapper is C++
     (`cpp_wrapper`), which calls its kernels without Python in between. Guards skip the modules
     (checking every parameter of a block on every call cost more than its norms); so that a graph
     never runs on modules it was not made for, blocks share one only where their modules' classes,
@@ -439,11 +466,10 @@ class CompiledHalves(Halves):
             self.fns[u] = copies[key]
         self.graphs = len(copies)
 
-    def block(self, u, attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache, block):
-        if block not in cache.store.keys:       # a layer's pages are made by its first write (eager)
-            return super().block(u, attention_norm, attention, mlp_norm, mlp, h, rotary, mask, cache, block)
-        return self.fns[u](attention_norm, attention, mlp_norm, mlp, h, rotary, mask,
-                           {self.cache_argument: cache.layer(block)})
+    def blocks(self, u, mods, h, rotary, masks, cache, blocks):
+        if any(b not in cache.store.keys for b in blocks):      # a layer's pages are made by its first write (eager)
+            return super().blocks(u, mods, h, rotary, masks, cache, blocks)
+        return self.fns[u](mods, h, rotary, masks, [{self.cache_argument: cache.layer(b)} for b in blocks])
 
     def attention(self, u, norm, module, h, rotary, mask, cache, block):
         if block not in cache.store.keys:
