@@ -673,7 +673,8 @@ def _print_launch(summary: dict, out: str) -> None:
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
     if s.get("options", {}).get("compile_cold"):
         typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize and --dtype compiles its "
-                   "steps once on each host (about 30 s); runs then take about 0.75x the time a token")
+                   "steps once on each host (about 45 s; --threads as each stage runs there, a host's cores over its CPU "
+                   "stages); runs then take about 0.7x the time a token")
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "
                    f"({s['prefix_hit_tokens'] / max(1, s['prefix_query_tokens']):.0%}) and not prefilled again")
@@ -730,20 +731,33 @@ def warmup(
     model: str = typer.Option("smollm2", "--model", help="'smollm2', a Hugging Face directory or a .gguf file"),
     quantize: str | None = QUANTIZE,
     dtype: str | None = typer.Option(None, "--dtype", help="activations: float32 (default), bfloat16 or float16"),
+    threads: str | None = typer.Option(None, "--threads", help="the CPU threads of the stages that will run here, "
+                                       "comma-separated (inductor builds its kernels for one count; a launch gives "
+                                       "each CPU stage the host's cores over its CPU stages); default: all cores"),
 ):
     """Compile a model's decode graphs on this host once: later launches and servers of it with
-    --compile auto (the default) run them (about 0.75x an eager step), starting in 3-4 s a stage."""
+    --compile auto (the default) run them (about 0.7x an eager step), starting in 3-4 s a stage."""
     import time
 
     from hpipe import quant, runtime
 
+    counts = _thread_counts(threads)
     source = models.resolve_model(model, progress=_note)
     config = models.load_config(source.path)
     weights, dtype = quant.stage_weights(_weights(model, quantize), "cpu"), _dtype(dtype)
     t = time.time()
-    graphs = runtime.warm_compile(source, config, weights, dtype, _note)
+    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts)
     typer.echo(f"{source.name}: {graphs} decode graphs compiled and warm on this host ({time.time() - t:.0f} s; "
-               f"weights {weights}, {dtype}); runs with --compile auto (the default) use them")
+               f"weights {weights}, {dtype}, {' and '.join(map(str, counts))} threads); runs with --compile auto "
+               f"(the default) use them")
+
+
+def _thread_counts(text: str | None) -> list[int]:
+    """--threads "1,2" -> [1, 2]; None -> this host's cores (one stage alone on it)."""
+    counts = sorted(set(_ints(text, "--threads") or [os.cpu_count() or 1]))
+    if counts[0] < 1:
+        raise HpipeError(f"--threads {text!r}: thread counts are >= 1 (e.g. --threads 1,2)")
+    return counts
 
 
 @app.command()

@@ -121,10 +121,10 @@ class RuntimeConfig:
     static_decode: str = setting("auto", "--static-decode", "decode steps with static shapes (padded, whole KV "
                                  "slots under a mask), the path CUDA graphs replay; auto: with CUDA graphs (on a "
                                  "CPU it is slower, see README)", choices=SWITCH)
-    compile: str = setting("auto", "--compile", "decode steps run each block through torch.compile (inductor), one "
-                           "graph shared by every block, its wrapper C++ (CPU stages of llama-like models): 0.75x "
-                           "the time of an eager step on SmolLM2. on: compile at start (about 10 s the first time "
-                           "on a host, 3-4 s later); auto: where `hpipe warmup` has compiled the model's graphs on "
+    compile: str = setting("auto", "--compile", "decode steps run their blocks through torch.compile (inductor), 4 "
+                           "blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
+                           "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
+                           "(about 45 s the first time on a host, 3-4 s later); auto: where `hpipe warmup` has compiled the model's graphs on "
                            "this host, else eagerly; off: eagerly. A failed compile leaves the run eager",
                            choices=("auto", "on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "

@@ -16,6 +16,7 @@ import torch
 from conftest import FAMILIES, VOCAB, assert_greedy_equal, reference_greedy, reference_logits
 from hpipe import models
 from hpipe.cli import main
+from hpipe.launcher.local import threads_per_stage
 
 pytestmark = pytest.mark.slow
 
@@ -145,7 +146,7 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     """`--compile auto`, the default: before `hpipe warmup` a launch runs eagerly and its report says
     in one line what would compile it; `hpipe warmup` compiles the model's graphs once (a run of
     whole blocks, one whole block, and the halves of a block cut between stages) into inductor's
-    cache; the same launch
+    cache, for the thread count the launch gives each stage; the same launch
     then runs them (its summary says so) and gives the eager launch's tokens."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}     # this test's own cache
     path = str(tiny_models["llama"])
@@ -171,7 +172,9 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
 
     hint, compiled, eager_tokens = launch("cold")
     assert compiled == (False, True) and len(hint) == 1 and hint[0].startswith("decode ran eagerly"), hint
-    assert "4 decode graphs compiled" in hpipe("warmup", "--model", path).stdout     # 4 blocks, 1 block, 2 halves
+    threads = str(threads_per_stage(["cpu", "cpu"])[0])          # what the launch gives each of its 2 stages
+    warmed = hpipe("warmup", "--model", path, "--threads", threads).stdout
+    assert "4 decode graphs compiled" in warmed and f"{threads} threads" in warmed     # 4 blocks, 1 block, 2 halves
     hint, compiled, tokens = launch("warm")
     assert compiled == (True, False) and not hint
     for i, prompt in enumerate(prompt_ids):       # inductor's sums are not eager's bit for bit: near-ties aside

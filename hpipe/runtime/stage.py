@@ -337,8 +337,9 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
     if not runner.blocks:
         return "the stage holds no block"
     if mode == "auto" and not warm_graphs(runner):
-        return (f"{COLD}: `hpipe warmup` with the plan's model, --quantize and --dtype compiles them once "
-                f"(about 30 s; later starts take 3-4 s a stage) and decode steps then take about 0.75x the time")
+        return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup` with the plan's model, --quantize, "
+                f"--dtype and --threads {torch.get_num_threads()} compiles them once "
+                f"(about 45 s; later starts take 3-4 s a stage) and decode steps then take about 0.7x the time")
     return None
 
 
@@ -357,7 +358,9 @@ def graph_plan(runner) -> dict[int, tuple]:
 def _warm_marks(runner) -> list[Path]:
     """One file per graph of the stage beside inductor's artifacts, named by what the graph bakes in:
     torch's and hpipe's versions, the function's code, its modules' signature, the attention
-    implementation and the KV page size (what the traced cache reads)."""
+    implementation, the KV page size (what the traced cache reads) and the thread count (inductor
+    builds its C++ kernels for one: a stage of 1 thread missed a 2-thread warmup's artifacts and
+    compiled for 40 s at its start)."""
     import hashlib
 
     import hpipe
@@ -367,7 +370,7 @@ def _warm_marks(runner) -> list[Path]:
     marks = []
     for fn, key in graph_plan(runner).values():
         text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, key, runner.attn_implementation,
-                     runner.kv.page_size))
+                     runner.kv.page_size, torch.get_num_threads()))
         marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
     return marks
 
@@ -413,30 +416,42 @@ def warm_up(runner, max_len: int, log) -> None:
         torch.cuda.synchronize(runner.device)
 
 
-def warm_compile(model: models.ModelSource, config, weights, dtype: str, log) -> int:
-    """`hpipe warmup`: compiles, on this host, every graph a CPU stage of `model` can call (a whole
-    block, the attention half and the MLP half of a block cut between stages) into inductor's cache,
-    and marks them warm for `--compile auto`. Returns how many graphs are warm."""
-    from hpipe.errors import HpipeError
-
+def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, threads: list[int]) -> int:
+    """`hpipe warmup`: compiles, on this host, every graph a CPU stage of `model` running on each of
+    `threads` threads can call (a run of whole blocks, a whole block, the attention half and the MLP
+    half of a block cut between stages) into inductor's cache, and marks them warm for `--compile
+    auto`. Returns how many graphs are warm."""
     n = models.num_units(config)
     marks: set[Path] = set()
-    for units in (range(2), range(2, n), range(n)):      # a cut block's halves, then whole blocks
-        runner = StageRunner(model, config, units, "cpu", dtype, weights=weights, compile="on")
-        if runner.compile_refused is not None:
-            raise HpipeError(f"{model.name}: decode steps are not compiled ({runner.compile_refused}); its runs "
-                             f"need no warmup")
-        own = _warm_marks(runner)
-        if not all(m.exists() for m in own):
-            runner.kv.allocate(4)
-            warm_up(runner, 16, log)
-            if runner.decode_halves is runner.eager:
-                raise HpipeError(f"{model.name}: the compile failed (the line above says why); runs stay eager")
-            for m in own:
-                m.parent.mkdir(parents=True, exist_ok=True)
-                m.touch()
-        marks.update(own)
+    before = torch.get_num_threads()
+    try:
+        for count in threads:
+            torch.set_num_threads(count)
+            for units in (range(2), range(2, n), range(n)):      # a cut block's halves, then whole blocks
+                marks.update(_warm_layout(model, config, weights, dtype, log, units))
+    finally:
+        torch.set_num_threads(before)
     return len(marks)
+
+
+def _warm_layout(model: models.ModelSource, config, weights, dtype: str, log, units: range) -> list[Path]:
+    """Compiles the graphs of one stage layout not yet warm, and marks them."""
+    from hpipe.errors import HpipeError
+
+    runner = StageRunner(model, config, units, "cpu", dtype, weights=weights, compile="on")
+    if runner.compile_refused is not None:
+        raise HpipeError(f"{model.name}: decode steps are not compiled ({runner.compile_refused}); its runs "
+                         f"need no warmup")
+    own = _warm_marks(runner)
+    if not all(m.exists() for m in own):
+        runner.kv.allocate(4)
+        warm_up(runner, 16, log)
+        if runner.decode_halves is runner.eager:
+            raise HpipeError(f"{model.name}: the compile failed (the line above says why); runs stay eager")
+        for m in own:
+            m.parent.mkdir(parents=True, exist_ok=True)
+            m.touch()
+    return own
 
 
 class CompiledHalves(Halves):
