@@ -1,7 +1,8 @@
 """Where one decode token's time goes through a pipeline of stages, and llama.cpp's RPC split beside it.
 
-hpipe: `hpipe launch --local` of a plan cut into --stages stages (default flags; the local launcher
-gives each of them one thread on this 2-core machine, as emulated hosts get), one stream, a 256-token
+hpipe: `hpipe launch --local` of a plan cut into --stages stages (default flags, after `hpipe warmup
+--threads` of the stages' thread count; the local launcher gives each of them one thread on this
+2-core machine, as emulated hosts get), one stream, a 256-token
 prompt and 128 greedy tokens, `--timeline-out`. From the timeline, per decode token (the median over
 the steady tokens): each stage's compute, each hop (a stage's compute end to the next stage's
 compute start: the send, the receive, the next stage's wait and preparation), and the way back
@@ -58,6 +59,12 @@ def run_hpipe(model: str, stages: int, extra: list[str], work: Path) -> dict:
     plan = work / "plan.json"
     hpipe("plan", "--model", model, "--stages", stages, "--slices", PREFILL, "-o", plan, cwd=work)
     out = {}
+    if "--compile" not in extra:        # default flags: after `hpipe warmup` for the stages' thread count
+        from hpipe.launcher.local import threads_per_stage
+
+        t = time.time()
+        hpipe("warmup", "--model", model, "--threads", threads_per_stage(["cpu"] * stages)[0], cwd=work)
+        out["warmup_s"] = round(time.time() - t, 1)
     for name, n, new in (("decode", PROMPT, NEW), ("prefill", PREFILL, 1)):
         prompts, results, tl = work / f"{name}.jsonl", work / f"{name}-out.jsonl", work / f"{name}-timeline.json"
         prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
