@@ -93,9 +93,7 @@ class StageRunner:
         attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
         self.cache_argument = models.cache_argument(attention)
         self.calls = stage_calls(units, self.n_units, joined=not self.gpt2)
-        # each call of whole blocks: their modules and block numbers, gathered once
-        self._blocks = {c[0]: ([(*self._mods[a], *self._mods[a + 1]) for a in c[::2]], [(a - 1) // 2 for a in c[::2]])
-                        for c in self.calls if len(c) >= 2}
+        self._blocks = self._gather_blocks()
         self.eager = Halves(self.cache_argument)
         self.compile_refused = compiled_halves_refused(self, compile)
         self.decode_halves = CompiledHalves(self) if self.compile_refused is None else self.eager
@@ -121,6 +119,7 @@ class StageRunner:
         """Runs `modules[b]` in place of block b's MLP module (SiDP's owned and remote MLP halves)."""
         for b, module in modules.items():
             self._mods[2 + 2 * b][1] = module
+        self._blocks = self._gather_blocks()
         self.decode_halves = self.eager      # their fetches and sends are Python a graph does not hold
 
     # ---------------------------------------------------------------- step 1: input preparation
@@ -214,6 +213,12 @@ class StageRunner:
             return h.float()
         return h.reshape(rows * per_row, self.hidden_size)
 
+    def _gather_blocks(self) -> dict[int, tuple[list[tuple], list[int]]]:
+        """Each call of whole blocks (by its first unit): its blocks' modules and numbers, gathered
+        once per set of modules rather than every step."""
+        return {c[0]: ([(*self._mods[a], *self._mods[a + 1]) for a in c[::2]], [(a - 1) // 2 for a in c[::2]])
+                for c in self.calls if len(c) >= 2}
+
     def _run_blocks(self, u: int, h: torch.Tensor, inputs: StageInputs, halves: "Halves") -> torch.Tensor:
         mods, blocks = self._blocks[u]
         return halves.blocks(u, mods, h, inputs.rotary, [self._mask(inputs, b) for b in blocks], inputs.cache, blocks)
@@ -265,7 +270,7 @@ def whole_blocks(blocks: list[tuple], h, rotary, masks: list, caches: list[dict]
 # go one block a call. Each graph call costs dynamo's guards, its argument gathering and its wrapper,
 # about 60 us here: SmolLM2's decode step at 1 thread took 11.0 ms with 30 calls, 10.3 with pairs,
 # 9.1-9.5 with 3, 4, 5, 10 or 15 blocks a call (2 threads: 9.1 -> 7.8 ms with 4); a graph of 4
-# compiles in ~15 s cold, one of 10 in 29, of 15 in 46 (bench/decode_compile.py).
+# compiles in ~15 s cold, one of 10 in 29, of 15 in 46 (the step of bench/decode_compile.py in a loop).
 BLOCKS_PER_CALL = 4
 
 
