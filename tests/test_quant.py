@@ -336,6 +336,18 @@ def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_
     assert runs["all on"] == runs["baseline"] and runs["preempted"] == runs["baseline"]
 
 
+def test_whole_blocks_go_four_to_a_call_and_the_rest_one_by_one():
+    """A stage's forward calls: runs of 4 whole blocks, the whole blocks left over one a call, a cut
+    block's halves and the embedding and head alone; every unit once, in order."""
+    calls = stage_module.stage_calls(range(62), 62, joined=True)          # SmolLM2: 30 blocks
+    assert calls[0] == (0,) and calls[-1] == (61,)
+    assert [len(c) for c in calls[1:-1]] == [8] * 7 + [2, 2]
+    assert [u for c in calls for u in c] == list(range(62))
+    assert stage_module.stage_calls(range(20, 41), 62, joined=True) == [
+        (20,), tuple(range(21, 29)), tuple(range(29, 37)), (37, 38), (39, 40)]
+    assert stage_module.stage_calls(range(3, 9), 62, joined=False) == [(u,) for u in range(3, 9)]
+
+
 @pytest.mark.parametrize("fmt", ["none", "int4:32"])
 def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models, device, monkeypatch):
     """`--compile on`: decode steps through graphs compiled once for every call of their kind
