@@ -21,22 +21,8 @@ from dataclasses import dataclass, field
 
 from hpipe.errors import HpipeError
 
-__all__ = [
-    "DEFAULTS",
-    "DEVICE_DEFAULTS",
-    "POLICIES",
-    "SETTINGS",
-    "WARMUP_GAIN",
-    "RuntimeConfig",
-    "Setting",
-    "Speculation",
-    "cli_option",
-    "from_cli",
-]
-
-# what `hpipe warmup` costs and gives (SmolLM2 on 2 cores, README "Compiled decode"): said wherever it is suggested
-WARMUP_GAIN = ("about 45 s once per host and thread count; decode steps then take about 0.7x an eager step's time, "
-               "and later starts 3-4 s a stage")
+__all__ = ["DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
+           "from_cli"]
 
 POLICIES = ("throttle", "sarathi")
 # gLLM's values (#MaxP 2048, #MinP 32) and Sarathi's budget (512) suit GPUs; a CPU stage needs a
@@ -137,7 +123,8 @@ class RuntimeConfig:
                                  "CPU it is slower, see README)", choices=SWITCH)
     compile: str = setting("auto", "--compile", "decode steps run their blocks through torch.compile (inductor), 4 "
                            "blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
-                           "of llama-like models). on: compile at start (" + WARMUP_GAIN + "); auto: where `hpipe warmup` has compiled the model's graphs on "
+                           "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
+                           "(about 45 s the first time on a host, 3-4 s later); auto: where `hpipe warmup` has compiled the model's graphs on "
                            "this host, else eagerly; off: eagerly. A failed compile leaves the run eager",
                            choices=("auto", "on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "

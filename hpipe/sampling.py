@@ -163,10 +163,11 @@ class CPUSampler:
             if st.lengths[c] >= self.max_len:
                 raise SamplingError(f"a sequence reached max_len={self.max_len} sampled tokens")
 
+        pen_rows = [i for i, p in enumerate(params) if p.penalized]
         if all(p.greedy and not p.penalized and not p.biased for p in params):
             out_ids, probs_out = self._argmax(logits, return_probs)
         else:
-            out_ids, probs_out = self._candidates(st, logits, biased, cols, cols_l, params, return_probs)
+            out_ids, probs_out = self._candidates(st, logits, biased, cols_l, params, pen_rows, return_probs)
 
         # 3. the new ids join each sequence's history and penalty state (B scatters)
         new = out_ids
@@ -193,13 +194,13 @@ class CPUSampler:
             probs_out[torch.arange(logits.shape[0]), out_ids] = 1.0
         return out_ids, probs_out
 
-    def _candidates(self, st: _Replica, logits: torch.Tensor, biased: torch.Tensor, cols: torch.Tensor,
-                    cols_l: list[int], params, return_probs: bool):
+    def _candidates(self, st: _Replica, logits: torch.Tensor, biased: torch.Tensor, cols_l: list[int], params,
+                    pen_rows: list[int], return_probs: bool):
         """Steps 0-2 of the semantics for any rows: the candidates from one top-k over the biased and
         penalized logits (float32), then each row's choice among them, its values recomputed from
         the logits in float64 (biases and penalties)."""
         b = len(cols_l)
-        pen_rows = [i for i, p in enumerate(params) if p.penalized]
+        cols = torch.tensor(cols_l, dtype=torch.long)
         # 1. penalized logits, for choosing the candidates (float32, in the work buffer)
         seen_idx = self._seen_matrix(st, cols_l, pen_rows) if pen_rows else None
         if self.layout == "column":

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from hpipe import heap, models, quant
-from hpipe.config import DEFAULTS, WARMUP_GAIN
+from hpipe.config import DEFAULTS
 from hpipe.runtime.kv import BatchCache, KVStore
 from hpipe.runtime.pages import Segment, layout_of
 
@@ -286,18 +286,19 @@ def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...
             calls[-1] = (u - 1, u)
         else:
             calls.append((u,))
+    grouped: list[tuple[int, ...]] = []
+    for call in calls:
+        run = grouped[-1] if grouped and len(call) == 2 and len(grouped[-1]) >= 2 else None
+        if run is not None and len(run) < 2 * BLOCKS_PER_CALL and run[-1] + 1 == call[0]:
+            grouped[-1] = run + call
+        else:
+            grouped.append(call)
+    # a run's tail shorter than a full call goes one block a call (one more graph, not one per length)
     out: list[tuple[int, ...]] = []
-    run: list[tuple[int, ...]] = []         # whole blocks in a row, not yet a full call
-    for call in [*calls, ()]:               # () ends the last run
-        if len(call) == 2:
-            run.append(call)
-            if len(run) == BLOCKS_PER_CALL:
-                out.append(sum(run, ()))
-                run = []
-            continue
-        out.extend(run)     # a run's tail goes one block a call (one more graph, not one per length)
-        run = []
-        if call:
+    for call in grouped:
+        if 2 < len(call) < 2 * BLOCKS_PER_CALL:
+            out.extend(call[i:i + 2] for i in range(0, len(call), 2))
+        else:
             out.append(call)
     return out
 
@@ -342,7 +343,8 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
         return "the stage holds no block"
     if mode == "auto" and not warm_graphs(runner):
         return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup` with the plan's model, --quantize, "
-                f"--dtype and --threads {torch.get_num_threads()} compiles them ({WARMUP_GAIN})")
+                f"--dtype and --threads {torch.get_num_threads()} compiles them once "
+                f"(about 45 s; later starts take 3-4 s a stage) and decode steps then take about 0.7x the time")
     return None
 
 
