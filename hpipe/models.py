@@ -599,23 +599,34 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
         return hf_name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False)) and \
             reader().name(hf_name) is None
 
+    def read(key: str, u: int):
+        if reader().name(key) is None:
+            raise HpipeError(f"{source.name}: no tensor for {key!r} (unit {unit_name(config, u)})")
+        return reader().read(key)
+
     def pack_unit(u: int) -> dict:
         out = {}
         for mod_path in unit_modules(config, u):
+            stacked = set()
+            for path, names in quant.stacked_groups(model.get_submodule(mod_path)):
+                owner = f"{mod_path}.{path}" if path else mod_path
+                rows = quant.stack_rows([read(f"{owner}.{n}.weight", u) for n in names])
+                if rows is not None:        # one matrix under the joined names (`quant.STACKED`)
+                    packed = quant.pack(rows, weights, device_type)
+                    out.update({f"{owner}.{'+'.join(names)}.{k}": v for k, v in packed.items()})
+                    stacked.update(f"{owner}.{n}.weight" for n in names)
             for name, sub in model.get_submodule(mod_path).named_modules():
                 full = f"{mod_path}.{name}" if name else mod_path
                 for pname, _ in sub.named_parameters(recurse=False):
                     key = f"{full}.{pname}"
                     if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)) and pname == "weight":
-                        if tied(key):
-                            continue                     # the embedding's own tensors (unit 0's file)
-                        if reader().name(key) is None:
-                            raise HpipeError(f"{source.name}: no tensor for {key!r} (unit {unit_name(config, u)})")
-                        packed = quant.pack(reader().read(key), weights, device_type,
+                        if tied(key) or key in stacked:
+                            continue                     # the embedding's (unit 0's file), or stacked above
+                        packed = quant.pack(read(key, u), weights, device_type,
                                             as_embedding=isinstance(sub, torch.nn.Embedding))
                         out.update({f"{full}.{k}": v for k, v in packed.items()})
                     else:
-                        out[key] = torch.from_numpy(np.asarray(_as_float(reader().read(key)))).reshape(-1).clone()
+                        out[key] = torch.from_numpy(np.asarray(_as_float(read(key, u)))).reshape(-1).clone()
         return out
 
     mapped: dict[int, dict] = {}
@@ -625,14 +636,30 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
             mapped[u] = quant.cached_unit(directory, u, lambda: pack_unit(u))
         return mapped[u]
 
+    def parts_of(tensors: dict, full: str) -> dict:
+        return {k[len(full) + 1:]: v for k, v in tensors.items() if k.startswith(full + ".")}
+
     for u in units:
         tensors = unit_tensors(u)
         for mod_path in unit_modules(config, u):
+            for path, names in quant.stacked_groups(model.get_submodule(mod_path)):
+                owner_path = f"{mod_path}.{path}" if path else mod_path
+                parts = parts_of(tensors, f"{owner_path}.{'+'.join(names)}")
+                if not parts:
+                    continue                    # packed apart (`quant.stack_rows`)
+                owner = model.get_submodule(owner_path)
+                linears = [getattr(owner, n) for n in names]
+                biases = [lin.bias for lin in linears]
+                bias = None if biases[0] is None else \
+                    torch.cat([parts_of(tensors, f"{owner_path}.{n}")["bias"] for n in names]).to(device, tdtype)
+                stacked = quant.linear_module(parts, device, bias)
+                for n, part in zip(names, quant.linear_parts(stacked, [lin.out_features for lin in linears])):
+                    setattr(owner, n, part)
             for name, sub in list(model.get_submodule(mod_path).named_modules()):
                 full = f"{mod_path}.{name}" if name else mod_path
                 parent_path, _, child = full.rpartition(".")
                 if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
-                    parts = {k[len(full) + 1:]: v for k, v in tensors.items() if k.startswith(full + ".")}
+                    parts = parts_of(tensors, full)
                     if not parts and f"{full}.weight" == "lm_head.weight":
                         # a tied head's unit holds none of its own (pack_unit skipped them): the
                         # embedding's, read from unit 0's file (no GGUF parse when the cache is warm)

@@ -22,8 +22,8 @@ Semantics, per row, in this order (vLLM V1):
    after its first n tokens (`add(..., output_ids)`) draws its next ones as the first run would.
 
 Design (SiPipe §5.1): the penalty state is kept per sequence column and updated in place — counts
-of output tokens, seen-in-prompt flags and the output history [max_len, max_batch] get one
-scatter per sampled token, nothing is rebuilt from the history; penalties are applied only at the
+of output tokens and seen-in-prompt flags get one scatter per sampled token of a penalized
+sequence (nothing is kept for the others), nothing is rebuilt; penalties are applied only at the
 ids a sequence has seen (gather, compute, scatter: O(seen) per row, not O(V)); the candidates come
 from one top-k over the penalized logits, and the probabilities are computed exactly (float64) on
 those candidates only. `replicas` are copies of this state, so that micro-batch n and n + p (p =
@@ -60,7 +60,6 @@ class _Replica:
         self.counts = torch.zeros(shape, dtype=torch.int32)      # output-token counts
         self.in_prompt = torch.zeros(shape, dtype=torch.bool)
         self.work = torch.empty(shape, dtype=torch.float32)      # penalized logits of a step
-        self.history = torch.zeros((max_len, max_batch), dtype=torch.long)
         self.lengths = [0] * max_batch
         self.seen: list[list[int]] = [[] for _ in range(max_batch)]   # prompt ∪ output ids, unique
         self.seen_t: list[torch.Tensor | None] = [None] * max_batch
@@ -113,9 +112,8 @@ class CPUSampler:
         st.seen[col] = sorted(set(unique) | set(output))
         st.seen_t[col] = None
         st.lengths[col] = len(output)
-        if output:
+        if output and params.penalized:
             ids = torch.tensor(output, dtype=torch.long)
-            st.history[:len(output), col] = ids
             st.counts.index_put_(st.at(ids, torch.full((len(output),), col)), torch.ones(len(output), dtype=torch.int32),
                                  accumulate=True)
         st.params[col] = params
@@ -156,7 +154,6 @@ class CPUSampler:
             empty = torch.empty(0, dtype=torch.long)
             return (empty, torch.empty((0, self.vocab_size), dtype=torch.float64)) if return_probs else empty
         logits = logits.detach().to("cpu", torch.float32)
-        cols = torch.tensor(cols_l, dtype=torch.long)
         params = [st.params[c] for c in cols_l]
         biased = self._biased(logits, params) if any(p.biased for p in params) else logits
         for c in cols_l:
@@ -169,18 +166,19 @@ class CPUSampler:
         else:
             out_ids, probs_out = self._candidates(st, logits, biased, cols_l, params, pen_rows, return_probs)
 
-        # 3. the new ids join each sequence's history and penalty state (B scatters)
-        new = out_ids
-        lengths = torch.tensor([st.lengths[c] for c in cols_l], dtype=torch.long)
-        st.history[lengths, cols] = new
-        st.counts.index_put_(st.at(new, cols), torch.ones(b, dtype=torch.int32), accumulate=True)
-        for i, c in enumerate(cols_l):
+        # 3. the new ids join the penalized sequences' penalty state (one scatter); the others
+        # only count their length (the max_len check, the generator's position)
+        for c in cols_l:
             st.lengths[c] += 1
-            t = int(new[i])
-            seen = st.seen[c]
-            if t not in seen:     # sorted list: binary insert keeps it unique
-                bisect.insort(seen, t)
-                st.seen_t[c] = None
+        if pen_rows:
+            new = out_ids[torch.tensor(pen_rows, dtype=torch.long)]
+            st.counts.index_put_(st.at(new, torch.tensor([cols_l[i] for i in pen_rows], dtype=torch.long)),
+                                 torch.ones(len(pen_rows), dtype=torch.int32), accumulate=True)
+            for i, t in zip(pen_rows, new.tolist()):
+                seen = st.seen[cols_l[i]]
+                if t not in seen:     # sorted list: binary insert keeps it unique
+                    bisect.insort(seen, t)
+                    st.seen_t[cols_l[i]] = None
         return (out_ids, probs_out) if return_probs else out_ids
 
     def _argmax(self, logits: torch.Tensor, return_probs: bool):

@@ -266,6 +266,27 @@ def test_int4_group_and_shape_rules():
     assert set(quant.pack(w, quant.WeightFormat("int4", 32))) == {"int8", "scales"}
 
 
+@pytest.mark.parametrize("fmt", ["int4:32", "int8"])
+def test_stacked_linears_give_each_part_what_it_gives_packed_alone(fmt):
+    """q, k, v stacked into one matrix: each part's output equals the output of that weight packed
+    and run on its own, in transformers' order (q, k, v on one input) and when a part comes
+    first with another input; codes of different kinds are not stacked."""
+    rng = np.random.default_rng(3)
+    ws = [rng.normal(size=(n, 64)).astype(np.float32) for n in (128, 64, 64)]
+    weights = quant.WeightFormat.parse(fmt)
+    alone = [quant.linear_module(quant.pack(w, weights), "cpu") for w in ws]
+    parts = quant.linear_parts(quant.linear_module(quant.pack(quant.stack_rows(ws), weights), "cpu"), [128, 64, 64])
+    x, other = torch.randn(3, 64), torch.randn(2, 64)
+    with torch.inference_mode():
+        for part, single in zip(parts, alone):
+            assert torch.equal(part(x), single(x))
+        assert torch.equal(parts[2](other), alone[2](other)) and torch.equal(parts[0](x), alone[0](x))
+        assert parts[0].shared.x is x and parts[2](x).shape == (3, 64) and parts[0].shared.x is None
+    q4_0, q4_1 = (quant.quantize_int4(w, 32) for w in ws[:2])
+    q4_0 = quant.Affine(q4_0.codes.astype(np.int8) - 8, q4_0.scale, None, 32, 4)        # symmetric codes
+    assert quant.stack_rows([q4_0, q4_1]) is None and quant.stack_rows([ws[0], q4_1]) is None
+
+
 # ------------------------------------------------------------------------------- whole models
 
 QUANT_TOL = 0.5     # logits: bf16 results come in steps of 2^-8 of their size (see test_default_model)
@@ -279,7 +300,9 @@ def test_quantized_pipelines_match_one_process_of_the_same_modules(fmt, tiny_mod
     config = models.load_config(path)
     weights = quant.WeightFormat.parse(fmt)
     reference = models.build_full_model(path, config, weights=weights)
-    assert isinstance(reference.model.layers[0].mlp.up_proj, quant.classes()[0 if fmt.startswith("int4") else 1])
+    mlp, kind = reference.model.layers[0].mlp, quant.classes()[0 if fmt.startswith("int4") else 1]
+    assert isinstance(mlp.up_proj, quant.LinearPart) and isinstance(mlp.gate_proj.stacked, kind)    # stacked
+    assert isinstance(mlp.down_proj, kind)
     rng = random.Random(fmt)
     n_units = models.num_units(config)
     for trial in range(4):

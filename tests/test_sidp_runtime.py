@@ -169,7 +169,7 @@ def test_was_cas_and_the_switch_give_the_pipelines_tokens(tiny_models, one_stage
         assert all(s["was"] == 0 for s in steps) and steps[0]["cas"] == steps[1]["cas"] > 0
         assert all(r["sidp"]["cas"]["rows_sent"] > 0 for r in replicas)
     else:                       # WaS alone in the bulk, then all of them in step under CaS in the tail
-        assert steps[0]["cas"] == steps[1]["cas"] > 0
+        assert steps[0]["cas"] == steps[1]["cas"] > 0, (steps, summary["traces"])
         assert all("cas" in m for m in modes)
         # a replica that starts late (a loaded machine) may find the group in step already
         assert any(set(m[:m.index("cas")]) == {"was"} for m in modes), modes

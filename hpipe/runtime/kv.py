@@ -96,24 +96,24 @@ class BatchCache:
         self.rows = len(segments)
         self.layout = layout_of(segments)
         P, dev = store.page_size, store.device
-        tables = [list(store.pages_of(s)) for s in segments]
+        tables = [store.pages_of(s) for s in segments]
         self._max_end = max(s.end for s in segments)
         width = pages_needed(self._max_end, P)
-        padded = torch.tensor([t[:width] + [SCRATCH_PAGE] * (width - len(t[:width])) for t in tables],
-                              dtype=torch.long, device=dev)
-        flat = flat_positions(padded, P)                                   # [n, width * P]
         # one sequence whose pages lie in order (a lone stream: the pool hands pages out in order):
         # attention reads its context where it lies, a view, instead of a gathered copy per layer
         first = tables[0][0] if len(segments) == 1 and tables[0] else 0
-        self._span = first * P if first and tables[0][:width] == list(range(first, first + width)) else None
-        if self.layout == "rows":
-            length = segments[0].length
-            pos = torch.tensor([s.start for s in segments], device=dev)[:, None] + torch.arange(length, device=dev)
-            self._write = flat.gather(1, pos).flatten()                    # row-major, as the keys come
-            self._read = flat[:, : self._max_end].flatten()
-        else:
-            self._write = torch.cat([flat[i, s.start:s.end] for i, s in enumerate(segments)])
-            self._read = torch.cat([flat[i, : s.end] for i, s in enumerate(segments)])
+        self._span = first * P if first and list(tables[0][:width]) == list(range(first, first + width)) else None
+        # the new rows' places from host ints (a decode step writes one row a sequence: one small
+        # tensor, where tensor arithmetic over the page tables took most of a step's preparation)
+        self._write = torch.tensor([t[p // P] * P + p % P for t, s in zip(tables, segments)
+                                    for p in range(s.start, s.end)], dtype=torch.long, device=dev)
+        self._read = None
+        if self._span is None:
+            padded = torch.tensor([list(t[:width]) + [SCRATCH_PAGE] * (width - len(t[:width])) for t in tables],
+                                  dtype=torch.long, device=dev)
+            flat = flat_positions(padded, P)                                   # [n, width * P]
+            self._read = flat[:, : self._max_end].flatten() if self.layout == "rows" else \
+                torch.cat([flat[i, : s.end] for i, s in enumerate(segments)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key_states, value_states: [rows, kv_heads, tokens, head_dim] of the new tokens."""

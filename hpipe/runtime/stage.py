@@ -82,6 +82,7 @@ class StageRunner:
         if deterministic:
             invariant.tile_linears(self.model)      # float linears (quantized ones choose their path per row)
         self.rotary = models.rotary_embedding(self.model, config, device)
+        self.rotary_table = None if self.rotary is None else RotaryTable(self.rotary, self.dtype)
         self.n_units = models.num_units(config)
         self.gpt2 = config.model_type in models.GPT2_LIKE
         self.hidden_size = int(config.hidden_size)
@@ -126,34 +127,23 @@ class StageRunner:
     def prepare_inputs(self, segments: list[Segment]) -> StageInputs:
         layout = layout_of(segments)
         dev = self.device
-        if layout == "rows":
-            length = segments[0].length
-            starts = torch.tensor([s.start for s in segments], device=dev)
-            positions = starts[:, None] + torch.arange(length, device=dev)[None, :]
-            key_pos = torch.arange(max(s.end for s in segments), device=dev)
-            q = positions[:, None, :, None]                     # [n, 1, L, 1]
-            k = key_pos[None, None, None, :]                    # [1, 1, 1, K]
-            same_seq = None
-        else:
-            positions = torch.cat([torch.arange(s.start, s.end, device=dev) for s in segments])[None, :]
-            q = k = same_seq = None
-            if self.blocks and not self.deterministic:     # the masks' inputs (a deterministic stage's pieces bring their own)
-                q_seq = torch.cat([torch.full((s.length,), i, device=dev) for i, s in enumerate(segments)])
-                key_pos = torch.cat([torch.arange(s.end, device=dev) for s in segments])
-                k_seq = torch.cat([torch.full((s.end,), i, device=dev) for i, s in enumerate(segments)])
-                q = positions[0][None, None, :, None]
-                k = key_pos[None, None, None, :]
-                same_seq = (q_seq[:, None] == k_seq[None, :])[None, None]
+        # positions from host ints: one small tensor (a decode step's preparation runs with the
+        # caches cold after a forward, where every tensor op costs ~20 us)
+        positions = torch.tensor([list(range(s.start, s.end)) for s in segments] if layout == "rows" else
+                                 [[p for s in segments for p in range(s.start, s.end)]], device=dev)
         masks = {}
         if self.blocks and self.deterministic:
             from hpipe.runtime import invariant
 
             masks = {w: invariant.pieces_for(segments, layout, w, self.kv.page_size, dev) for w in self.windows}
         elif self.blocks:
+            q = None
             for w in self.windows:
                 if self.attn_implementation == "sdpa" and _plain_causal(segments, layout, w):
                     masks[w] = None  # SDPA's own causal kernels (flash on CUDA) need no mask
                     continue
+                if q is None:
+                    q, k, same_seq = _mask_inputs(segments, layout, positions)
                 allowed = k <= q
                 if w is not None:
                     allowed = allowed & (k > q - w)
@@ -162,8 +152,7 @@ class StageRunner:
                 masks[w] = self._mask_for_attention(allowed)
         rotary = None
         if self.rotary is not None and self.blocks:
-            probe = torch.empty(0, dtype=self.dtype, device=dev)
-            rotary = self.rotary(probe, positions)
+            rotary = self.rotary_table.lookup(positions, max(s.end for s in segments))
         ends = list(itertools.accumulate(s.length for s in segments))    # host ints: no device read-back
         # the sampled rows first, then every other row of the scored segments (prompt log-probabilities)
         rows = [e - s.sampled_rows + i for e, s in zip(ends, segments) for i in range(s.sampled_rows)]
@@ -528,6 +517,46 @@ def use_inductor_cache() -> None:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
+
+
+class RotaryTable:
+    """The rotary embedding's cos and sin by position: transformers' own module computes them for
+    positions [0, n) once (n doubles when a longer sequence comes) and a step looks its positions
+    up, two indexing ops instead of the module's dozen (a decode step prepares with its caches cold
+    after a forward: 79 -> 30 us). Rope types whose frequencies follow the sequence length (dynamic
+    NTK, longrope) run the module every step."""
+
+    STATIC = ("default", "linear", "llama3", "yarn")
+
+    def __init__(self, module, dtype: torch.dtype):
+        self.module, self.dtype = module, dtype
+        self.static = getattr(module, "rope_type", None) in self.STATIC
+        self.cos = self.sin = None
+
+    def lookup(self, positions: torch.Tensor, end: int):
+        """(cos, sin) [rows, L, head_dim] of `positions` [rows, L], every one below `end`."""
+        if not self.static:
+            return self.module(torch.empty(0, dtype=self.dtype, device=positions.device), positions)
+        if self.cos is None or self.cos.shape[0] < end:
+            n = max(256, 1 << (end - 1).bit_length())
+            probe = torch.empty(0, dtype=self.dtype, device=positions.device)
+            cos, sin = self.module(probe, torch.arange(n, device=positions.device)[None])
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos[positions], self.sin[positions]
+
+
+def _mask_inputs(segments: list[Segment], layout: str, positions: torch.Tensor):
+    """What an attention mask compares: each query row's position [.., L, 1], each key's [.., 1, K],
+    and (packed) whether the two rows belong to one sequence."""
+    dev = positions.device
+    if layout == "rows":
+        key_pos = torch.arange(max(s.end for s in segments), device=dev)
+        return positions[:, None, :, None], key_pos[None, None, None, :], None          # [n, 1, L, 1], [1, 1, 1, K]
+    q_seq = torch.cat([torch.full((s.length,), i, device=dev) for i, s in enumerate(segments)])
+    key_pos = torch.cat([torch.arange(s.end, device=dev) for s in segments])
+    k_seq = torch.cat([torch.full((s.end,), i, device=dev) for i, s in enumerate(segments)])
+    return positions[0][None, None, :, None], key_pos[None, None, None, :], \
+        (q_seq[:, None] == k_seq[None, :])[None, None]
 
 
 def _plain_causal(segments: list[Segment], layout: str, window: int | None) -> bool:
