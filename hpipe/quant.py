@@ -14,6 +14,8 @@ Three steps, each a small function:
 3. **Run** (`Int4Linear`, `Int8Linear`, `Int4Embedding`, `Int8Embedding`): modules that take the place of
    transformers' `nn.Linear` / `nn.Embedding` inside its own attention and MLP modules, as torchao
    swaps them; activations go to the kernel in bf16 (the CPU kernels take no other dtype).
+   Linears that read one input (attention's q, k, v; a gated MLP's gate and up) are packed
+   stacked into one matrix and run as one (`STACKED`, `LinearPart`).
    Many rows at once (prefill slices, scored prompts) on a CPU with bf16 matrix units (AMX or
    AVX512-BF16): the weights are dequantized to bf16 a cache-sized chunk of output rows at a time
    and multiplied by oneDNN's bf16 GEMM (the modules' `dense`). The weight-only kernels do the arithmetic
