@@ -132,12 +132,13 @@ def one_stage_run(tiny_models, tmp_path_factory):
     """The reference of the WaS / CaS runs: the same prompts through a one-stage pipeline."""
     tmp = tmp_path_factory.mktemp("sidp-modes")
     single, _ = sidp_plan(tiny_models["llama"], tmp, 2)
-    prompts, lines = prompts_file(tmp, 10, "sidp-modes", tail=120)
+    prompts, lines = prompts_file(tmp, 10, "sidp-modes", tail=300)
     out = tmp / "single.jsonl"
     assert main(["launch", str(single), "--local", "--prompts", str(prompts), "--out", str(out),
                  "--max-new-tokens", "16", "--max-batch", "4", "--quiet"]) == 0
     theirs = results(out)
-    assert sorted(len(r["output_ids"]) for r in theirs.values()) == [16] * 9 + [120]     # the tail is there
+    # the tail is there, long: on a loaded machine one replica may run far behind the other
+    assert sorted(len(r["output_ids"]) for r in theirs.values()) == [16] * 9 + [300]
     return prompts, lines, theirs
 
 
