@@ -108,7 +108,7 @@ class RuntimeConfig:
                                   "requests end and start a new request after its longest cached prefix (one "
                                   "decision on stage 0 that every stage follows)", choices=("on", "off"))
     # -- the asynchronous runtime (SiPipe)
-    sampling: str = setting("auto", "--sampling", "inline: the last stage samples (on a sampler thread under TSEM); "
+    sampling: str = setting("auto", "--sampling", "inline: the last stage samples (on a sampler thread under TSEM on a GPU); "
                             "cpu: a pool of sampler processes takes the logits off the last stage (SiPipe); auto: "
                             "cpu when the last stage is a GPU, else inline", choices=("auto", "inline", "cpu"))
     sampler_procs: int = setting(1, "--sampler-procs", "with --sampling cpu: sampler processes", unit="processes",

@@ -105,7 +105,7 @@ def smollm2(tmp_path_factory):
 def server(smollm2):
     tmp, plan = smollm2[0], smollm2[1]
     # requests join the sampler process pool (SiPipe) as they come; the killed-stage test below
-    # serves with the default, the last stage's sampler thread
+    # serves with the default, the last stage sampling in its loop (a CPU stage)
     proc, base, log = start_server(tmp, plan, "--max-queue", "4", "--sampling", "cpu", "--sampler-procs", "2")
     yield base
     stop_server(proc)

@@ -20,7 +20,7 @@ Every stage runs the same executors, connected by queues, each micro-batch passi
   hands the output on and takes the next micro-batch at once; no device synchronisation;
 - sample (last stage): one object, chosen at start, with one interface (`submit` a micro-batch's
   logits after its schedule's admissions and releases, `drain` at the end): inline in the loop, on
-  a sampler thread, or in the sampler process pool (`--sampling cpu`).
+  a sampler thread (a GPU stage under TSEM), or in the sampler process pool (`--sampling cpu`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class Modes:
 
     tsem: bool                 # double-buffered inputs; decode steps committed ahead
     prepare_thread: bool       # (with tsem) the CPU executor is a thread; else the compute thread prepares
+    sampler_thread: bool       # (with tsem) a last stage's inline sampling runs on a thread; else in the loop
     sat: bool                  # schedules on the control plane, hidden states alone into pre-posted buffers
     sampling: str              # "inline" (in this process) or "cpu" (the sampler process pool)
     cuda_graphs: bool          # (CUDA nodes) replay decode steps from captured graphs
