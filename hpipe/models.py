@@ -649,8 +649,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                     continue                    # packed apart (`quant.stack_rows`)
                 owner = model.get_submodule(owner_path)
                 linears = [getattr(owner, n) for n in names]
-                biases = [lin.bias for lin in linears]
-                bias = None if biases[0] is None else \
+                bias = None if linears[0].bias is None else \
                     torch.cat([parts_of(tensors, f"{owner_path}.{n}")["bias"] for n in names]).to(device, tdtype)
                 stacked = quant.linear_module(parts, device, bias)
                 for n, part in zip(names, quant.linear_parts(stacked, [lin.out_features for lin in linears])):

@@ -572,16 +572,14 @@ def _module_classes():
             super().__init__()
             if index == 0:
                 self.stacked = stacked          # registered once, under the first part
-            else:
-                self._stacked = (stacked,)      # the others reach it without owning it
+            self._linear = (stacked,)           # every part reaches it (a tuple: not a submodule)
             self.sizes, self.index, self.shared = sizes, index, shared
             self.in_features, self.out_features = stacked.in_features, sizes[index]
 
         def forward(self, x):
             s = self.shared
             if self.index == 0 or s.x is not x:
-                linear = self.stacked if self.index == 0 else self._stacked[0]
-                s.x, s.parts = x, linear(x).split(self.sizes, -1)
+                s.x, s.parts = x, self._linear[0](x).split(self.sizes, -1)
             y = s.parts[self.index]
             if self.index == len(self.sizes) - 1:
                 s.x = s.parts = None

@@ -106,16 +106,17 @@ class CPUSampler:
             raise SamplingError(f"sequence {seq_id!r}: its output ids must be in the vocabulary and fewer than "
                                 f"max_len={self.max_len}")
         col = st.free.pop()
-        unique = sorted(set(prompt))
-        if unique:
-            st.in_prompt[st.at(torch.tensor(unique), torch.full((len(unique),), col))] = True
-        st.seen[col] = sorted(set(unique) | set(output))
         st.seen_t[col] = None
         st.lengths[col] = len(output)
-        if output and params.penalized:
-            ids = torch.tensor(output, dtype=torch.long)
-            st.counts.index_put_(st.at(ids, torch.full((len(output),), col)), torch.ones(len(output), dtype=torch.int32),
-                                 accumulate=True)
+        if params.penalized:        # the penalty state: only a penalized sequence's is ever read
+            unique = sorted(set(prompt))
+            if unique:
+                st.in_prompt[st.at(torch.tensor(unique), torch.full((len(unique),), col))] = True
+            st.seen[col] = sorted(set(unique) | set(output))
+            if output:
+                ids = torch.tensor(output, dtype=torch.long)
+                st.counts.index_put_(st.at(ids, torch.full((len(output),), col)),
+                                     torch.ones(len(output), dtype=torch.int32), accumulate=True)
         st.params[col] = params
         st.seeds[col] = secrets.randbits(63) if params.seed is None else params.seed
         self.where[seq_id] = (replica, col)

@@ -127,6 +127,7 @@ class StageRunner:
     def prepare_inputs(self, segments: list[Segment]) -> StageInputs:
         layout = layout_of(segments)
         dev = self.device
+        end = max(s.end for s in segments)
         # positions from host ints: one small tensor (a decode step's preparation runs with the
         # caches cold after a forward, where every tensor op costs ~20 us)
         positions = torch.tensor([list(range(s.start, s.end)) for s in segments] if layout == "rows" else
@@ -143,7 +144,7 @@ class StageRunner:
                     masks[w] = None  # SDPA's own causal kernels (flash on CUDA) need no mask
                     continue
                 if q is None:
-                    q, k, same_seq = _mask_inputs(segments, layout, positions)
+                    q, k, same_seq = _mask_inputs(segments, layout, positions, end)
                 allowed = k <= q
                 if w is not None:
                     allowed = allowed & (k > q - w)
@@ -152,7 +153,7 @@ class StageRunner:
                 masks[w] = self._mask_for_attention(allowed)
         rotary = None
         if self.rotary is not None and self.blocks:
-            rotary = self.rotary_table.lookup(positions, max(s.end for s in segments))
+            rotary = self.rotary_table.lookup(positions, end)
         ends = list(itertools.accumulate(s.length for s in segments))    # host ints: no device read-back
         # the sampled rows first, then every other row of the scored segments (prompt log-probabilities)
         rows = [e - s.sampled_rows + i for e, s in zip(ends, segments) for i in range(s.sampled_rows)]
@@ -545,12 +546,12 @@ class RotaryTable:
         return self.cos[positions], self.sin[positions]
 
 
-def _mask_inputs(segments: list[Segment], layout: str, positions: torch.Tensor):
+def _mask_inputs(segments: list[Segment], layout: str, positions: torch.Tensor, end: int):
     """What an attention mask compares: each query row's position [.., L, 1], each key's [.., 1, K],
-    and (packed) whether the two rows belong to one sequence."""
+    and (packed) whether the two rows belong to one sequence. `end`: the longest segment's end."""
     dev = positions.device
     if layout == "rows":
-        key_pos = torch.arange(max(s.end for s in segments), device=dev)
+        key_pos = torch.arange(end, device=dev)
         return positions[:, None, :, None], key_pos[None, None, None, :], None          # [n, 1, L, 1], [1, 1, 1, K]
     q_seq = torch.cat([torch.full((s.length,), i, device=dev) for i, s in enumerate(segments)])
     key_pos = torch.cat([torch.arange(s.end, device=dev) for s in segments])
