@@ -716,7 +716,7 @@ def cluster_check(
     try:
         slices = list((plan_obj.predicted or {}).get("slices", [])) if plan_obj else []
         checks = launcher.preflight(conns, plan=plan_obj, config=config, model_spec=spec, kv_tokens=0,
-                           microbatch_tokens=memory.microbatch_tokens(slices))
+                           microbatch_tokens=memory.microbatch_tokens(slices), kernels=True)
     finally:
         for c in conns.values():
             c.close()

@@ -87,15 +87,17 @@ def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, mic
 
 def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None = None, config=None,
                model_spec: str | None = None, kv_tokens: int = 0, microbatch_tokens: int = 1,
-               push_model: bool = False, checked: frozenset[str] = frozenset()) -> HostCheck:
+               push_model: bool = False, checked: frozenset[str] = frozenset(), kernels: bool = False) -> HostCheck:
     """checked: hosts whose whole check passed before in this run (a recovery's restart): their
-    model files and kernels are not looked at again (a second each), their versions, free memory and
-    a free port are."""
+    model files are not looked at again, their versions, free memory and a free port are.
+    kernels: also which weight-only kernels each device runs, for `hpipe check`'s table (the probe
+    then imports torch on the host: 1.4 s alone, 3-4 s on three hosts sharing two cores, a launch's
+    whole preflight otherwise; nothing a launch decides reads it)."""
     host = conn.host
     check = HostCheck(host.name, f"{host.address}:{host.port}")
     again = host.name in checked
     try:
-        p = ssh.probe(conn, model=None if push_model or again else model_spec, kernels=not again)
+        p = ssh.probe(conn, model=None if push_model or again else model_spec, kernels=kernels)
     except HpipeError as e:
         check.problems.append(str(e).split(": ", 1)[-1])
         return check
