@@ -51,16 +51,19 @@ def fetching_plan(path, tmp_path, threshold: int):
 
 
 def prompts_file(tmp_path, n: int, seed: str, tail: int | None = None):
-    """`n` prompts, greedy and seeded in turn; with `tail`, the last greedy one generates that many
-    tokens (the others --max-new-tokens): the job ends with one sequence, whatever the timing."""
+    """`n` prompts, greedy and seeded in turn; with `tail`, the first two are greedy and generate that
+    many tokens (the others --max-new-tokens). The dispatcher hands them to two replicas (the least loaded
+    first, ties to the lower index), so each replica's share ends with one sequence of its own,
+    whatever the timing: a tail that went to the faster replica alone (the last prompt's, once)
+    could end while the other, starved on a loaded machine, still ran its bulk at the threshold."""
     rng = random.Random(seed)
     lines = []
     for i in range(n):
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 40))]
         sampling = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 50 + i}
         lines.append({"id": f"p{i}", "input_ids": prompt, "sampling": sampling})
-    if tail:
-        lines[(n - 1) // 2 * 2]["max_new_tokens"] = tail
+    for line in lines[:2 if tail else 0]:           # greedy both (a GPU run compares greedy text up to ties)
+        line.update(max_new_tokens=tail, sampling={"temperature": 0})
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return path, lines
@@ -137,8 +140,8 @@ def one_stage_run(tiny_models, tmp_path_factory):
     assert main(["launch", str(single), "--local", "--prompts", str(prompts), "--out", str(out),
                  "--max-new-tokens", "16", "--max-batch", "4", "--quiet"]) == 0
     theirs = results(out)
-    # the tail is there, long: on a loaded machine one replica may run far behind the other
-    assert sorted(len(r["output_ids"]) for r in theirs.values()) == [16] * 9 + [300]
+    # the tails are there, long: on a loaded machine one replica may run far behind the other
+    assert sorted(len(r["output_ids"]) for r in theirs.values()) == [16] * 8 + [300] * 2
     return prompts, lines, theirs
 
 
