@@ -1,5 +1,4 @@
-import sys
+from hpipe.cli import run
 
-from hpipe.cli import main
-
-sys.exit(main())
+if __name__ == "__main__":
+    run()
