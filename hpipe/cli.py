@@ -16,7 +16,6 @@ import functools
 import inspect
 import json
 import os
-import sys
 from pathlib import Path
 
 import click
@@ -802,22 +801,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The `hpipe` command: `main`, then the exit without the interpreter's teardown. Finalizing
-    torch's and transformers' modules took 0.5-0.9 s after a command's last line (an import of both
-    and a tokenizer: 0.91 s; a 2-stage local launch's process: 1.0-1.1 s). What an exit does for a
-    program happens first, in its order: other non-daemon threads are waited for, atexit's handlers
-    run (logging, temporary directories, multiprocessing), the output is flushed. Every file hpipe
-    writes is closed by then (`with` blocks; the stage logs flush each line). Callers of `main` in a
-    process of their own (the tests) keep the ordinary exit."""
-    import atexit
-    import threading
+    """The `hpipe` command: `main`, then the exit without the interpreter's teardown
+    (`hpipe.lifeline.exit_now`). Callers of `main` in a process of their own (the tests) keep the
+    ordinary exit."""
+    from hpipe.lifeline import exit_now
 
-    code = main()
-    threading._shutdown()           # what Py_Finalize does first: wait for the other non-daemon threads
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())
 
 
 if __name__ == "__main__":

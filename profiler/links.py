@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import traceback
 
@@ -142,4 +141,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpipe.lifeline import exit_now
+
+    exit_now(main())      # without the interpreter's teardown (up to a second of finalizing torch)

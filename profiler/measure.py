@@ -17,7 +17,6 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 import traceback
 
@@ -393,4 +392,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hpipe.lifeline import exit_now
+
+    exit_now(main())      # without the interpreter's teardown (up to a second of finalizing torch)

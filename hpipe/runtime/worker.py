@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing.util
 import os
 import sys
 import threading
@@ -35,7 +34,7 @@ from hpipe import formats, memory, models, protocol, quant
 from hpipe.config import RuntimeConfig, Speculation
 from hpipe.errors import HpipeError
 from hpipe.grammar import GrammarVocabulary
-from hpipe.lifeline import tie_to_parent
+from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm, invariant
 from hpipe.runtime.draft import proposer_for
@@ -94,7 +93,7 @@ def main(argv=None) -> None:
         worker.run()
     except Exception as e:
         fail(args.rank, e, errors)
-    exit_now(0)
+    exit_now(0)     # the stages' closing barrier has passed and the process group is gone: no peer waits on us
 
 
 def fail(rank: int, error: BaseException, errors: list) -> None:
@@ -113,21 +112,8 @@ def fail(rank: int, error: BaseException, errors: list) -> None:
         report, code = protocol.Error(f"{type(error).__name__}: {error}", rank), 1
         traceback.print_exception(error)
     protocol.send(report)
-    exit_now(code)
-
-
-def exit_now(code: int) -> None:
-    """Exits without the interpreter's teardown: finalizing torch's and the model's objects took
-    1.1-2.8 s per worker after its last word (on emulated hosts, every job's end waited on it), and
-    threads still blocked in a dead transport would end it in C++'s `terminate called without an
-    active exception`. What must outlive the process is done first: the sampler processes are
-    stopped and their semaphores given back (multiprocessing's own exit hook), the output flushed.
-    After a run the stages' closing barrier has passed and the process group is destroyed, so no
-    peer still waits on this one."""
-    multiprocessing.util._exit_function()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(code, wait_for_threads=False)   # threads still blocked in the dead transport would end it in
+    # C++'s `terminate called without an active exception` in an ordinary exit
 
 
 # ---------------------------------------------------------------------------------- where requests come from
