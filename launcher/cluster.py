@@ -90,7 +90,7 @@ def check_host(conn: ssh.Connection, versions: dict, plan: formats.Plan | None =
                push_model: bool = False, checked: frozenset[str] = frozenset(), kernels: bool = False) -> HostCheck:
     """checked: hosts whose whole check passed before in this run (a recovery's restart): their
     model files are not looked at again, their versions, free memory and a free port are.
-    kernels: also which weight-only kernels each device runs, for `hpipe check`'s table (the probe
+    kernels: also which weight-only kernels each device runs, for `hpipe cluster check`'s table (the probe
     then imports torch on the host: 1.4 s alone, 3-4 s on three hosts sharing two cores, a launch's
     whole preflight otherwise; nothing a launch decides reads it)."""
     host = conn.host

@@ -21,7 +21,7 @@ import traceback
 
 import numpy as np
 
-from hpipe.lifeline import tie_to_parent
+from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.reports import emit
 
 SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
@@ -141,6 +141,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from hpipe.lifeline import exit_now
-
     exit_now(main())      # without the interpreter's teardown (up to a second of finalizing torch)

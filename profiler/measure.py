@@ -20,7 +20,7 @@ import statistics
 import time
 import traceback
 
-from hpipe.lifeline import tie_to_parent
+from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.reports import emit
 
 
@@ -392,6 +392,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from hpipe.lifeline import exit_now
-
     exit_now(main())      # without the interpreter's teardown (up to a second of finalizing torch)
