@@ -55,10 +55,11 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
             sampler.release(index)
         x = torch.tensor(mb.tokens, dtype=torch.long)
         for runner, static in zip(runners, statics):
-            if static is not None and static.accepts(mb.segments):
-                x = static.run(static.prepare(mb.segments, mb.id % 2), x)
-            else:
-                x = runner.forward(runner.prepare_inputs(mb.segments), x)
+            with torch.inference_mode():    # as the pipeline's executors prepare (a compiled graph tells the two apart)
+                if static is not None and static.accepts(mb.segments):
+                    x = static.run(static.prepare(mb.segments, mb.id % 2), x)
+                else:
+                    x = runner.forward(runner.prepare_inputs(mb.segments), x)
         seqs = mb.sampled
         x = x[:len(seqs)]              # the sampled rows (scored rows follow them)
         tokens = sampler.sample(x, seqs, mb.expected)

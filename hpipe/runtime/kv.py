@@ -37,6 +37,7 @@ class KVStore:
         self.own: dict[int, list[int]] = {}      # slot -> pages, for segments that carry none
         self.own_next = 1                        # the next page the own tables take (page 0 is scratch)
         self.frozen = False      # set once the run's clock starts: never grown (nor moved) after that
+        self.static_page_shape = False
 
     def allocate(self, pages: int) -> None:
         """Sizes the pool to `pages` pages in every layer (before the run: layers that exist are moved)."""
@@ -47,7 +48,7 @@ class KVStore:
         with torch.inference_mode(False):
             for store in (self.keys, self.values):
                 for layer, old in store.items():
-                    new = old.new_zeros((pages, *old.shape[1:]))
+                    new = self._marked(old.new_zeros((pages, *old.shape[1:])))
                     n = min(pages, old.shape[0])
                     new[:n] = old[:n]
                     store[layer] = new
@@ -73,9 +74,26 @@ class KVStore:
         if layer not in self.keys:
             shape = (self.pages, self.page_size, like.shape[1], like.shape[3])
             with torch.inference_mode(False):    # plain tensors, which a compiled decode step may write
-                self.keys[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                self.values[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.keys[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
+                self.values[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
         return self.keys[layer], self.values[layer]
+
+    def keep_page_shape_static(self) -> None:
+        """Tells torch.compile that a page's shape (tokens, KV heads, head size: dims 1-3 of every
+        layer's tensors, now and later) never changes; the number of pages may (warm-up's pool is
+        smaller than a run's). Compiled decode steps read the pool. With those dims dynamic, dynamo's
+        duck shaping gave a batch's row count the symbol of an equal one (3 rows and SmolLM2's 3 KV
+        heads) and baked it in with that one: a graph traced at 3 rows guarded rows == 3, and every
+        other batch size compiled again mid-run (5-10 s a graph here)."""
+        self.static_page_shape = True
+        for t in (*self.keys.values(), *self.values.values()):
+            self._marked(t)
+
+    def _marked(self, t: torch.Tensor) -> torch.Tensor:
+        if self.static_page_shape:      # torch._dynamo is loaded by then (importing it costs ~0.9 s)
+            for dim in (1, 2, 3):
+                torch._dynamo.mark_static(t, dim)
+        return t
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())

@@ -23,7 +23,7 @@ import torch
 from hpipe import heap, models, quant
 from hpipe.config import DEFAULTS
 from hpipe.runtime.kv import BatchCache, KVStore
-from hpipe.runtime.pages import Segment, layout_of
+from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
 
 
 @dataclass
@@ -355,7 +355,8 @@ def _warm_marks(runner) -> list[Path]:
     torch's and hpipe's versions, the function's code, its modules' signature, the attention
     implementation, the KV page size (what the traced cache reads) and the thread count (inductor
     builds its C++ kernels for one: a stage of 1 thread missed a 2-thread warmup's artifacts and
-    compiled for 40 s at its start)."""
+    compiled for 40 s at its start), and the decode steps warm-up runs (a mark made by a warm-up
+    of fewer shapes does not count)."""
     import hashlib
 
     import hpipe
@@ -365,7 +366,7 @@ def _warm_marks(runner) -> list[Path]:
     marks = []
     for fn, key in graph_plan(runner).values():
         text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, key, runner.attn_implementation,
-                     runner.kv.page_size, torch.get_num_threads()))
+                     runner.kv.page_size, torch.get_num_threads(), decode_shapes(WARM_TOKENS, runner.kv.page_size)))
         marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
     return marks
 
@@ -376,15 +377,39 @@ def warm_graphs(runner) -> bool:
     return bool(marks) and all(m.exists() for m in marks)
 
 
+# Warm-up's slice, in tokens: a length no dimension of a model has. Tracing a graph, dynamo gives
+# sizes of equal value one symbol, and a context of 16 tokens traced beside a head size of 16 made
+# a graph that served contexts of 16 alone.
+WARM_TOKENS = 13
+
+
+def decode_shapes(n: int, page_size: int) -> list[list[Segment]]:
+    """One decode step of each kind that calls a graph of its own, inside the pages of slot 0's
+    n-token slice: dynamo bakes in a size of 1, whether a mask is passed, and whether a lone row's
+    context is read in place (`BatchCache._span`), so every function a stage compiles has at most
+    four graphs. Warming two of them left the other two, and every new number of rows, to compile
+    mid-run: a launch of 16 prompts at --max-batch 8 after `hpipe warmup` compiled 4 graphs in its
+    first steps, ~17 s of its 21. The steps:
+    - one row whose pages lie in order (its context read in place);
+    - one row read through its page table (the scratch page stands for pages out of order, as a
+      stream's are once others have come and gone);
+    - three rows of different lengths (under a mask), and three of one length (no mask): their
+      graphs serve every number of rows above one (`KVStore.keep_page_shape_static`)."""
+    gathered = (SCRATCH_PAGE,) * pages_needed(n, page_size)
+    return [[Segment(0, 0, n - 1, 1, True)],
+            [Segment(0, 0, n - 1, 1, True, pages=gathered)],
+            [Segment(i, 0, n - 1 - i, 1, True) for i in range(3)],
+            [Segment(i, 0, n - 1, 1, True) for i in range(3)]]
+
+
 def warm_up(runner, max_len: int, log) -> None:
     """Before the clock starts (the KV pool is allocated): one small slice through the stage's units
     (kernel selection, thread pools, first-touch allocations); with compiled halves, the decode
-    steps that compile them: one row (its context read in place), two rows of different lengths
-    (under a mask). Every step stays inside the slice's own pages. A compile that fails (no C++
+    steps that compile every graph a run calls (`decode_shapes`). A compile that fails (no C++
     compiler, an inductor bug) leaves the stage eager, said in one line."""
     import time
 
-    n = max(1, min(16, max_len))
+    n = max(1, min(WARM_TOKENS, max_len))
 
     @torch.inference_mode()      # as the run prepares and computes (a compiled graph tells the two apart)
     def step(segments):
@@ -394,11 +419,11 @@ def warm_up(runner, max_len: int, log) -> None:
         runner.forward(runner.prepare_inputs(segments), x)
 
     step([Segment(0, 0, 0, n, True)])
-    if runner.decode_halves is not runner.eager and n > 2:
+    if runner.decode_halves is not runner.eager and n > 3:
         t = time.time()
         try:
-            step([Segment(0, 0, n - 1, 1, True)])
-            step([Segment(0, 0, n - 1, 1, True), Segment(1, 0, n - 2, 1, True)])
+            for segments in decode_shapes(n, runner.kv.page_size):
+                step(segments)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor bug: the run goes on eagerly
             runner.decode_halves = runner.eager
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -468,6 +493,7 @@ class CompiledHalves(Halves):
     def __init__(self, runner):
         super().__init__(runner.cache_argument)
         use_inductor_cache()
+        runner.kv.keep_page_shape_static()
         self.fns: dict[int, object] = {}
         copies: dict[tuple, object] = {}
         for u, (fn, key) in graph_plan(runner).items():
