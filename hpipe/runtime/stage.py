@@ -387,19 +387,18 @@ def decode_shapes(n: int, page_size: int) -> list[list[Segment]]:
     """One decode step of each kind that calls a graph of its own, inside the pages of slot 0's
     n-token slice: dynamo bakes in a size of 1, whether a mask is passed, and whether a lone row's
     context is read in place (`BatchCache._span`), so every function a stage compiles has at most
-    four graphs. Warming two of them left the other two, and every new number of rows, to compile
-    mid-run: a launch of 16 prompts at --max-batch 8 after `hpipe warmup` compiled 4 graphs in its
-    first steps, ~17 s of its 21. The steps:
+    three graphs. Warming two left the third, and every new number of rows, to compile mid-run: a
+    launch of 16 prompts at --max-batch 8 after `hpipe warmup` compiled 4 graphs in its first
+    steps, ~17 s of its 21. The steps:
     - one row whose pages lie in order (its context read in place);
     - one row read through its page table (the scratch page stands for pages out of order, as a
       stream's are once others have come and gone);
-    - three rows of different lengths (under a mask), and three of one length (no mask): their
-      graphs serve every number of rows above one (`KVStore.keep_page_shape_static`)."""
+    - three rows, under a mask (`_plain_causal`): the graph serves every number of rows above one
+      (`KVStore.keep_page_shape_static`)."""
     gathered = (SCRATCH_PAGE,) * pages_needed(n, page_size)
     return [[Segment(0, 0, n - 1, 1, True)],
             [Segment(0, 0, n - 1, 1, True, pages=gathered)],
-            [Segment(i, 0, n - 1 - i, 1, True) for i in range(3)],
-            [Segment(i, 0, n - 1, 1, True) for i in range(3)]]
+            [Segment(i, 0, n - 1 - i, 1, True) for i in range(3)]]
 
 
 def warm_up(runner, max_len: int, log) -> None:
@@ -588,10 +587,12 @@ def _mask_inputs(segments: list[Segment], layout: str, positions: torch.Tensor, 
 
 def _plain_causal(segments: list[Segment], layout: str, window: int | None) -> bool:
     """True when no mask is needed: every row attends exactly to its own tokens causally (all
-    segments start at 0 with the same length), or one new token per row after equal contexts."""
+    segments start at 0 with the same length), or one new token on a lone row. Several decode rows
+    take a mask even after equal contexts: their compiled graph is then the one of unequal contexts
+    (a graph without a mask would be one more to trace at every start)."""
     if layout != "rows":
         return False
     end = segments[0].end
     if any(s.end != end for s in segments) or (window is not None and end > window):
         return False
-    return segments[0].length == 1 or all(s.start == 0 for s in segments)
+    return len(segments) == 1 and segments[0].length == 1 or all(s.start == 0 for s in segments)
