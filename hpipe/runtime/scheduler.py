@@ -378,18 +378,20 @@ class Scheduler:
             drafts[i] = draft
         return drafts
 
-    def _settle(self, seq: Sequence, seg: Segment, emitted: int) -> None:
-        """A speculative step is back with `emitted` tokens: its proposals up to the first mismatch
-        were accepted; the positions past them hold rejected tokens' KV, so the sequence goes on
+    def _settle(self, seq: Sequence, seg: Segment, emitted: list[int]) -> None:
+        """A speculative step is back with the `emitted` tokens: its proposals up to the first
+        mismatch were accepted (all of them where the sequence stopped on one, at its EOS: no token
+        follows it); the positions past them hold rejected tokens' KV, so the sequence goes on
         from the first of those (they are written again before they are read) and the pages wholly
         past it return to the pool."""
-        accepted = emitted - 1
+        accepted = next((i for i, (t, d) in enumerate(zip(emitted, seg.draft)) if t != d),
+                        min(len(emitted), len(seg.draft)))
         self.proposed += len(seg.draft)
         self.accepted += accepted
         seq.proposed += len(seg.draft)
         seq.accepted += accepted
         seq.spec_k = next_k(seq.spec_k, len(seg.draft), accepted, self.proposer.k)
-        seq.pos = seq.fed = seg.start + emitted
+        seq.pos = seq.fed = seg.start + len(emitted)
         keep = pages_needed(seq.pos, self.pool.page_size)
         if seq.status is not Status.PREEMPTED and len(seq.pages) > keep:
             self.pool.give_back(seq.pages[keep:])
@@ -523,7 +525,7 @@ class Scheduler:
             seq.in_flight -= 1
             emitted = [t for t in got if t >= 0]
             if seg.draft:
-                self._settle(seq, seg, len(emitted))
+                self._settle(seq, seg, emitted)
             for token in emitted:
                 seq.take_token(token, now)
                 self.generated += 1
