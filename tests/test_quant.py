@@ -360,15 +360,19 @@ def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_
     assert runs["all on"] == runs["baseline"] and runs["preempted"] == runs["baseline"]
 
 
-def test_whole_blocks_go_four_to_a_call_and_the_rest_one_by_one():
-    """A stage's forward calls: runs of 4 whole blocks, the whole blocks left over one a call, a cut
-    block's halves and the embedding and head alone; every unit once, in order."""
+def test_whole_blocks_go_several_to_a_call_and_the_rest_one_by_one():
+    """A stage's forward calls: runs of whole blocks, as many a call as run the model's blocks in the
+    fewest calls (5 for SmolLM2's 30, 4 for Llama-3.2-1B's 16), the whole blocks left over one a
+    call, a cut block's halves and the embedding and head alone; every unit once, in order."""
     calls = stage_module.stage_calls(range(62), 62, joined=True)          # SmolLM2: 30 blocks
     assert calls[0] == (0,) and calls[-1] == (61,)
-    assert [len(c) for c in calls[1:-1]] == [8] * 7 + [2, 2]
+    assert [len(c) for c in calls[1:-1]] == [10] * 6
     assert [u for c in calls for u in c] == list(range(62))
     assert stage_module.stage_calls(range(20, 41), 62, joined=True) == [
-        (20,), tuple(range(21, 29)), tuple(range(29, 37)), (37, 38), (39, 40)]
+        (20,), tuple(range(21, 31)), tuple(range(31, 41))]
+    assert stage_module.stage_calls(range(20, 37), 62, joined=True) == [
+        (20,), tuple(range(21, 31)), (31, 32), (33, 34), (35, 36)]
+    assert [len(c) for c in stage_module.stage_calls(range(34), 34, joined=True)] == [1] + [8] * 4 + [1]
     assert stage_module.stage_calls(range(3, 9), 62, joined=False) == [(u,) for u in range(3, 9)]
 
 
@@ -386,7 +390,7 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     running the same modules eagerly. Float32 weights within float32 summation noise; quantized
     within the bf16 grid of the kernels' results. On the dynamic path a stage's warm-up compiles
     every graph its steps call: the run compiles none (dynamo's own count of graphs)."""
-    monkeypatch.setattr(stage_module, "BLOCKS_PER_CALL", 2)
+    monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
     path = tiny_models["llama"]
     config = models.load_config(path)
     weights = quant.WeightFormat.parse(fmt)

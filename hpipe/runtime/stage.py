@@ -261,14 +261,26 @@ def whole_blocks(blocks: list[tuple], h, rotary, masks: list, caches: list[dict]
 # about 60 us here: SmolLM2's decode step at 1 thread took 11.0 ms with 30 calls, 10.3 with pairs,
 # 9.1-9.5 with 3, 4, 5, 10 or 15 blocks a call (2 threads: 9.1 -> 7.8 ms with 4); a graph of 4
 # compiles in ~15 s cold, one of 10 in 29, of 15 in 46 (the step of bench/decode_compile.py in a loop).
-BLOCKS_PER_CALL = 4
+# A model takes the size of these that calls its blocks in the fewest calls (`blocks_per_call`).
+CALL_SIZES = (4, 5)
+
+
+def blocks_per_call(n_units: int) -> int:
+    """Whole blocks a call for a model of `n_units` units: of `CALL_SIZES`, the one that runs all of
+    its blocks in the fewest calls, the smaller on a tie (it compiles faster). SmolLM2's 30 blocks go
+    5 a call, 6 calls and no block left over to a graph of its own (4 a call made 9 calls: 7.5 and
+    7.1 ms a step at 2 threads, 4 against 5, in three alternated runs here, 6.7 against 6.6 and 7.6
+    against 5.6); Llama-3.2-1B's 16 go 4."""
+    blocks = (n_units - 2) // 2
+    return min(CALL_SIZES, key=lambda b: (blocks // b + blocks % b, b))
 
 
 def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...]]:
     """The stage's units as its forward calls them: whole blocks (both halves held) go
-    `BLOCKS_PER_CALL` consecutive ones a call, those left over one a call (each call one compiled
+    `blocks_per_call` consecutive ones a call, those left over one a call (each call one compiled
     graph); everything else is a unit alone (the embedding, the head, the halves of blocks cut in the
     middle, and every unit where `joined` is False)."""
+    per_call = 2 * blocks_per_call(n_units)      # units
     calls: list[tuple[int, ...]] = []
     for u in units:
         mlp = 0 < u < n_units - 1 and u % 2 == 0
@@ -279,14 +291,14 @@ def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...
     grouped: list[tuple[int, ...]] = []
     for call in calls:
         run = grouped[-1] if grouped and len(call) == 2 and len(grouped[-1]) >= 2 else None
-        if run is not None and len(run) < 2 * BLOCKS_PER_CALL and run[-1] + 1 == call[0]:
+        if run is not None and len(run) < per_call and run[-1] + 1 == call[0]:
             grouped[-1] = run + call
         else:
             grouped.append(call)
     # a run's tail shorter than a full call goes one block a call (one more graph, not one per length)
     out: list[tuple[int, ...]] = []
     for call in grouped:
-        if 2 < len(call) < 2 * BLOCKS_PER_CALL:
+        if 2 < len(call) < per_call:
             out.extend(call[i:i + 2] for i in range(0, len(call), 2))
         else:
             out.append(call)
@@ -475,7 +487,7 @@ def _warm_layout(model: models.ModelSource, config, weights, dtype: str, log, un
 
 class CompiledHalves(Halves):
     """Decode steps through torch.compile (inductor), regionally: one graph per call of
-    `BLOCKS_PER_CALL` whole blocks, per single whole block, and per half of a block cut between
+    `blocks_per_call` whole blocks, per single whole block, and per half of a block cut between
     stages, each shared by every call of its kind (30 blocks compile two graphs, not 30; a
     whole-stage graph took 40-126 s to compile here, one of 4 blocks about 15). Blocks go several to
     a graph, and a block is one graph rather than two halves, because each graph call costs dynamo's
