@@ -672,7 +672,7 @@ def _print_launch(summary: dict, out: str) -> None:
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
     if s.get("options", {}).get("compile_cold"):
         typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize and --dtype compiles its "
-                   "steps once on each host (about 45 s; --threads as each stage runs there, a host's cores over its CPU "
+                   "steps once on each host (about a minute; --threads as each stage runs there, a host's cores over its CPU "
                    "stages); runs then take about 0.7x the time a token")
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "
@@ -735,7 +735,7 @@ def warmup(
                                        "each CPU stage the host's cores over its CPU stages); default: all cores"),
 ):
     """Compile a model's decode graphs on this host once: later launches and servers of it with
-    --compile auto (the default) run them (about 0.7x an eager step), starting in 3-4 s a stage."""
+    --compile auto (the default) run them (about 0.7x an eager step), loading them in ~7 s a stage."""
     import time
 
     from hpipe import quant, runtime

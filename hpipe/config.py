@@ -124,7 +124,7 @@ class RuntimeConfig:
     compile: str = setting("auto", "--compile", "decode steps run their blocks through torch.compile (inductor), 4 "
                            "blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
                            "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
-                           "(about 45 s the first time on a host, 3-4 s later); auto: where `hpipe warmup` has compiled the model's graphs on "
+                           "(about a minute the first time on a host, ~7 s a stage later); auto: where `hpipe warmup` has compiled the model's graphs on "
                            "this host, else eagerly; off: eagerly. A failed compile leaves the run eager",
                            choices=("auto", "on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "

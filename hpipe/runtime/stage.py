@@ -346,7 +346,8 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
     if mode == "auto" and not warm_graphs(runner):
         return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup` with the plan's model, --quantize, "
                 f"--dtype and --threads {torch.get_num_threads()} compiles them once "
-                f"(about 45 s; later starts take 3-4 s a stage) and decode steps then take about 0.7x the time")
+                f"(about a minute; later starts load them in ~7 s a stage) and decode steps then take about 0.7x "
+                f"the time")
     return None
 
 
