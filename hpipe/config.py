@@ -122,7 +122,7 @@ class RuntimeConfig:
                                  "slots under a mask), the path CUDA graphs replay; auto: with CUDA graphs (on a "
                                  "CPU it is slower, see README)", choices=SWITCH)
     compile: str = setting("auto", "--compile", "decode steps run their blocks through torch.compile (inductor), 4 "
-                           "blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
+                           "or 5 blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
                            "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
                            "(about a minute the first time on a host, ~7 s a stage later); auto: where `hpipe warmup` has compiled the model's graphs on "
                            "this host, else eagerly; off: eagerly. A failed compile leaves the run eager",

@@ -385,9 +385,9 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     (inductor), on 2 stages with a mid-block cut: the first runs its one whole block through the
     single block's graph and the cut block's attention half through that half's graph, the second
     the cut block's MLP half through its graph and its two whole blocks as one call (2 blocks a call
-    here, for the tiny model's 4 blocks), with batches of 1-3 rows (both forms of each graph: one
-    row, and any other number), on the dynamic path and on the static one, against one process
-    running the same modules eagerly. Float32 weights within float32 summation noise; quantized
+    here, for the tiny model's 4 blocks), with batches of 1-3 rows (every form of each graph: one
+    row in place or through its pages, and any other number under a mask), on the dynamic path and
+    on the static one, against one process running the same modules eagerly. Float32 weights within float32 summation noise; quantized
     within the bf16 grid of the kernels' results. On the dynamic path a stage's warm-up compiles
     every graph its steps call: the run compiles none (dynamo's own count of graphs)."""
     monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))

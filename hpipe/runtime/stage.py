@@ -377,9 +377,10 @@ def _warm_marks(runner) -> list[Path]:
     use_inductor_cache()
     root = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "hpipe-warm"
     marks = []
+    shapes = decode_shapes(WARM_TOKENS, runner.kv.page_size)
     for fn, key in graph_plan(runner).values():
         text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, key, runner.attn_implementation,
-                     runner.kv.page_size, torch.get_num_threads(), decode_shapes(WARM_TOKENS, runner.kv.page_size)))
+                     runner.kv.page_size, torch.get_num_threads(), shapes))
         marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
     return marks
 
