@@ -387,9 +387,10 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     the cut block's MLP half through its graph and its two whole blocks as one call (2 blocks a call
     here, for the tiny model's 4 blocks), with batches of 1-3 rows (every form of each graph: one
     row in place or through its pages, and any other number under a mask), on the dynamic path and
-    on the static one, against one process running the same modules eagerly. Float32 weights within float32 summation noise; quantized
-    within the bf16 grid of the kernels' results. On the dynamic path a stage's warm-up compiles
-    every graph its steps call: the run compiles none (dynamo's own count of graphs)."""
+    on the static one, against one process running the same modules eagerly. Float32 weights within
+    float32 summation noise; quantized within the bf16 grid of the kernels' results. On the dynamic
+    path a stage's warm-up compiles every graph its steps call: the run compiles none (dynamo's own
+    count of graphs)."""
     monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
     path = tiny_models["llama"]
     config = models.load_config(path)
