@@ -11,7 +11,7 @@
 #     pynacl==1.6.2 cffi==2.1.1 pycparser==3.12 invoke==3.0.3 typing_extensions==4.16.0
 # and the device tool's run with carry [".whl"] and `bash bench/gpu_run.sh ...` (NVIDIA H200, 2026-11-26).
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; touch /tmp/gpu_run.start
 # the image's own Python (root): the carried wheels and hpipe itself (editable: planner/, profiler/
 # and launcher/ map to hpipe.*) go into its environment
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > "$OUT/install.log" 2>&1 \
@@ -29,16 +29,18 @@ timeout -k 5 "$BUDGET" bash -c '
     floor) python3 bench/decode.py --setups gpu-floor --repeats ${FLOOR_REPEATS:-2} --name "'"$DEV"'-floor" > "$OUT/$w.log" 2>&1 ;;
     ablation1) python3 bench/decode.py --setups gpu --gpu-stages 1 --repeats 1 --name "'"$DEV"'-1stage" > "$OUT/$w.log" 2>&1 ;;
     step) python3 bench/gpu_step.py > "$OUT/$w.log" 2>&1 ;;
-    sidp) python3 bench/sidp_gpu.py --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
-    int4) python3 bench/gpu_int4.py --log-dir "$OUT/int4-logs" > "$OUT/$w.log" 2>&1 ;;
-    hetero) python3 bench/hetero.py --devices cuda:0,cpu --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
+    sidp) python3 bench/sidp_gpu.py --requests 12 --max-new-tokens 32 --hidden 1024 --layers 8 --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
+    int4) python3 bench/gpu_int4.py ${INT4_ARGS:-} --log-dir /tmp/int4-logs > "$OUT/$w.log" 2>&1 ;;
+    hetero) python3 bench/hetero.py --devices cuda:0,cpu --hidden 1024 --layers 8 --tokens 512 --slices 4 \
+        --new-tokens 32 --repeats 1 --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
   esac; done' &
 if [[ " $what " == *" tests "* ]]; then
   HPIPE_TEST_DEVICES=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile --timeout 200 \
-    tests/test_cuda.py tests/test_exactness.py tests/test_quant.py tests/test_sidp_runtime.py -k "cuda or gpu" --junitxml "$OUT/cuda-tests.xml" \
+    ${TEST_FILES:-tests/test_cuda.py tests/test_exactness.py tests/test_quant.py tests/test_sidp_runtime.py} -k "cuda or gpu" --junitxml /tmp/cuda-tests.xml \
     > "$OUT/cuda-tests.log" 2>&1
   echo "tests: rc $?"; tail -n 25 "$OUT/cuda-tests.log"
 fi
 wait
-tar czf "$OUT/results.tgz" bench/results 2>/dev/null
+# one archive (the device tool brings back 8 files): the results written here, the stage logs, the junit XML
+tar czf "$OUT/results.tgz" $(find bench/results -type f -newer /tmp/gpu_run.start) /tmp/int4-logs /tmp/cuda-tests.xml 2>/dev/null
 for w in $what; do [ -f "$OUT/$w.log" ] && { echo "== $w"; tail -n 22 "$OUT/$w.log"; }; done

@@ -135,7 +135,7 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device
         w = (int4_codes(a) - 8) * np.repeat(sz[..., 0].T, 32, axis=1) + np.repeat(sz[..., 1].T, 32, axis=1)
     else:
         w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
-    for rows in (1, 7):
+    for rows in (0, 1, 7):      # 0: a prompt's slice before its last samples no row through the head
         x = torch.randn(rows, COLS)
         y = module(x.to(device)).double().cpu().numpy()
         ref = x.double().numpy() @ w.T
@@ -144,12 +144,14 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
-def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qtype):
+def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qtype, device):
     """A GGUF embedding table in 4-bit blocks (128 rows: two of the CPU packing's 64-row blocks)
     stays int4: every row looked up is the gguf package's own dequantization within the bf16
-    rounding of its scales, and the head tied to it runs the int4 kernel on the same tensors,
-    against a float64 matmul of the rows the embedding gives."""
-    if not quant.int4_rows_gatherable(128, "cpu"):
+    rounding of its scales, and the head tied to it runs the int4 kernel on the same codes (the
+    same tensors on a CPU; on CUDA tinygemm's tiles of them), against a float64 matmul of the rows
+    the embedding gives."""
+    kind = torch.device(device).type
+    if not quant.int4_rows_gatherable(128, kind):
         pytest.skip("this torch build packs int4 for the CPU in another layout (the table goes to int8)")
     rng = np.random.default_rng(6)
     n, k = 128, 256
@@ -157,23 +159,24 @@ def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qt
     raw = gguf.quants.quantize(values, qtype)
     theirs = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(k, n)))
-    packed = quant.pack(a, quant.WeightFormat("gguf"), "cpu", as_embedding=True)
+    packed = quant.pack(a, quant.WeightFormat("gguf"), kind, as_embedding=True)
     assert set(packed) == {"int4", "scales_zeros"}
-    embedding = quant.embedding_module(packed, "cpu", torch.float32)
-    head = quant.linear_module(packed, "cpu")
-    assert embedding.packed.data_ptr() == head.packed.data_ptr()
+    embedding = quant.embedding_module(packed, device, torch.float32)
+    head = quant.linear_module(packed, device)
+    if kind == "cpu":
+        assert embedding.packed.data_ptr() == head.packed.data_ptr()
     ids = torch.tensor([[0, 31, 32, 63], [64, 100, 127, 5]])
-    rows = embedding(ids).double().numpy()
+    rows = embedding(ids.to(device)).double().cpu().numpy()
     assert rows.shape == (2, 4, k)
     u = int4_codes(a)[ids.numpy()]
     sz = packed["scales_zeros"].double().numpy()[:, ids.numpy()]           # [K / 32, 2, 4, 2]
     s, z = (np.repeat(np.moveaxis(sz[..., i], 0, -1), 32, axis=-1) for i in (0, 1))
     bound = U * (np.abs(u - 8) * np.abs(s) + np.abs(z)) * (1 + U) + 2.0 ** -23 * np.abs(z)
     assert (np.abs(rows - theirs[ids.numpy()]) <= bound).all()
-    table = embedding(torch.arange(n)).double().numpy()
+    table = embedding(torch.arange(n, device=device)).double().cpu().numpy()
     x = torch.randn(3, k)
     ref = x.double().numpy() @ table.T
-    assert (np.abs(head(x).double().numpy() - ref) <= kernel_bound(x, table, ref)).all()
+    assert (np.abs(head(x.to(device)).double().cpu().numpy() - ref) <= kernel_bound(x, table, ref)).all()
 
 
 def dense_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
