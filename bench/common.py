@@ -16,11 +16,12 @@ def prompt_ids(n: int) -> list[int]:
 
 def hpipe(*args, cwd: Path, env: dict | None = None) -> str:
     """Run one `hpipe` command in a child process (`env`: its whole environment, else this one's)
-    and return what it printed; its failure ends the benchmark with its stderr."""
+    and return what it printed on stdout; its stderr (progress, errors) goes to the benchmark's as
+    it comes, so a log shows where a long run was when it was stopped. Its failure ends the benchmark."""
     done = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], cwd=cwd, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     if done.returncode:
-        raise SystemExit(f"hpipe {' '.join(map(str, args[:2]))} failed: {done.stderr.strip()[-1500:]}")
+        raise SystemExit(f"hpipe {' '.join(map(str, args[:2]))} failed (exit {done.returncode}; its stderr is above)")
     return done.stdout
 
 
