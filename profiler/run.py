@@ -15,6 +15,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -26,6 +27,8 @@ from hpipe.reports import parse
 from hpipe.profiler import catalog
 from hpipe.grid import heldout_error
 from hpipe.net import free_port
+
+LINK_TIMEOUT_S = 300        # one link's two workers (a quick measurement takes seconds)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,6 +132,9 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     names = _device_names(devices)
     measured: dict[str, dict] = {}  # identity name -> device profile
     threads = threads or max(1, os.cpu_count() or 1)
+    # where stderr is no terminal (a log), the bars show only at the end: a line per step as it comes
+    step = (lambda text: None) if console.is_terminal else \
+        (lambda text: console.print(f"{datetime.datetime.now():%H:%M:%S} {text}", highlight=False))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console) as progress:
         for d in devices:
@@ -138,6 +144,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
                 profile["devices"].append(entry)
                 continue
             task = progress.add_task(f"{dev_id} units", total=None, note="starting")
+            step(f"{dev_id}: measuring its units")
             cmd = [sys.executable, "-m", "hpipe.profiler.measure", "--model", str(source.gguf or source.path),
                    "--device", d, "--dtype", dtype, "--weights", weights, "--max-seq-len", str(n),
                    "--threads", str(threads)] + (["--quick"] if quick else [])
@@ -149,21 +156,25 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
                 error = error or f"exit code {proc.returncode}: {' | '.join(stderr.strip().splitlines()[-3:])}"
                 profile["errors"].append({"host": host, "device": d, "message": error})
                 progress.update(task, note=f"[red]failed: {error}")
+                step(f"{dev_id}: failed: {error}")
                 continue
+            step(f"{dev_id}: done")
             entry = _device_entry(result, host, d)
             measured[names[d]] = entry
             profile["devices"].append(entry)
             progress.update(task, note="done")
         ok = profile["devices"]
-        pairs = [(a, b) for a in ok for b in ok if a["id"] != b["id"]] + \
-                [(a, a) for a in ok if a["device"] == "cpu"]
+        # each pair once: a link's measurement times both directions (`_add_link`)
+        pairs = [(a, b) for i, a in enumerate(ok) for b in ok[i + 1:]] + [(a, a) for a in ok if a["device"] == "cpu"]
         for a, b in pairs:
             task = progress.add_task(f"link {a['id']} -> {b['id']}", total=None, note="")
+            step(f"link {a['id']} -> {b['id']}: measuring")
             try:
                 link = measure_link(a["device"], b["device"], quick)
             except HpipeError as e:
                 profile["errors"].append({"host": host, "device": f"{a['device']}->{b['device']}", "message": str(e)})
                 progress.update(task, note=f"[red]failed: {e}")
+                step(f"link {a['id']} -> {b['id']}: failed: {e}")
                 continue
             _add_link(profile, a, b, link)
             progress.update(task, total=1, completed=1,
@@ -195,19 +206,35 @@ def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
 
     port = free_port()
     env = _env()
+    # rank 0 reports on stdout; both ranks' stderr go to files, so that neither blocks on a pipe
+    # nobody reads while the other is waited for
+    errs = [tempfile.TemporaryFile("w+") for _ in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "hpipe.profiler.links", "--rank", str(r), "--master-port", str(port),
                                "--devices", f"{dev_a},{dev_b}"] + (["--quick"] if quick else []),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                              stdin=subprocess.DEVNULL) for r in (0, 1)]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for line in outs[0][0].splitlines():
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=errs[r], text=True,
+                              env=env, stdin=subprocess.DEVNULL) for r in (0, 1)]
+    try:
+        out = procs[0].communicate(timeout=LINK_TIMEOUT_S)[0]
+        procs[1].wait(timeout=LINK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for q in procs:
+            q.kill()
+            q.wait()
+        raise HpipeError(f"link {dev_a} <-> {dev_b}: its two workers did not finish in {LINK_TIMEOUT_S} s "
+                         f"and were stopped") from None
+    stderr = ""
+    for f in errs:
+        f.seek(0)
+        stderr += f.read()
+        f.close()
+    for line in out.splitlines():
         msg = parse(line)
         if msg is not None:
             if msg["type"] == "link_profile":
                 return msg
             if msg["type"] == "error":
                 raise HpipeError(msg["message"])
-    raise HpipeError(f"link worker failed: {' | '.join((outs[0][1] + outs[1][1]).strip().splitlines()[-3:])}")
+    raise HpipeError(f"link worker failed: {' | '.join(stderr.strip().splitlines()[-3:])}")
 
 
 # --------------------------------------------------------------------------------------------

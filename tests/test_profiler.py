@@ -86,6 +86,9 @@ def test_local_profile_validates_and_reports_a_failing_device(tiny_models, tmp_p
                  "--quick", "--max-seq-len", "96", "-o", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "failed" in err
+    # stderr is no terminal here: each step is a line of its own as it comes (a log shows where it is)
+    assert "local/cpu: measuring its units" in err and "local/cuda:7: failed" in err
+    assert "link local/cpu -> local/cpu: measuring" in err
     profile = formats.load_profile(out)  # what was measured is written, and validates
     assert [d["id"] for d in profile["devices"]] == ["local/cpu"]
     assert profile["errors"] and profile["errors"][0]["device"] == "cuda:7"
