@@ -3,6 +3,8 @@
 # carried in .whl/, then run the CUDA tests and the GPU benchmarks, everything logged under $OUT.
 #   bash bench/gpu_run.sh [tests] [step] [ablation] [ablation1] [floor] [hetero] [sidp] [int4]
 #   (default: tests ablation floor hetero; `tests` adds the SiDP replicas on the GPU)
+#   BENCH_S: the benchmarks' seconds in all (they run one after another, beside the tests; hetero
+#   waits for the tests); TEST_FILES: other test files; INT4_ARGS: e.g. --skip-linears
 # The wheels (13 MB; .whl/ is ignored, listed in .git/info/exclude), made here before the call:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 -d .whl \
@@ -22,6 +24,7 @@ DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' |
 echo "device: $DEV"; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
 what=${*:-tests ablation floor hetero}
 BUDGET=${BENCH_S:-370}
+[[ " $what " == *" tests "* ]] && touch /tmp/gpu_run.testing
 timeout -k 5 "$BUDGET" bash -c '
   OUT="'"$OUT"'"
   for w in '"$what"'; do case $w in
@@ -31,14 +34,15 @@ timeout -k 5 "$BUDGET" bash -c '
     step) python3 bench/gpu_step.py > "$OUT/$w.log" 2>&1 ;;
     sidp) python3 bench/sidp_gpu.py --requests 12 --max-new-tokens 32 --hidden 1024 --layers 8 --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
     int4) python3 bench/gpu_int4.py ${INT4_ARGS:-} --log-dir /tmp/int4-logs > "$OUT/$w.log" 2>&1 ;;
-    hetero) python3 bench/hetero.py --devices cuda:0,cpu --hidden 1024 --layers 8 --tokens 512 --slices 4 \
+    hetero) while [ -e /tmp/gpu_run.testing ]; do sleep 2; done   # its CPU stage times need the cores the tests take
+      python3 bench/hetero.py --devices cuda:0,cpu --hidden 1024 --layers 8 --tokens 512 --slices 4 \
         --new-tokens 32 --repeats 1 --name "'"$DEV"'" > "$OUT/$w.log" 2>&1 ;;
   esac; done' &
 if [[ " $what " == *" tests "* ]]; then
   HPIPE_TEST_DEVICES=cuda timeout 280 python3 -m pytest -q -p no:cacheprovider -n 4 --dist loadfile --timeout 200 \
     ${TEST_FILES:-tests/test_cuda.py tests/test_exactness.py tests/test_quant.py tests/test_sidp_runtime.py} -k "cuda or gpu" --junitxml /tmp/cuda-tests.xml \
     > "$OUT/cuda-tests.log" 2>&1
-  echo "tests: rc $?"; tail -n 25 "$OUT/cuda-tests.log"
+  echo "tests: rc $?"; rm -f /tmp/gpu_run.testing; tail -n 25 "$OUT/cuda-tests.log"
 fi
 wait
 # one archive (the device tool brings back 8 files): the results written here, the stage logs, the junit XML
