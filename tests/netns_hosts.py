@@ -261,11 +261,13 @@ def write_inventory(cluster: EmulatedCluster, path: Path, *, user: str = "root",
                     known_hosts: Path | None = None, python: str | None = None, timeout_s: float = 5,
                     env: dict[str, str] | None = None) -> Path:
     """An inventory for the emulated hosts. By default every host's env points PYTHONPATH at this
-    checkout (the hosts share this machine's files) and passes HPIPE_CACHE on when it is set."""
+    checkout (the hosts share this machine's files) and HPIPE_CACHE at this process's hpipe cache:
+    the hosts log in as root, whose own cache may hold a developer's `hpipe warmup` marks, and a
+    host that found them would run compiled graphs where this side runs eagerly."""
     if env is None:
-        env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-        if os.environ.get("HPIPE_CACHE"):
-            env["HPIPE_CACHE"] = os.environ["HPIPE_CACHE"]
+        from hpipe import models
+
+        env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "HPIPE_CACHE": str(models.cache_dir())}
     env_toml = "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + " }"
     lines = ["version = 1", "", "[ssh]", f'user = "{user}"', f'identity_file = "{key or cluster.key}"',
              f'known_hosts = "{known_hosts or cluster.known_hosts}"', f"connect_timeout_s = {timeout_s}", ""]
