@@ -1,5 +1,6 @@
-"""int4 weights on a GPU at Llama-3.1-8B's shapes, in two parts (the 8B int4 decode run failed at
-its first step on an H200 on 2026-11-26 while the tiny models' int4 tests passed):
+"""int4 weights on a GPU at Llama-3.1-8B's shapes, in two parts (the 8B int4 launch failed on an H200
+on 2026-11-26 and an H100 on 2026-11-27, the head's tinygemm call with no rows, since returned
+empty: it ran on the H100 that day):
 1. tinygemm's linear (`hpipe.quant.Int4Linear`) on each of the 8B matrices (q/o, k/v, gate/up,
    down, the 128,256-row head) at 1, 8, 255, 256 and 1,024 rows, each against a bf16 GEMM of the
    unquantized weights (the relative error is int4's rounding, about 0.08 on Gaussian weights);
