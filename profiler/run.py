@@ -203,30 +203,26 @@ def measure_peers(gpus: list[str], host: str, errors: list) -> list[dict]:
 
 
 def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
-
     port = free_port()
     env = _env()
-    # rank 0 reports on stdout; both ranks' stderr go to files, so that neither blocks on a pipe
+    # rank 0 reports on stdout; both ranks' stderr go to one file, so that neither blocks on a pipe
     # nobody reads while the other is waited for
-    errs = [tempfile.TemporaryFile("w+") for _ in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, "-m", "hpipe.profiler.links", "--rank", str(r), "--master-port", str(port),
-                               "--devices", f"{dev_a},{dev_b}"] + (["--quick"] if quick else []),
-                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=errs[r], text=True,
-                              env=env, stdin=subprocess.DEVNULL) for r in (0, 1)]
-    try:
-        out = procs[0].communicate(timeout=LINK_TIMEOUT_S)[0]
-        procs[1].wait(timeout=LINK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        for q in procs:
-            q.kill()
-            q.wait()
-        raise HpipeError(f"link {dev_a} <-> {dev_b}: its two workers did not finish in {LINK_TIMEOUT_S} s "
-                         f"and were stopped") from None
-    stderr = ""
-    for f in errs:
-        f.seek(0)
-        stderr += f.read()
-        f.close()
+    with tempfile.TemporaryFile("w+") as err:
+        procs = [subprocess.Popen([sys.executable, "-m", "hpipe.profiler.links", "--rank", str(r), "--master-port",
+                                   str(port), "--devices", f"{dev_a},{dev_b}"] + (["--quick"] if quick else []),
+                                  stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=err, text=True,
+                                  env=env, stdin=subprocess.DEVNULL) for r in (0, 1)]
+        try:
+            out = procs[0].communicate(timeout=LINK_TIMEOUT_S)[0]
+            procs[1].wait(timeout=LINK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+                q.wait()
+            raise HpipeError(f"link {dev_a} <-> {dev_b}: its two workers did not finish in {LINK_TIMEOUT_S} s "
+                             f"and were stopped") from None
+        err.seek(0)
+        stderr = err.read()
     for line in out.splitlines():
         msg = parse(line)
         if msg is not None:

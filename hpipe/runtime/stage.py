@@ -609,4 +609,4 @@ def _plain_causal(segments: list[Segment], layout: str, window: int | None) -> b
     end = segments[0].end
     if any(s.end != end for s in segments) or (window is not None and end > window):
         return False
-    return len(segments) == 1 and segments[0].length == 1 or all(s.start == 0 for s in segments)
+    return (len(segments) == 1 and segments[0].length == 1) or all(s.start == 0 for s in segments)
