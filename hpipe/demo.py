@@ -14,7 +14,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -38,6 +37,8 @@ def profile_fits(path: Path, config, threads: int) -> bool:
     if dev is None or prof["model"]["fingerprint"] != models.fingerprint(config) or \
             prof.get("weights", "none") != DEMO_WEIGHTS:
         return False
+    import torch    # here: every `hpipe` command imports this module, and torch costs ~1 s of its start
+
     ident, here = dev.get("identity", {}), device_identity("cpu", torch)
     return ident.get("name") == here["name"] and ident.get("cores") == here["cores"] and ident.get("threads") == threads
 

@@ -35,7 +35,6 @@ from hpipe.errors import HpipeError
 from hpipe.launcher.jobs import GroupSeat, LaunchSettings, PreparedJob
 from hpipe.launcher.serving import PipelineClient
 from hpipe.net import free_port
-from hpipe.runtime.was_sources import remove_published
 
 __all__ = ["ReplicaReport", "check_replicas", "launch_replicas", "mapped_bytes", "replica_job", "write_mode_trace"]
 
@@ -150,6 +149,7 @@ def launch_replicas(job: PreparedJob, plan_path: str, out_path: str, settings: L
             try:
                 list(pool.map(lambda c: c.close(), clients))
             finally:
+                from hpipe.runtime.was_sources import remove_published     # torch: here, not at every command's start
                 for token in {s.token for s in seats.values()}:
                     remove_published(token)         # a GPU group's host pool and IPC handles in /dev/shm
     for r, client in enumerate(clients):

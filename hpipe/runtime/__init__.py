@@ -15,13 +15,19 @@
 - `worker`: the process a launcher starts, `StageWorker` (not imported here: it runs as `-m`).
 """
 
-from hpipe.runtime.inprocess import run_inprocess
-from hpipe.runtime.kv import KVStore
-from hpipe.runtime.pages import Segment, microbatch_kind
-from hpipe.runtime.schedule import Schedule
-from hpipe.runtime.scheduler import Policy, Scheduler
-from hpipe.runtime.sequence import Sequence, Status
-from hpipe.runtime.stage import StageRunner, warm_compile
+import importlib
 
-__all__ = ["KVStore", "Policy", "Schedule", "Scheduler", "Segment", "Sequence", "StageRunner", "Status",
-           "microbatch_kind", "run_inprocess", "warm_compile"]
+# name -> its module, imported on first use: the torch-free modules (`pages`, `schedule`,
+# `scheduler`, `sequence`, `speculative`) serve the planner and the launcher without importing
+# torch (about 1 s of every `hpipe` command's start here)
+_HOMES = {"run_inprocess": "inprocess", "KVStore": "kv", "Segment": "pages", "microbatch_kind": "pages",
+          "Schedule": "schedule", "Policy": "scheduler", "Scheduler": "scheduler", "Sequence": "sequence",
+          "Status": "sequence", "StageRunner": "stage", "warm_compile": "stage"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'hpipe.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hpipe.runtime.{_HOMES[name]}"), name)
