@@ -15,10 +15,14 @@ file, one thread, its blocks split evenly over this process and --stages - 1 `gg
 processes of one thread each on 127.0.0.1 (`-ngl` the servers' share of the blocks, `-ts 1/1`; see
 ../shared/notes/peers.md; $LLAMA_CPP_BIN).
 
+The two go in --rounds rounds (3), alternated (each round the other goes first: this machine is
+shared and its speed drifts by a third within minutes); the report gives each one's median and the
+median of the rounds' ratios, every round beside them, and the timeline of hpipe's median round.
+
 Both run on one machine without shaped links (bench/cluster.py runs emulated hosts over SSH with
 `tc`); the per-token figures here are the runtime's own costs.
 
-    python bench/trip.py [--stages 3] [--model smollm2] [--extra "--compile on"]
+    python bench/trip.py [--stages 3] [--model smollm2] [--extra "--compile on"] [--rounds 3]
 
 Writes bench/results/trip.json (or --out).
 """
@@ -30,6 +34,7 @@ import json
 import os
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,30 +60,35 @@ def per_token(timeline: dict) -> dict:
     return {k: round(1000 * v, 3) for k, v in decode_terms(timeline["stages"]).items()}
 
 
-def run_hpipe(model: str, stages: int, extra: list[str], work: Path) -> dict:
+def prepare_hpipe(model: str, stages: int, extra: list[str], work: Path) -> tuple[Path, dict]:
+    """The plan, and with default flags `hpipe warmup` for the stages' thread count (its time)."""
     plan = work / "plan.json"
     hpipe("plan", "--model", model, "--stages", stages, "--slices", PREFILL, "-o", plan, cwd=work)
     out = {}
-    if "--compile" not in extra:        # default flags: after `hpipe warmup` for the stages' thread count
+    if "--compile" not in extra:
         from hpipe.launcher.local import threads_per_stage
 
         t = time.time()
         hpipe("warmup", "--model", model, "--threads", threads_per_stage(["cpu"] * stages)[0], cwd=work)
         out["warmup_s"] = round(time.time() - t, 1)
-    for name, n, new in (("decode", PROMPT, NEW), ("prefill", PREFILL, 1)):
-        prompts, results, tl = work / f"{name}.jsonl", work / f"{name}-out.jsonl", work / f"{name}-timeline.json"
-        prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
-        results.unlink(missing_ok=True)
-        t = time.time()
-        hpipe("launch", plan, "--local", "--prompts", prompts, "--out", results, "--max-new-tokens", new, "--quiet",
-              "--timeline-out", tl, *extra, cwd=work)
-        r = json.loads(results.read_text().splitlines()[0])
-        if name == "decode":
-            out.update(decode_ms=round(1000 * r["tpot_s"], 3), start_to_end_s=round(time.time() - t, 2),
-                       per_token_ms=per_token(json.loads(tl.read_text())))
-        else:
-            out["prefill_s"] = round(r["ttft_s"], 3)
-    return out
+    return plan, out
+
+
+def hpipe_run(plan: Path, name: str, extra: list[str], work: Path) -> dict:
+    """One `hpipe launch --local`: "decode" (a 256-token prompt, 128 tokens: TPOT and the per-token
+    timeline) or "prefill" (2,048 tokens: time to first token)."""
+    n, new = (PROMPT, NEW) if name == "decode" else (PREFILL, 1)
+    prompts, results, tl = work / f"{name}.jsonl", work / f"{name}-out.jsonl", work / f"{name}-timeline.json"
+    prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
+    results.unlink(missing_ok=True)
+    t = time.time()
+    hpipe("launch", plan, "--local", "--prompts", prompts, "--out", results, "--max-new-tokens", new, "--quiet",
+          "--timeline-out", tl, *extra, cwd=work)
+    r = json.loads(results.read_text().splitlines()[0])
+    if name == "decode":
+        return {"decode_ms": round(1000 * r["tpot_s"], 3), "start_to_end_s": round(time.time() - t, 2),
+                "per_token_ms": per_token(json.loads(tl.read_text()))}
+    return {"prefill_s": round(r["ttft_s"], 3)}
 
 
 def _free_port() -> int:
@@ -95,29 +105,35 @@ def block_count(path: Path) -> int:
     return int(fields[key].parts[-1][0])
 
 
-def run_llama_cpp(path: Path, stages: int) -> dict:
-    from bench.shapes import llama_cpp_bin
+class LlamaRpc:
+    """llama.cpp's RPC split on this machine: --stages - 1 `ggml-rpc-server` processes of one thread,
+    started once; `run(name)` is one `llama-bench` of decode or prefill through them."""
 
-    ports = [_free_port() for _ in range(stages - 1)]
-    servers = [subprocess.Popen([str(llama_cpp_bin("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(p), "-t", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
-    try:
+    def __init__(self, path: Path, stages: int):
+        from bench.shapes import llama_cpp_bin
+
+        self.bin, self.path = llama_cpp_bin, path
+        ports = [_free_port() for _ in range(stages - 1)]
+        self.servers = [subprocess.Popen([str(llama_cpp_bin("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(p),
+                                          "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        for p in ports]
         time.sleep(1.0)
-        split = "/".join(["1"] * (stages - 1))
         offloaded = round(block_count(path) * (stages - 1) / stages)      # the rest stay in this process
-        cmd = [str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", "1", "-ngl", str(offloaded), "-ts", split,
-               "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-o", "json", "-r", "3"]
-        decode = json.loads(subprocess.run(cmd + ["-p", "0", "-n", str(NEW), "-d", str(PROMPT)], check=True,
-                                           capture_output=True, text=True).stdout)
-        prefill = json.loads(subprocess.run(cmd + ["-p", str(PREFILL), "-n", "0"], check=True,
-                                            capture_output=True, text=True).stdout)
-    finally:
-        for s in servers:
+        split = "/".join(["1"] * (stages - 1))
+        self.cmd = [str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", "1", "-ngl", str(offloaded), "-ts", split,
+                    "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-o", "json", "-r", "1"]
+        self.split = (f"-ngl {offloaded} -ts {split}: {block_count(path) - offloaded} blocks in this process, "
+                      f"{offloaded} on {stages - 1} rpc servers, one thread each")
+
+    def run(self, name: str) -> dict:
+        size = ["-p", "0", "-n", str(NEW), "-d", str(PROMPT)] if name == "decode" else ["-p", str(PREFILL), "-n", "0"]
+        ts = json.loads(subprocess.run(self.cmd + size, check=True, capture_output=True, text=True).stdout)[0]["avg_ts"]
+        return {"decode_ms": round(1000 / ts, 3)} if name == "decode" else {"prefill_s": round(PREFILL / ts, 3)}
+
+    def close(self) -> None:
+        for s in self.servers:
             s.terminate()
             s.wait()
-    return {"decode_ms": round(1000 / decode[0]["avg_ts"], 3), "prefill_s": round(PREFILL / prefill[0]["avg_ts"], 3),
-            "split": f"-ngl {offloaded} -ts {split}: {block_count(path) - offloaded} blocks in this process, "
-                     f"{offloaded} on {stages - 1} rpc servers, one thread each"}
 
 
 def main() -> None:
@@ -127,17 +143,44 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--extra", default="", help="more `hpipe launch` flags, e.g. \"--compile on\"")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the two, alternated (this machine is shared)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "trip.json"))
     args = ap.parse_args()
     path = models.smollm2_gguf_path() if args.model == "smollm2" else Path(args.model)
+    extra = shlex.split(args.extra)
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        ours = run_hpipe(args.model, args.stages, shlex.split(args.extra), Path(tmp))
-    theirs = run_llama_cpp(path, args.stages)
+        plan, ours = prepare_hpipe(args.model, args.stages, extra, Path(tmp))
+        theirs = LlamaRpc(path, args.stages)
+        try:
+            for r in range(args.rounds):
+                row = {}
+                for name in ("decode", "prefill"):
+                    first, second = ("hpipe", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "hpipe")
+                    for who in (first, second):
+                        got = hpipe_run(plan, name, extra, Path(tmp)) if who == "hpipe" else theirs.run(name)
+                        row.setdefault(who, {}).update(got)
+                rounds.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            theirs.close()
+
+    def median_of(who: str, key: str) -> float:
+        return statistics.median(row[who][key] for row in rounds)
+
+    def ratio(key: str) -> float:
+        return round(statistics.median(row["hpipe"][key] / row["llama.cpp"][key] for row in rounds), 3)
+
+    typical = sorted(rounds, key=lambda row: row["hpipe"]["decode_ms"])[len(rounds) // 2]["hpipe"]
+    ours.update(decode_ms=median_of("hpipe", "decode_ms"), prefill_s=median_of("hpipe", "prefill_s"),
+                per_token_ms=typical["per_token_ms"], start_to_end_s=typical["start_to_end_s"])
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "file": path.name,
               "stages": args.stages, "prompt": PROMPT, "new_tokens": NEW, "prefill_tokens": PREFILL,
-              "hpipe_flags": args.extra or "(defaults)", "hpipe": ours, "llama.cpp rpc": theirs,
-              "decode_vs_llama_cpp": round(ours["decode_ms"] / theirs["decode_ms"], 3),
-              "prefill_vs_llama_cpp": round(ours["prefill_s"] / theirs["prefill_s"], 3)}
+              "hpipe_flags": args.extra or "(defaults)", "hpipe": ours,
+              "llama.cpp rpc": {"decode_ms": median_of("llama.cpp", "decode_ms"),
+                                "prefill_s": median_of("llama.cpp", "prefill_s"), "split": theirs.split},
+              "decode_vs_llama_cpp": ratio("decode_ms"), "prefill_vs_llama_cpp": ratio("prefill_s"),
+              "rounds": rounds}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
