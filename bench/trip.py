@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 sys.path.insert(0, str(ROOT))
 
 from bench.common import hpipe, prompt_ids  # noqa: E402
+from hpipe.net import free_port  # noqa: E402
 
 PROMPT, NEW, PREFILL = 256, 128, 2048
 
@@ -91,12 +91,6 @@ def hpipe_run(plan: Path, name: str, extra: list[str], work: Path) -> dict:
     return {"prefill_s": round(r["ttft_s"], 3)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def block_count(path: Path) -> int:
     import gguf
 
@@ -112,17 +106,17 @@ class LlamaRpc:
     def __init__(self, path: Path, stages: int):
         from bench.shapes import llama_cpp_bin
 
-        self.bin, self.path = llama_cpp_bin, path
-        ports = [_free_port() for _ in range(stages - 1)]
+        ports = [free_port() for _ in range(stages - 1)]
         self.servers = [subprocess.Popen([str(llama_cpp_bin("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(p),
                                           "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                         for p in ports]
         time.sleep(1.0)
-        offloaded = round(block_count(path) * (stages - 1) / stages)      # the rest stay in this process
+        blocks = block_count(path)
+        offloaded = round(blocks * (stages - 1) / stages)      # the rest stay in this process
         split = "/".join(["1"] * (stages - 1))
         self.cmd = [str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", "1", "-ngl", str(offloaded), "-ts", split,
                     "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-o", "json", "-r", "1"]
-        self.split = (f"-ngl {offloaded} -ts {split}: {block_count(path) - offloaded} blocks in this process, "
+        self.split = (f"-ngl {offloaded} -ts {split}: {blocks - offloaded} blocks in this process, "
                       f"{offloaded} on {stages - 1} rpc servers, one thread each")
 
     def run(self, name: str) -> dict:
@@ -155,9 +149,9 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 row = {}
+                order = ("hpipe", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "hpipe")
                 for name in ("decode", "prefill"):
-                    first, second = ("hpipe", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "hpipe")
-                    for who in (first, second):
+                    for who in order:
                         got = hpipe_run(plan, name, extra, Path(tmp)) if who == "hpipe" else theirs.run(name)
                         row.setdefault(who, {}).update(got)
                 rounds.append(row)
