@@ -110,6 +110,20 @@ def test_speculative_steps_match_transformers(family, tiny_models, reference_mod
         assert sum(r["accepted"] for r in results.values()) >= 0.9 * sum(r["proposed"] for r in results.values())
 
 
+def test_a_draft_of_the_model_itself_proposes_nothing_past_the_end(tiny_models):
+    """`draft:` the model itself proposes what the model samples: every proposal is accepted, the
+    answer's EOS among them, and none is proposed after it (this answer ends on its EOS at the
+    first proposed token of a step: the draft went on past it, 12 proposals for 9 accepted)."""
+    path = tiny_models["mistral"]
+    prompt = repetitive_prompts(random.Random(3519), 1)[0]
+    request = Request(0, "p0", tuple(prompt), max_new_tokens=24, eos_ids=frozenset([EOS]))
+    got = run_inprocess(runners_for(path, [0, models.num_units(models.load_config(path))]), [request],
+                        Slicing(count=2).slices_for, max_batch=1, page_size=4,
+                        speculation=Speculation("draft", 4, str(path)))["p0"]
+    assert got["output_ids"][-1] == EOS and len(got["output_ids"]) < 24       # the case it checks
+    assert got["proposed"] > 0 and got["accepted"] == got["proposed"]
+
+
 def test_proposals_are_accepted_and_tokens_unchanged(tiny_models):
     """On prompts that repeat themselves a greedy model quotes them: proposals are accepted (the
     test of everything else above is not vacuous), and the tokens are those without proposals."""

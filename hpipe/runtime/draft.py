@@ -96,10 +96,11 @@ class DraftProposer:
                 going, ids = [], []
                 for seg, token in zip(segments, logits.argmax(-1).tolist()):
                     out[seg.seq].append(token)
-                    if len(out[seg.seq]) < wants[seg.seq][1]:
+                    seq, n = wants[seg.seq]
+                    if len(out[seg.seq]) < n and token not in seq.request.ends:     # nothing after an end is used
                         going.append(Segment(seg.seq, seg.slot, seg.end, 1, sample=True, pages=seg.pages))
                         ids.append(token)
-                        self.held[wants[seg.seq][0].index].tokens.append(token)
+                        self.held[seq.index].tokens.append(token)
                 segments = going
         return out
 

@@ -48,7 +48,7 @@ from hpipe.request import Request
 from hpipe.runtime.pages import PagePool, Segment, page_keys, pages_needed
 from hpipe.runtime.schedule import FRESH_PER_SCHEDULE, Schedule
 from hpipe.runtime.sequence import Sequence, Status
-from hpipe.runtime.speculative import SPEC_ROWS, Proposer, next_k
+from hpipe.runtime.speculative import SPEC_ROWS, Proposer, next_k, through_end
 
 __all__ = ["Policy", "Scheduler"]
 
@@ -357,7 +357,8 @@ class Scheduler:
 
     def _proposals(self, ready: list[Sequence], decoding: int) -> list[list[int]]:
         """The proposed tokens of each ready sequence's next step (none where it does not speculate):
-        at most its adaptive k, the tokens it may still generate after the one the step samples,
+        at most its adaptive k, the tokens it may still generate after the one the step samples, none
+        past one that would end it (`through_end`),
         and this micro-batch's share of a round's spare rows: every decoding sequence's step once
         takes at most SPEC_ROWS rows over all the micro-batches of the round (on a pipeline a round
         is several micro-batches; each keeps a row for every step)."""
@@ -375,7 +376,7 @@ class Scheduler:
                 room -= n
         drafts: list[list[int]] = [[] for _ in ready]
         for i, draft in zip(where, self.proposer.propose(wants) if wants else []):
-            drafts[i] = draft
+            drafts[i] = through_end(draft, ready[i].request.ends)
         return drafts
 
     def _settle(self, seq: Sequence, seg: Segment, emitted: list[int]) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "NgramIndex", "NgramProposer", "Proposer", "next_k"]
+__all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "NgramIndex", "NgramProposer", "Proposer", "next_k", "through_end"]
 
 NGRAM_MAX, NGRAM_MIN = 4, 1
 # The most decode rows (fed tokens and proposals) of a round, every decoding sequence's step once
@@ -92,6 +92,16 @@ class NgramProposer:
 
     def forget(self, index: int) -> None:
         self.indexes.pop(index, None)
+
+
+def through_end(tokens: list[int], ends: frozenset[int]) -> list[int]:
+    """A proposal up to and with its first token that ends the request (an EOS or stop id): no token
+    after it would be used. A draft of the model itself proposed past its EOS: 3 of 12 proposals
+    verified for nothing on a short answer."""
+    for i, t in enumerate(tokens):
+        if t in ends:
+            return tokens[:i + 1]
+    return tokens
 
 
 def next_k(k: int, proposed: int, accepted: int, k_max: int) -> int:
