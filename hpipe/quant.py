@@ -1,5 +1,6 @@
 """Weights kept quantized: GGUF files in their own 4/8-bit form, Hugging Face models quantized at
-load, run by PyTorch's weight-only kernels.
+load, run by PyTorch's weight-only kernels, or on a CPU with AVX512-VNNI by hpipe's own 8-bit-activation
+kernels on the same layouts (`hpipe.cpu_kernels`).
 
 Three steps, each a small function:
 
@@ -13,7 +14,8 @@ Three steps, each a small function:
    nearest layout a kernel serves (`torch._weight_int8pack_mm` has one scale per row).
 3. **Run** (`Int4Linear`, `Int8Linear`, `Int4Embedding`, `Int8Embedding`): modules that take the place of
    transformers' `nn.Linear` / `nn.Embedding` inside its own attention and MLP modules, as torchao
-   swaps them; activations go to the kernel in bf16 (the CPU kernels take no other dtype).
+   swaps them; activations go to torch's kernels in bf16 (they take no other dtype), to the VNNI
+   kernels as they are (float32 by default), quantized there to int8 per block of 32.
    Linears that read one input (attention's q, k, v; a gated MLP's gate and up) are packed
    stacked into one matrix and run as one (`STACKED`, `LinearPart`).
    Many rows at once (prefill slices, scored prompts) on a CPU with bf16 matrix units (AMX or
@@ -50,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpipe import cpu_kernels
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
@@ -154,7 +157,7 @@ def kernels_on(device: str) -> tuple[bool, str]:
         return False, f"sm{major}{minor} has no int4 kernel (needs sm80+): dense float16"
     cap = torch.backends.cpu.get_cpu_capability()
     if cap in ("AVX2", "AVX512"):
-        return True, f"int4/int8 weight-only, bf16 activations ({cap}{_bf16_note()})"
+        return True, f"{cpu_kernels.kernels()[1]} ({cap}{_bf16_note()})"
     return False, f"CPU capability {cap}: no vectorized int4/int8 kernel, dense float32"
 
 
@@ -195,6 +198,19 @@ def _blocked_int4_layout() -> bool:
     blocks = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).view(2, 64, 32)
     unpacked = torch.cat([blocks & 15, blocks >> 4], -1).transpose(1, 2).reshape(128, 64)
     return torch.equal(unpacked.to(torch.int32), codes)
+
+
+def int8_activations(device_type: str, kind: str, shape: tuple[int, int]) -> bool:
+    """Whether a `kind` ('int4' or 'int8') linear of `shape` [N, K] on `device_type` runs the VNNI
+    kernels of `hpipe.cpu_kernels` (8-bit activations per block of 32, integer dot products) on the
+    layout torch's op reads (int4: its blocked packing, whole blocks of 64 outputs); their ops
+    registered on the way."""
+    n, k = shape
+    if device_type != "cpu" or k % 32 or cpu_kernels.kernels()[0] is None or \
+            (kind == "int4" and (n % 64 or not _blocked_int4_layout())):
+        return False
+    cpu_kernels.ops()
+    return True
 
 
 def stage_weights(fmt: WeightFormat, device: str) -> WeightFormat:
@@ -449,7 +465,8 @@ def _module_classes():
 
     class WeightOnly(nn.Module):
         """y = x W^T (+ b) through a weight-only kernel, chosen once for the device: x goes in as the
-        kernel's activation dtype (bf16) and y comes back in x's."""
+        kernel's activation dtype (bf16 for torch's; the VNNI int4 kernel quantizes float32 itself)
+        and y comes back in x's."""
 
         def __init__(self, in_features: int, out_features: int, bias):
             super().__init__()
@@ -457,7 +474,7 @@ def _module_classes():
 
         def forward(self, x):
             shape = x.shape
-            x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+            x2 = x.reshape(-1, self.in_features)
             # a compiled decode step keeps the kernel: one graph serves every number of rows, with
             # no guard on the row count that a large batch would break mid-run to recompile
             # (a compiled step never runs deterministically; dynamo would bake the context in)
@@ -477,12 +494,14 @@ def _module_classes():
             if paths.dense is None:
                 return self.mm(x2)
             y = x2.new_empty(x2.shape[0], self.out_features)
-            y[paths.dense] = self.dense(x2[paths.dense])
-            y[paths.kernel] = self.mm(x2[paths.kernel])
+            y[paths.dense] = self.dense(x2[paths.dense]).to(y.dtype)
+            y[paths.kernel] = self.mm(x2[paths.kernel]).to(y.dtype)
             return y
 
     class Int4Linear(WeightOnly):
-        """W in int4 groups: `_weight_int4pack_mm_for_cpu`, or tinygemm's `_weight_int4pack_mm` on CUDA."""
+        """W in int4 groups: on a CPU with AVX512-VNNI the 8-bit-activation kernel of
+        `hpipe.cpu_kernels` (torch's packing, read as it is), else `_weight_int4pack_mm_for_cpu`;
+        tinygemm's `_weight_int4pack_mm` on CUDA."""
 
         def __init__(self, packed, scales_zeros, bias=None):
             super().__init__(packed.shape[1] * 2, scales_zeros.shape[1], bias)
@@ -496,17 +515,23 @@ def _module_classes():
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             blocked = self.out_features % 64 == 0 and dense_gemm(packed.device.type)
             self.dense_from = DENSE_FROM["int4"] if blocked else float("inf")
+            if int8_activations(packed.device.type, "int4", (self.out_features, self.in_features)):
+                self.mm = self._vnni_mm
+
+        def _vnni_mm(self, x2):
+            return torch.ops.hpipe.int4_mm(x2, self.packed, self.scales_zeros, self.group)
 
         def mm(self, x2):
             if x2.shape[0] == 0:    # tinygemm launches a grid of no blocks: CUDA's "invalid argument"
                 return x2.new_empty(0, self.out_features)
-            return self._kernel(x2, self.packed, self.group, self.scales_zeros)
+            return self._kernel(x2.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
 
         def dense(self, x2):
             """x2 @ W.T through bf16 GEMMs, W dequantized (w = (u - 8) s + z, rounded to bf16) one
             chunk of 64-row blocks at a time, in the packing's own order: a block's codes come out
             as W.T [K, 64] without a transposing copy of the whole matrix."""
             k, g, nb = self.in_features, self.group, self.out_features // 64
+            x2 = x2.to(torch.bfloat16)
             step = max(1, min(nb, DENSE_CHUNK_BYTES // (2 * 64 * k)))
             blocks = self.packed.view(nb, k, 32)
             sz = self.scales_zeros.view(k // g, nb, 64, 2)
@@ -525,8 +550,10 @@ def _module_classes():
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     class Int8Linear(WeightOnly):
-        """W int8 with one scale per output row: `_weight_int8pack_mm`.
-        Its results come rounded to bf16: logits on a grid of 2^-8 of their size. (Exact int32 sums
+        """W int8 with one scale per output row: on a CPU with AVX512-VNNI the 8-bit-activation
+        kernel of `hpipe.cpu_kernels` (activations per block of 32, as llama.cpp's Q8_0 dot
+        products), else `_weight_int8pack_mm`.
+        That op's results come rounded to bf16: logits on a grid of 2^-8 of their size. (Exact int32 sums
         through torch._int_mm with int8 activations, one scale per row, are faster for SmolLM2's
         head, 1.6 against 2.1 ms, but per-row activation steps are coarse: logits moved by up to 1.6
         where bf16 moves them by 0.25. llama.cpp scales activations per block of 32.)"""
@@ -536,6 +563,8 @@ def _module_classes():
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             self.dense_from = DENSE_FROM["int8"] if dense_gemm(weight.device.type) else float("inf")
+            if int8_activations(weight.device.type, "int8", tuple(weight.shape)):
+                self.mm = self._vnni_mm
             if weight.is_cuda:
                 # torch's CUDA `_weight_int8pack_mm` is a plain loop per output that failed with
                 # "invalid argument" on an H200 (2026-11-26): bf16 activations against the codes
@@ -544,16 +573,20 @@ def _module_classes():
                 self.mm = self._cuda_mm
 
         def mm(self, x2):
-            return torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+            return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales)
+
+        def _vnni_mm(self, x2):
+            return torch.ops.hpipe.int8_mm(x2, self.weight, self.scales)
 
         def _cuda_mm(self, x2):
             y = torch.nn.functional.linear(x2.float(), self.weight.float(), None)
-            return (y * self.scales.float()).to(x2.dtype)
+            return (y * self.scales.float()).to(torch.bfloat16)
 
         def dense(self, x2):
             """x2 @ W.T through bf16 GEMMs, W = code * row scale rounded to bf16 (the codes are exact
             in bf16), a cache-sized chunk of rows at a time."""
             n, k = self.weight.shape
+            x2 = x2.to(torch.bfloat16)
             step = max(64, DENSE_CHUNK_BYTES // (2 * k))
             work = torch.empty(min(step, n), k, dtype=torch.bfloat16, device=x2.device)
             outs = []

@@ -143,6 +143,77 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device
         assert (np.abs(y - ref) <= kernel_bound(x, w, ref)).all(), np.abs(y - ref).max()
 
 
+def activation_blocks(x: np.ndarray):
+    """x [M, K] -> (q, d): the VNNI kernel's 8-bit activations restated, float32 as it computes them:
+    per block of 32 inputs d = amax / 127, q = x * (127 / amax) rounded to the nearest (ties to even)."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv).astype(np.float64)
+    return q, (amax / np.float32(127)).astype(np.float64)
+
+
+@pytest.mark.skipif(not quant.int8_activations("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
+@pytest.mark.parametrize("qtype,fmt,n,k", [(T.Q4_0, "gguf", 128, 2048), (T.Q4_1, "gguf", 192, 512),
+                                           (None, "int4:64", 64, 256), (None, "int4:128", 320, 1024),
+                                           (T.Q8_0, "gguf", 100, 576), (None, "int8", 48, 2048), (None, "int8", 7, 32)],
+                         ids=["Q4_0", "Q4_1", "int4:64", "int4:128", "Q8_0", "int8", "int8-one-block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activations_rounding(qtype, fmt, n, k, dtype):
+    """The 8-bit-activation kernels (`hpipe.cpu_kernels`) on the layouts torch's ops read:
+    1. against their arithmetic restated in float64 (activations to int8 per block of 32, integer
+       dot products with the codes, the block's scales after): within float32's roundings only;
+    2. against a float64 matmul of the packed weights: within half an activation step per block
+       (amax / 254 of each block) times the weights, plus those roundings;
+    3. every row the bits it gets alone (rows never share a quantization step)."""
+    rng = np.random.default_rng(11)
+    values = rng.normal(0, 0.05, (n, k)).astype(np.float32)
+    values[:, :32] += 0.3
+    if qtype is None:
+        a = values
+    else:
+        raw = gguf.quants.quantize(values, qtype)
+        a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(k, n)))
+    packed = quant.pack(a, quant.WeightFormat.parse(fmt))
+    module = quant.linear_module(packed, "cpu")
+    assert module.mm == module._vnni_mm
+    if "int4" in packed:
+        group = k // packed["scales_zeros"].shape[0]
+        sz = packed["scales_zeros"].double().numpy()
+        s, z = (np.repeat(sz[..., i].T, group, axis=1) for i in (0, 1))
+        codes = (quant.quantize_int4(values, group) if qtype is None else a).codes
+        u = codes.astype(np.float64) + (8 if codes.dtype == np.int8 else 0)
+        # per block: s sum(u q) + (z - 8 s) sum(q), the kernel's two terms
+        terms, weights = [(u, s), (np.ones_like(u), z - 8 * s)], np.abs(16 * s) + np.abs(z)
+        call = lambda x: torch.ops.hpipe.int4_mm(x, module.packed, module.scales_zeros, group)   # noqa: E731
+    else:
+        scale = np.repeat(packed["scales"].double().numpy()[:, None], k, axis=1)
+        terms, weights = [(packed["int8"].numpy().astype(np.float64), scale)], None
+        call = lambda x: torch.ops.hpipe.int8_mm(x, module.weight, module.scales)               # noqa: E731
+    w = sum(c * f for c, f in terms)
+    weights = np.abs(w) if weights is None else weights
+    for rows in (0, 1, 2, 3, 5, 7):
+        x = torch.from_numpy(rng.normal(0, 1, (rows, k)).astype(np.float32)).to(dtype)
+        x[:, :32] = 0                                             # a block of zeros: amax 0
+        y = call(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        y = y.double().numpy()
+        xf = x.double().numpy()
+        q, d = activation_blocks(xf)
+        exact = sum(np.einsum("mb,mbk,nbk->mn", d[..., 0], q, (c * f).reshape(n, k // 32, 32)) for c, f in terms)
+        magnitude = np.abs(q * d).reshape(rows, k) @ weights.T
+        rounding = (k / 32 + 8) * 2.0 ** -23 * magnitude
+        assert (np.abs(y - exact) <= rounding).all(), np.abs(y - exact).max()
+        step = np.repeat(d[..., 0], 32, axis=1) / 2 * (1 + 2.0 ** -10)
+        ref = xf @ w.T
+        assert (np.abs(y - ref) <= step @ np.abs(w).T + rounding).all(), np.abs(y - ref).max()
+        if rows:
+            alone = np.concatenate([call(x[i:i + 1]).numpy() for i in range(rows)])
+            assert np.array_equal(alone, y.astype(np.float32))
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
 def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qtype, device):
     """A GGUF embedding table in 4-bit blocks (128 rows: two of the CPU packing's 64-row blocks)
@@ -257,7 +328,7 @@ def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
         x = torch.randn(quant.DENSE_FROM["int8"] + 6, 512)
         y = compiled(x)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert torch.allclose(y, module.mm(x.to(torch.bfloat16)).float(), rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(y, module.mm(x).float(), rtol=2 ** -7, atol=1e-3)
 
 
 def test_int4_group_and_shape_rules():

@@ -1,0 +1,150 @@
+"""The CPU's int4 and int8 matrix products with 8-bit activations (`kernels/vnni.c`), built at first use.
+
+Decode at one or two threads is bound by the arithmetic per weight, not by reading the weights:
+torch's `_weight_int4pack_mm_for_cpu` converts every code to float (a 1B model's step reads its
+weights at ~35 GB/s of this machine's 65). llama.cpp multiplies 4-bit codes by 8-bit activations
+in integer dot products (AVX-512 VNNI); so does this kernel, on the very packing torch's op reads
+(`hpipe.quant.pack`), 2.5-4x faster than that op at one row; and int8 weights with a scale per
+row, the layout `_weight_int8pack_mm` reads (GGUF's 8-bit types and embeddings, the heads tied to
+them). torchao's `da8w4_linear_cpu` does the
+same only where oneDNN's brgemm packs int8 (AMX: recent Intel Xeons); elsewhere it falls to scalar
+loops, and its PyPI wheel ships no CPU build of it at all.
+
+Built once per source and compiler flags into the cache (`~/.cache/hpipe/kernels/`, a second of
+gcc), loaded with ctypes into torch's process, where its OpenMP calls share torch's own runtime
+(the same libgomp soname). Where the CPU lacks the instructions, or no C compiler is found, or the
+build fails, `kernels()` says so and the modules keep torch's ops: nothing else changes.
+`HPIPE_CPU_KERNELS=torch` keeps torch's ops on purpose (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from hpipe.config import cache_dir
+
+__all__ = ["kernels", "int4_mm", "int8_mm", "ops", "SOURCE"]
+
+SOURCE = Path(__file__).with_name("kernels") / "vnni.c"
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi")      # /proc/cpuinfo names
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma",
+          "-fopenmp", "-fPIC", "-shared")
+ENV = "HPIPE_CPU_KERNELS"
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        return frozenset()
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source and these flags, compiled once (atomically: processes
+    that start together each build their own temporary file and the last rename wins)."""
+    text = SOURCE.read_bytes()
+    key = hashlib.sha256(text + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"vnni-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp-{os.getpid()}.so")
+        subprocess.run([compiler, *CFLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def kernels() -> tuple[object | None, str]:
+    """(the loaded library, or None; a line saying which kernels the CPU's quantized linears run,
+    or why not these)."""
+    torch_ops = "torch's int4/int8 kernels, bf16 activations"
+    if os.environ.get(ENV, "").lower() == "torch":
+        return None, f"{torch_ops} ({ENV}=torch)"
+    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return None, f"{torch_ops} (this CPU lacks {', '.join(missing)})"
+    compiler = next((c for c in (os.environ.get("CC"), "gcc", "cc", "clang") if c and shutil.which(c)), None)
+    if compiler is None:
+        return None, f"{torch_ops} (no C compiler found for the VNNI kernels: install gcc)"
+    import torch          # its libgomp first: the library's OpenMP binds to the same runtime
+
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", b"") or str(e).encode()).decode(errors="replace").strip()
+        return None, f"{torch_ops} (building the VNNI kernels failed: {detail[:200]})"
+    del torch
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32]
+    lib.hpipe_int8_mm.argtypes = [p, i32, i64, i64, p, p, i64, p, i32]
+    lib.hpipe_int4_mm.restype = lib.hpipe_int8_mm.restype = i32
+    return lib, "int4/int8 codes x 8-bit activations per block of 32 (AVX512-VNNI)"
+
+
+def _rows(x):
+    import torch
+
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return x.contiguous()
+
+
+def int4_mm(x, packed, scales_zeros, group: int):
+    """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W in torch's CPU int4 packing
+    (`packed` [N / 64, K, 32] bytes, `scales_zeros` [K / group, N, 2] bf16)."""
+    import torch
+
+    x = _rows(x)
+    m, k = x.shape
+    n = scales_zeros.shape[1]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m and kernels()[0].hpipe_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(),
+                                        scales_zeros.data_ptr(), n, group, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"int4 kernel: no memory for {m} x {k} activations")
+    return y
+
+
+def int8_mm(x, weight, scales):
+    """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W int8 [N, K] times bf16 `scales` [N]."""
+    import torch
+
+    x = _rows(x)
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m and kernels()[0].hpipe_int8_mm(x.data_ptr(), x.dtype == torch.bfloat16, m, k, weight.data_ptr(),
+                                        scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"int8 kernel: no memory for {m} x {k} activations")
+    return y
+
+
+@functools.cache
+def ops():
+    """`int4_mm` and `int8_mm` as the torch ops `torch.ops.hpipe.int4_mm` / `int8_mm`, what the
+    modules call: a compiled graph keeps each as one opaque call (dynamo does not trace into
+    ctypes). Defined through the plain `torch.library.Library` (1.7 us a call here;
+    `torch.library.custom_op`'s wrappers cost 7.5)."""
+    import torch
+
+    lib = torch.library.Library("hpipe", "DEF")
+    lib.define("int4_mm(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor")
+    lib.define("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor")
+    lib.impl("int4_mm", int4_mm, "CPU")
+    lib.impl("int8_mm", int8_mm, "CPU")
+
+    @torch.library.register_fake("hpipe::int4_mm", lib=lib)
+    def _(x, packed, scales_zeros, group):
+        return x.new_empty(x.shape[0], scales_zeros.shape[1], dtype=torch.float32)
+
+    @torch.library.register_fake("hpipe::int8_mm", lib=lib)
+    def _(x, weight, scales):
+        return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    return lib
