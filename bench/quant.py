@@ -2,7 +2,7 @@
 
 Per weight format (the file's own blocks `gguf`, and `int8`, `int4:32` re-quantized from it) and
 for float32 (`none`, the dequantized file); a format with `@torch` (`gguf@torch`) runs the same
-with torch's int4/int8 kernels instead of hpipe's 8-bit-activation VNNI ones (HPIPE_CPU_KERNELS=torch),
+with torch's int4/int8 kernels instead of hpipe's 16-bit-activation VNNI ones (HPIPE_CPU_KERNELS=torch),
 the A/B of the two in the same run:
 - resident weight bytes: the growth of RSS from building the stage to after a forward (every
   page of the weights touched), and the bytes of the tensors it holds, against the file's size;

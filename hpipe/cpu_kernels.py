@@ -1,13 +1,16 @@
-"""The CPU's int4 and int8 matrix products with 8-bit activations (`kernels/vnni.c`), built at first use.
+"""The CPU's int4 and int8 matrix products with 16-bit activations (`kernels/vnni.c`), built at first use.
 
 Decode at one or two threads is bound by the arithmetic per weight, not by reading the weights:
 torch's `_weight_int4pack_mm_for_cpu` converts every code to float (a 1B model's step reads its
 weights at ~35 GB/s of this machine's 65). llama.cpp multiplies 4-bit codes by 8-bit activations
-in integer dot products (AVX-512 VNNI); so does this kernel, on the very packing torch's op reads
-(`hpipe.quant.pack`), 2.5-4x faster than that op at one row; and int8 weights with a scale per
+in integer dot products (AVX-512 VNNI); this kernel multiplies them by 16-bit activations (VNNI's
+`vpdpwssd`: an activation's rounding 2^-16 of its block's largest, 256 times finer than llama.cpp's),
+on the very packing torch's op reads (`hpipe.quant.pack`), 1.5-3x faster than that op at one row
+(with 8-bit activations 2.5-4x, but SmolLM2's KL against float32 doubled: 0.0024 -> 0.0046, where
+16-bit gives 0.0018; llama.cpp 0.0028); and int8 weights with a scale per
 row, the layout `_weight_int8pack_mm` reads (GGUF's 8-bit types and embeddings, the heads tied to
 them). torchao's `da8w4_linear_cpu` does the
-same only where oneDNN's brgemm packs int8 (AMX: recent Intel Xeons); elsewhere it falls to scalar
+same (8-bit activations) only where oneDNN's brgemm packs int8 (AMX: recent Intel Xeons); elsewhere it falls to scalar
 loops, and its PyPI wheel ships no CPU build of it at all.
 
 Built once per source and compiler flags into the cache (`~/.cache/hpipe/kernels/`, a second of
@@ -29,7 +32,7 @@ from pathlib import Path
 
 from hpipe.config import cache_dir
 
-__all__ = ["kernels", "int4_mm", "int8_mm", "ops", "SOURCE"]
+__all__ = ["kernels", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("kernels") / "vnni.c"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi")      # /proc/cpuinfo names
@@ -85,7 +88,9 @@ def kernels() -> tuple[object | None, str]:
     lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32]
     lib.hpipe_int8_mm.argtypes = [p, i32, i64, i64, p, p, i64, p, i32]
     lib.hpipe_int4_mm.restype = lib.hpipe_int8_mm.restype = i32
-    return lib, "int4/int8 codes x 8-bit activations per block of 32 (AVX512-VNNI)"
+    lib.hpipe_int4_dequant.argtypes = [p, p, i64, i64, i64, i64, p, i32]
+    lib.hpipe_int8_dequant.argtypes = [p, p, i64, i64, i64, p, i32]
+    return lib, "int4/int8 codes x 16-bit activations per block of 32 (AVX512-VNNI)"
 
 
 def _rows(x):
@@ -98,12 +103,13 @@ def _rows(x):
 
 def int4_mm(x, packed, scales_zeros, group: int):
     """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W in torch's CPU int4 packing
-    (`packed` [N / 64, K, 32] bytes, `scales_zeros` [K / group, N, 2] bf16)."""
+    (`packed` [N / 64, K, 32] bytes) with its scales and zeros in blocks of 64 outputs
+    (`scales_zeros` [N / 64, K / group, 64, 2] bf16)."""
     import torch
 
     x = _rows(x)
     m, k = x.shape
-    n = scales_zeros.shape[1]
+    n = scales_zeros.shape[0] * 64
     y = torch.empty(m, n, dtype=torch.float32)
     if m and kernels()[0].hpipe_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(),
                                         scales_zeros.data_ptr(), n, group, y.data_ptr(), torch.get_num_threads()):
@@ -125,6 +131,26 @@ def int8_mm(x, weight, scales):
     return y
 
 
+def int4_dequant(packed, scales_zeros, group: int, first: int, out) -> None:
+    """Blocks [first, first + len(out)) of 64 outputs of an int4 weight (as `int4_mm` reads it) into
+    `out` [blocks, K, 64] bf16: W^T of each block, rounded once to bf16 (the dense path's chunks)."""
+    import torch
+
+    blocks, k, _ = out.shape
+    kernels()[0].hpipe_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), k, group, first, blocks,
+                                    out.data_ptr(), torch.get_num_threads())
+
+
+def int8_dequant(weight, scales, first: int, out) -> None:
+    """Rows [first, first + len(out)) of an int8 weight times their bf16 scales into `out` [rows, K]
+    bf16, rounded once."""
+    import torch
+
+    rows, k = out.shape
+    kernels()[0].hpipe_int8_dequant(weight.data_ptr(), scales.data_ptr(), k, first, rows, out.data_ptr(),
+                                    torch.get_num_threads())
+
+
 @functools.cache
 def ops():
     """`int4_mm` and `int8_mm` as the torch ops `torch.ops.hpipe.int4_mm` / `int8_mm`, what the
@@ -141,7 +167,7 @@ def ops():
 
     @torch.library.register_fake("hpipe::int4_mm", lib=lib)
     def _(x, packed, scales_zeros, group):
-        return x.new_empty(x.shape[0], scales_zeros.shape[1], dtype=torch.float32)
+        return x.new_empty(x.shape[0], scales_zeros.shape[0] * 64, dtype=torch.float32)
 
     @torch.library.register_fake("hpipe::int8_mm", lib=lib)
     def _(x, weight, scales):

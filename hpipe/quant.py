@@ -1,5 +1,5 @@
 """Weights kept quantized: GGUF files in their own 4/8-bit form, Hugging Face models quantized at
-load, run by PyTorch's weight-only kernels, or on a CPU with AVX512-VNNI by hpipe's own 8-bit-activation
+load, run by PyTorch's weight-only kernels, or on a CPU with AVX512-VNNI by hpipe's own 16-bit-activation
 kernels on the same layouts (`hpipe.cpu_kernels`).
 
 Three steps, each a small function:
@@ -15,7 +15,7 @@ Three steps, each a small function:
 3. **Run** (`Int4Linear`, `Int8Linear`, `Int4Embedding`, `Int8Embedding`): modules that take the place of
    transformers' `nn.Linear` / `nn.Embedding` inside its own attention and MLP modules, as torchao
    swaps them; activations go to torch's kernels in bf16 (they take no other dtype), to the VNNI
-   kernels as they are (float32 by default), quantized there to int8 per block of 32.
+   kernels as they are (float32 by default), quantized there to int16 per block of 32.
    Linears that read one input (attention's q, k, v; a gated MLP's gate and up) are packed
    stacked into one matrix and run as one (`STACKED`, `LinearPart`).
    Many rows at once (prefill slices, scored prompts) on a CPU with bf16 matrix units (AMX or
@@ -60,7 +60,8 @@ __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quant
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows"]
 
-PACK_VERSION = 3        # the packed cache's layout: a new one never reads an old one (3: stacked linears)
+PACK_VERSION = 4        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
+                        # 4: int4 scales in blocks of 64 outputs for the VNNI kernel)
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
 INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
 # Rows from which a CPU with bf16 matrix units runs a linear as dequantized chunks through the bf16
@@ -202,7 +203,7 @@ def _blocked_int4_layout() -> bool:
 
 def int8_activations(device_type: str, kind: str, shape: tuple[int, int]) -> bool:
     """Whether a `kind` ('int4' or 'int8') linear of `shape` [N, K] on `device_type` runs the VNNI
-    kernels of `hpipe.cpu_kernels` (8-bit activations per block of 32, integer dot products) on the
+    kernels of `hpipe.cpu_kernels` (16-bit activations per block of 32, integer dot products) on the
     layout torch's op reads (int4: its blocked packing, whole blocks of 64 outputs); their ops
     registered on the way."""
     n, k = shape
@@ -211,6 +212,32 @@ def int8_activations(device_type: str, kind: str, shape: tuple[int, int]) -> boo
         return False
     cpu_kernels.ops()
     return True
+
+
+def scales_in_blocks(device_type: str, shape: tuple[int, int]) -> bool:
+    """Whether an int4 [N, K] weight's scales and zeros are kept in blocks of 64 outputs,
+    [N / 64, K / G, 64, 2] (what the VNNI kernel reads as it streams one block's codes: one
+    contiguous run), rather than torch's [K / G, N, 2]."""
+    return int8_activations(device_type, "int4", shape)
+
+
+def blocked_scales(sz: "torch.Tensor") -> "torch.Tensor":
+    """[K / G, N, 2] -> [N / 64, K / G, 64, 2]."""
+    groups, n, _ = sz.shape
+    return sz.view(groups, n // 64, 64, 2).permute(1, 0, 2, 3).contiguous()
+
+
+def flat_scales(sz: "torch.Tensor") -> "torch.Tensor":
+    """[N / 64, K / G, 64, 2] -> [K / G, N, 2] (torch's ops' order)."""
+    blocks, groups, _, _ = sz.shape
+    return sz.permute(1, 0, 2, 3).reshape(groups, blocks * 64, 2).contiguous()
+
+
+def int4_scales(tensors: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(s, z) float64 [N, K / G] of packed int4 tensors, in whichever order they are kept."""
+    sz = tensors["scales_zeros"]
+    sz = (flat_scales(sz) if sz.dim() == 4 else sz).double().cpu().numpy()
+    return sz[..., 0].T, sz[..., 1].T
 
 
 def stage_weights(fmt: WeightFormat, device: str) -> WeightFormat:
@@ -412,7 +439,8 @@ def int4_rows_gatherable(n: int, device_type: str) -> bool:
 def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu",
          as_embedding: bool = False) -> dict[str, "torch.Tensor"]:
     """One weight -> the plain tensors its module holds (what the disk cache stores):
-    int4: {'int4': packed, 'scales_zeros': bf16 [K / group, N, 2]}, packed in the CPU kernel's own
+    int4: {'int4': packed, 'scales_zeros': bf16 [K / group, N, 2], or [N / 64, K / group, 64, 2] where
+    the VNNI kernel runs it (`scales_in_blocks`)}, packed in the CPU kernel's own
     layout (mapped straight back next time), or for CUDA two codes per byte (the GPU packs them);
     int8: {'int8': int8 [N, K], 'scales': bf16 [N]}.
     An embedding table (`as_embedding`) stays in the file's 4-bit groups where its rows can be
@@ -435,6 +463,8 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         s = weight.scale
         z = (weight.offset if weight.offset is not None else np.zeros_like(s)) + (0 if signed else 8 * s)
         sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
+        if scales_in_blocks(device_type, tuple(u.shape)):
+            sz = blocked_scales(sz)
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
         return {"int4": packed, "scales_zeros": sz}
@@ -499,13 +529,19 @@ def _module_classes():
             return y
 
     class Int4Linear(WeightOnly):
-        """W in int4 groups: on a CPU with AVX512-VNNI the 8-bit-activation kernel of
+        """W in int4 groups: on a CPU with AVX512-VNNI the 16-bit-activation kernel of
         `hpipe.cpu_kernels` (torch's packing, read as it is), else `_weight_int4pack_mm_for_cpu`;
         tinygemm's `_weight_int4pack_mm` on CUDA."""
 
         def __init__(self, packed, scales_zeros, bias=None):
-            super().__init__(packed.shape[1] * 2, scales_zeros.shape[1], bias)
-            self.group = self.in_features // scales_zeros.shape[0]
+            blocked = scales_zeros.dim() == 4
+            super().__init__(packed.shape[1] * 2, scales_zeros.shape[0] * 64 if blocked else scales_zeros.shape[1],
+                             bias)
+            self.group = self.in_features // scales_zeros.shape[1 if blocked else 0]
+            # the order the kernel reads (a cache packed for another kernel is put in it once, a copy)
+            vnni = int8_activations(packed.device.type, "int4", (self.out_features, self.in_features))
+            if vnni != blocked:
+                scales_zeros = blocked_scales(scales_zeros) if vnni else flat_scales(scales_zeros)
             if packed.is_cuda:   # tinygemm's tiles: the widest inner-k tiling the input dimension allows
                 tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
                 packed = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
@@ -515,7 +551,8 @@ def _module_classes():
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             blocked = self.out_features % 64 == 0 and dense_gemm(packed.device.type)
             self.dense_from = DENSE_FROM["int4"] if blocked else float("inf")
-            if int8_activations(packed.device.type, "int4", (self.out_features, self.in_features)):
+            self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
+            if vnni:
                 self.mm = self._vnni_mm
 
         def _vnni_mm(self, x2):
@@ -530,27 +567,36 @@ def _module_classes():
             """x2 @ W.T through bf16 GEMMs, W dequantized (w = (u - 8) s + z, rounded to bf16) one
             chunk of 64-row blocks at a time, in the packing's own order: a block's codes come out
             as W.T [K, 64] without a transposing copy of the whole matrix."""
-            k, g, nb = self.in_features, self.group, self.out_features // 64
+            k, nb = self.in_features, self.out_features // 64
             x2 = x2.to(torch.bfloat16)
             step = max(1, min(nb, DENSE_CHUNK_BYTES // (2 * 64 * k)))
             blocks = self.packed.view(nb, k, 32)
-            sz = self.scales_zeros.view(k // g, nb, 64, 2)
             work = torch.empty(step, k, 64, dtype=torch.bfloat16, device=x2.device)
             outs = []
             for a in range(0, nb, step):
                 m = min(step, nb - a)
                 w = work[:m]
-                w[..., :32].copy_(blocks[a:a + m] & 15)
-                w[..., 32:].copy_(blocks[a:a + m] >> 4)
-                w4 = w.view(m, k // g, g, 64).sub_(8)
-                # [m, K/G, 1, 64], contiguous: addcmul's broadcast then runs on vectors (2.5x faster)
-                s, z = (sz[:, a:a + m, :, i].permute(1, 0, 2).unsqueeze(2).contiguous() for i in (0, 1))
-                torch.addcmul(z, w4, s, out=w4)
+                self._dequantize(blocks, a, w)
                 outs.append(x2 @ w.transpose(0, 1).reshape(k, m * 64))
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
+        def _torch_dequantize(self, blocks, a: int, w) -> None:
+            """Blocks [a, a + len(w)) into w [m, K, 64] through torch's ops (five passes)."""
+            m, k, g = w.shape[0], self.in_features, self.group
+            w[..., :32].copy_(blocks[a:a + m] & 15)
+            w[..., 32:].copy_(blocks[a:a + m] >> 4)
+            w4 = w.view(m, k // g, g, 64).sub_(8)
+            # [m, K/G, 1, 64], contiguous: addcmul's broadcast then runs on vectors (2.5x faster)
+            sz = self.scales_zeros.view(k // g, -1, 64, 2)
+            s, z = (sz[:, a:a + m, :, i].permute(1, 0, 2).unsqueeze(2).contiguous() for i in (0, 1))
+            torch.addcmul(z, w4, s, out=w4)
+
+        def _vnni_dequantize(self, blocks, a: int, w) -> None:
+            """The same in one pass of the C library (its scales in blocks of 64 outputs)."""
+            cpu_kernels.int4_dequant(self.packed, self.scales_zeros, self.group, a, w)
+
     class Int8Linear(WeightOnly):
-        """W int8 with one scale per output row: on a CPU with AVX512-VNNI the 8-bit-activation
+        """W int8 with one scale per output row: on a CPU with AVX512-VNNI the 16-bit-activation
         kernel of `hpipe.cpu_kernels` (activations per block of 32, as llama.cpp's Q8_0 dot
         products), else `_weight_int8pack_mm`.
         That op's results come rounded to bf16: logits on a grid of 2^-8 of their size. (Exact int32 sums
@@ -563,7 +609,9 @@ def _module_classes():
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             self.dense_from = DENSE_FROM["int8"] if dense_gemm(weight.device.type) else float("inf")
-            if int8_activations(weight.device.type, "int8", tuple(weight.shape)):
+            vnni = int8_activations(weight.device.type, "int8", tuple(weight.shape))
+            self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
+            if vnni:
                 self.mm = self._vnni_mm
             if weight.is_cuda:
                 # torch's CUDA `_weight_int8pack_mm` is a plain loop per output that failed with
@@ -592,9 +640,15 @@ def _module_classes():
             outs = []
             for a in range(0, n, step):
                 w = work[: min(step, n - a)]
-                w.copy_(self.weight[a:a + step]).mul_(self.scales[a:a + step, None])
+                self._dequantize(a, w)
                 outs.append(x2 @ w.t())
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+        def _torch_dequantize(self, a: int, w) -> None:
+            w.copy_(self.weight[a:a + len(w)]).mul_(self.scales[a:a + len(w), None])
+
+        def _vnni_dequantize(self, a: int, w) -> None:
+            cpu_kernels.int8_dequant(self.weight, self.scales, a, w)
 
     class LinearPart(nn.Module):
         """One of several linears stacked into one (`STACKED`), in its place inside transformers'
@@ -631,8 +685,11 @@ def _module_classes():
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self.dtype = dtype
-            self.rows, self.cols = scales_zeros.shape[1], packed.shape[1] * 2
-            self.group = self.cols // scales_zeros.shape[0]
+            blocked = scales_zeros.dim() == 4                    # [N / 64, K / G, 64, 2] (`scales_in_blocks`)
+            self.rows = scales_zeros.shape[0] * 64 if blocked else scales_zeros.shape[1]
+            self.cols = packed.shape[1] * 2
+            self.group = self.cols // scales_zeros.shape[1 if blocked else 0]
+            self._row_scales = self._blocked_rows if blocked else self._flat_rows
 
         def forward(self, ids):
             flat = ids.reshape(-1)
@@ -643,10 +700,16 @@ def _module_classes():
                 j = flat % 64
                 bytes_ = self.packed.view(self.rows // 64, self.cols, 32)[flat // 64, :, j % 32]   # [T, K]
                 u = (bytes_ >> (4 * (j >= 32)).to(torch.uint8)[:, None]) & 15
-            sz = self.scales_zeros[:, flat].float()                                 # [K / G, T, 2]
-            s, z = (sz[..., i].t().unsqueeze(-1) for i in (0, 1))                   # [T, K / G, 1]
+            sz = self._row_scales(flat).float()                                     # [T, K / G, 2]
+            s, z = (sz[..., i].unsqueeze(-1) for i in (0, 1))                       # [T, K / G, 1]
             w = (u.reshape(flat.shape[0], -1, self.group).float() - 8) * s + z
             return w.reshape(*ids.shape, self.cols).to(self.dtype)
+
+        def _flat_rows(self, flat):
+            return self.scales_zeros[:, flat].transpose(0, 1)
+
+        def _blocked_rows(self, flat):
+            return self.scales_zeros[flat // 64, :, flat % 64]
 
     class Int8Embedding(nn.Module):
         """Rows of an int8 table times their scale; shares its tensors with a tied Int8Linear head."""

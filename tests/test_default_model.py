@@ -74,8 +74,8 @@ def test_smollm2_pipeline_matches_transformers(smollm2, tmp_path, stages, cuts):
     assert got.shape == ref.shape
     # torch's kernels take bf16 activations and give bf16 results: logits come in steps of 2^-8 of
     # their size (0.125 at 16-32), and a float32 difference in the order of summation (KV pages,
-    # slices) can round an input one bf16 step the other way (the VNNI kernels: one int8 step of
-    # its block of 32). How far that goes depends on the CPU's kernels
+    # slices) can round an input one bf16 step the other way (the VNNI kernels: one int16 step
+    # of its block of 32). How far that goes depends on the CPU's kernels
     # (AMX or AVX-512), so the bound is measured here: transformers itself, fed the same slices and
     # then one token at a time through its own cache, differs from its one forward by some mean
     # (0.04 on an AMX Xeon); ours may differ by at most twice that. A wrong cut, page or position is

@@ -92,8 +92,7 @@ def test_int4_packing_is_within_bf16_rounding_of_its_scales(gguf_file, qtype):
     a = quant.read_gguf_tensor(gguf_file[qtype.name])
     packed = quant.pack(a, quant.WeightFormat("gguf"))
     assert set(packed) == {"int4", "scales_zeros"}
-    sz = packed["scales_zeros"].double().numpy()                     # [K / 32, N, 2]
-    s, z = np.repeat(sz[..., 0].T, 32, axis=1), np.repeat(sz[..., 1].T, 32, axis=1)
+    s, z = (np.repeat(t, 32, axis=1) for t in quant.int4_scales(packed))
     u = int4_codes(a)
     w = a.dequantize().astype(np.float64)
     w_packed = (u - 8) * s + z
@@ -123,6 +122,23 @@ def kernel_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return (U * (1 + U) + k * 2.0 ** -23) * a + U * np.abs(ref)
 
 
+def vnni_bound(x: torch.Tensor, w: np.ndarray, magnitude: np.ndarray) -> np.ndarray:
+    """The VNNI kernels (`hpipe.cpu_kernels`): half an activation step per block of 32 (amax / 65534
+    of the block) times the weights, and float32's roundings of the per-block sums, whose terms
+    are at most `magnitude` [N, K] times the quantized activations (int4: 23 |s| + |z|, the codes'
+    range and the zero terms; int8: |w|)."""
+    xf = x.double().numpy()
+    q, d = activation_blocks(xf)
+    step = np.repeat(d[..., 0], 32, axis=1) / 2 * (1 + 2.0 ** -10)
+    return step @ np.abs(w).T + (w.shape[1] / 32 + 8) * 2.0 ** -23 * (np.abs(q * d).reshape(xf.shape) @ magnitude.T)
+
+
+def bound_of(module, x: torch.Tensor, w: np.ndarray, ref: np.ndarray, magnitude: np.ndarray) -> np.ndarray:
+    """The bound of the kernel `module` runs: the VNNI kernels' or torch's (bf16 activations)."""
+    vnni = module.mm == getattr(module, "_vnni_mm", None)
+    return vnni_bound(x, w, magnitude) if vnni else kernel_bound(x, w, ref)
+
+
 @pytest.mark.parametrize("fmt", ["gguf", "int8"])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q8_0], ids=lambda t: t.name)
 def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device):
@@ -131,28 +147,29 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device
     packed = quant.pack(a if fmt == "gguf" else a.dequantize(), quant.WeightFormat(fmt), torch.device(device).type)
     module = quant.linear_module(packed, device)
     if "int4" in packed:
-        sz = packed["scales_zeros"].double().numpy()
-        w = (int4_codes(a) - 8) * np.repeat(sz[..., 0].T, 32, axis=1) + np.repeat(sz[..., 1].T, 32, axis=1)
+        s, z = (np.repeat(t, 32, axis=1) for t in quant.int4_scales(packed))
+        w, magnitude = (int4_codes(a) - 8) * s + z, 23 * np.abs(s) + np.abs(z)
     else:
         w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
+        magnitude = np.abs(w)
     for rows in (0, 1, 7):      # 0: a prompt's slice before its last samples no row through the head
         x = torch.randn(rows, COLS)
         y = module(x.to(device)).double().cpu().numpy()
         ref = x.double().numpy() @ w.T
         assert y.shape == (rows, ROWS)
-        assert (np.abs(y - ref) <= kernel_bound(x, w, ref)).all(), np.abs(y - ref).max()
+        assert (np.abs(y - ref) <= bound_of(module, x, w, ref, magnitude)).all(), np.abs(y - ref).max()
 
 
 def activation_blocks(x: np.ndarray):
-    """x [M, K] -> (q, d): the VNNI kernel's 8-bit activations restated, float32 as it computes them:
-    per block of 32 inputs d = amax / 127, q = x * (127 / amax) rounded to the nearest (ties to even)."""
+    """x [M, K] -> (q, d): the VNNI kernels' 16-bit activations restated, float32 as they compute them:
+    per block of 32 inputs d = amax / 32767, q = x * (32767 / amax) rounded to the nearest (ties to even)."""
     m, k = x.shape
     xb = x.astype(np.float32).reshape(m, k // 32, 32)
     amax = np.abs(xb).max(-1, keepdims=True)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        inv = np.where(amax > 0, np.float32(32767) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(xb * inv).astype(np.float64)
-    return q, (amax / np.float32(127)).astype(np.float64)
+    return q, (amax / np.float32(32767)).astype(np.float64)
 
 
 @pytest.mark.skipif(not quant.int8_activations("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
@@ -162,11 +179,11 @@ def activation_blocks(x: np.ndarray):
                          ids=["Q4_0", "Q4_1", "int4:64", "int4:128", "Q8_0", "int8", "int8-one-block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activations_rounding(qtype, fmt, n, k, dtype):
-    """The 8-bit-activation kernels (`hpipe.cpu_kernels`) on the layouts torch's ops read:
-    1. against their arithmetic restated in float64 (activations to int8 per block of 32, integer
+    """The 16-bit-activation kernels (`hpipe.cpu_kernels`) on the layouts torch's ops read:
+    1. against their arithmetic restated in float64 (activations to int16 per block of 32, integer
        dot products with the codes, the block's scales after): within float32's roundings only;
     2. against a float64 matmul of the packed weights: within half an activation step per block
-       (amax / 254 of each block) times the weights, plus those roundings;
+       (amax / 65534 of each block) times the weights, plus those roundings;
     3. every row the bits it gets alone (rows never share a quantization step)."""
     rng = np.random.default_rng(11)
     values = rng.normal(0, 0.05, (n, k)).astype(np.float32)
@@ -180,9 +197,9 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
     module = quant.linear_module(packed, "cpu")
     assert module.mm == module._vnni_mm
     if "int4" in packed:
-        group = k // packed["scales_zeros"].shape[0]
-        sz = packed["scales_zeros"].double().numpy()
-        s, z = (np.repeat(sz[..., i].T, group, axis=1) for i in (0, 1))
+        s, z = quant.int4_scales(packed)
+        group = k // s.shape[1]
+        s, z = (np.repeat(t, group, axis=1) for t in (s, z))
         codes = (quant.quantize_int4(values, group) if qtype is None else a).codes
         u = codes.astype(np.float64) + (8 if codes.dtype == np.int8 else 0)
         # per block: s sum(u q) + (z - 8 s) sum(q), the kernel's two terms
@@ -240,14 +257,15 @@ def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qt
     rows = embedding(ids.to(device)).double().cpu().numpy()
     assert rows.shape == (2, 4, k)
     u = int4_codes(a)[ids.numpy()]
-    sz = packed["scales_zeros"].double().numpy()[:, ids.numpy()]           # [K / 32, 2, 4, 2]
-    s, z = (np.repeat(np.moveaxis(sz[..., i], 0, -1), 32, axis=-1) for i in (0, 1))
+    s, z = (np.repeat(t[ids.numpy()], 32, axis=-1) for t in quant.int4_scales(packed))    # [2, 4, K]
     bound = U * (np.abs(u - 8) * np.abs(s) + np.abs(z)) * (1 + U) + 2.0 ** -23 * np.abs(z)
     assert (np.abs(rows - theirs[ids.numpy()]) <= bound).all()
     table = embedding(torch.arange(n, device=device)).double().cpu().numpy()
     x = torch.randn(3, k)
     ref = x.double().numpy() @ table.T
-    assert (np.abs(head(x.to(device)).double().cpu().numpy() - ref) <= kernel_bound(x, table, ref)).all()
+    s, z = (np.repeat(t, 32, axis=-1) for t in quant.int4_scales(packed))
+    bound = bound_of(head, x, table, ref, 23 * np.abs(s) + np.abs(z))
+    assert (np.abs(head(x.to(device)).double().cpu().numpy() - ref) <= bound).all()
 
 
 def dense_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -271,10 +289,11 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     if "int4" in packed:
         group = int(fmt.split(":")[1])
         codes = quant.quantize_int4(w, group).codes.astype(np.float64)
-        sz = packed["scales_zeros"].double().numpy()
-        w = (codes - 8) * np.repeat(sz[..., 0].T, group, axis=1) + np.repeat(sz[..., 1].T, group, axis=1)
+        s, z = (np.repeat(t, group, axis=1) for t in quant.int4_scales(packed))
+        w, magnitude = (codes - 8) * s + z, 23 * np.abs(s) + np.abs(z)
     else:
         w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
+        magnitude = np.abs(w)
     rows = quant.DENSE_FROM[fmt.split(":")[0]] + 5
     assert module.dense_from < rows
     x = torch.randn(rows, k)
@@ -282,7 +301,7 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     ref = x.double().numpy() @ w.T
     assert (np.abs(y - ref) <= dense_bound(x, w, ref)).all(), np.abs(y - ref).max()
     one = torch.cat([module(x[i:i + 1]) for i in range(rows)]).double().numpy()
-    assert (np.abs(one - ref) <= kernel_bound(x, w, ref)).all()
+    assert (np.abs(one - ref) <= bound_of(module, x, w, ref, magnitude)).all()
     assert not np.array_equal(one, y)        # the two paths differ in their roundings: both ran
 
 

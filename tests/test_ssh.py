@@ -71,17 +71,14 @@ def plan_and_prompts(cluster, tmp_path_factory):
     return d / "plan.json", d / "prompts.jsonl"
 
 
-def undisturbed_run(cluster, plan_and_prompts, d: Path, *extra: str) -> dict:
-    """The prompts' output ids from `hpipe launch --cluster` (64 tokens, one at a time), nothing lost."""
-    plan, prompts = plan_and_prompts
-    hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", d / "out.jsonl",
-          "--max-new-tokens", "64", "--max-batch", "1", "--quiet", *extra, cwd=d, check=True)
-    return {r["id"]: r["output_ids"] for r in map(json.loads, (d / "out.jsonl").read_text().splitlines())}
-
-
 @pytest.fixture(scope="module")
 def undisturbed(cluster, plan_and_prompts, tmp_path_factory) -> dict:
-    return undisturbed_run(cluster, plan_and_prompts, tmp_path_factory.mktemp("undisturbed"))
+    """The prompts' output ids from `hpipe launch --cluster` (64 tokens, one at a time), nothing lost."""
+    plan, prompts = plan_and_prompts
+    d = tmp_path_factory.mktemp("undisturbed")
+    hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", d / "out.jsonl",
+          "--max-new-tokens", "64", "--max-batch", "1", "--quiet", cwd=d, check=True)
+    return {r["id"]: r["output_ids"] for r in map(json.loads, (d / "out.jsonl").read_text().splitlines())}
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,16 +299,11 @@ def wait_until_clean(cluster, within: float) -> list:
 
 
 @pytest.mark.slow
-def test_a_batch_job_goes_on_without_a_killed_hosts_stage(cluster, plan_and_prompts, tmp_path):
+def test_a_batch_job_goes_on_without_a_killed_hosts_stage(cluster, plan_and_prompts, undisturbed, tmp_path):
     """A stage worker SIGKILLed mid-job: the job is planned again over the two hosts left and
-    finishes there, every prompt once, no --resume; with `--deterministic on` its tokens are an
-    undisturbed run's bit for bit (an interrupted request's generated tokens are computed again
-    as a prompt: in default mode through other kernels' summation orders, which can part two
-    near-equal tokens). (With --no-recover a failure stops everything: the link and wrapper
-    tests below.)"""
-    (tmp_path / "undisturbed").mkdir()
-    undisturbed = undisturbed_run(cluster, plan_and_prompts, tmp_path / "undisturbed", "--deterministic", "on")
-    proc, out = start_launch(cluster, plan_and_prompts, tmp_path, "--deterministic", "on")
+    finishes there, every prompt once, no --resume; its tokens are an undisturbed run's. (With
+    --no-recover a failure stops everything: the link and wrapper tests below.)"""
+    proc, out = start_launch(cluster, plan_and_prompts, tmp_path)
     kill_worker(cluster, "h1")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err

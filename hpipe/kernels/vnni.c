@@ -1,16 +1,20 @@
-/* y = x W^T with 8-bit activations and integer dot products (AVX-512 VNNI), the arithmetic
- * llama.cpp uses for its 4- and 8-bit blocks on x86: W in torch's CPU int4 packing
- * (`hpipe_int4_mm`) or int8 with a scale per output row (`hpipe_int8_mm`).
+/* y = x W^T with 16-bit activations and integer dot products (AVX-512 VNNI `vpdpwssd`): W in
+ * torch's CPU int4 packing (`hpipe_int4_mm`) or int8 with a scale per output row (`hpipe_int8_mm`).
  *
- * W is read where torch's `_convert_weight_to_int4pack_for_cpu` left it, so the dense path, the
- * embedding's row gather and the disk cache keep their one layout:
+ * W is read where torch's ops read it, so the dense path, the embeddings' row gathers and the disk
+ * cache keep their one layout:
  *   packed [N / 64, K, 32] bytes: in block b, byte (k, j) holds code u[64 b + j, k] in its low
  *          nibble and u[64 b + j + 32, k] in its high nibble;
- *   sz     [K / G, N] pairs of bf16 (s, z): w = (u - 8) s + z over each group of G inputs.
- * x is quantized per block of 32 inputs: x ~ d q, q int8 in [-127, 127]. Over one block then
+ *   sz     [N / 64, K / G, 64] pairs of bf16 (s, z), in blocks of 64 outputs as the codes are:
+ *          w = (u - 8) s + z over each group of G inputs.
+ * x is quantized per block of 32 inputs: x ~ d q, q int16 in [-32767, 32767], d = amax / 32767.
+ * Over one block then
  *   sum_k w_k x_k = d (s sum_k u_k q_k + (z - 8 s) sum_k q_k),
- * where sum_k u_k q_k is exact in int32 (vpdpbusd: unsigned codes times signed activations).
- * torch's own kernel converts every code to float and multiplies in float: about twice the work
+ * where sum_k u_k q_k is exact in int32. The activations' own rounding is 2^-16 of their block's
+ * largest value: below bf16's 2^-8 of each value (torch's kernels take bf16 activations), and
+ * 256 times finer than llama.cpp's 8-bit activations (q8_0 / q8_1), whose steps part two near-equal
+ * logits where a float32 difference upstream (another batch, a cached prefix) crosses one.
+ * torch's own kernels convert every code to float and multiply in float: several times the work
  * per weight, and decode at one or two threads is bound by that work, not by reading memory.
  *
  * Rows of x are independent: a row gets the same bits whatever else is in the call. */
@@ -18,14 +22,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define BLOCK 32              /* activation block: inputs per int8 scale */
+#define BLOCK 32              /* activation block: inputs per scale */
+#define QMAX 32767.0f         /* the activations' int16 range */
 #define ROWS 64               /* outputs per block of the packing */
-#ifndef PF_K
-#define PF_K 128
-#endif
-#ifndef PF_BYTES
-#define PF_BYTES 2048
-#endif
+#define PF_BYTES 2048         /* codes prefetched this far ahead of the dot products (one block's stream) */
 #define MAX_TILE 2            /* rows of x sharing one pass over a block's codes */
 
 static inline __m512 bf16_to_f32(const uint16_t *p) {
@@ -33,8 +33,8 @@ static inline __m512 bf16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-/* One row of K inputs -> int8 codes, per block of 32 the scale d and d * sum(q). */
-static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *q, float *d, float *dsum) {
+/* One row of K inputs -> int16 codes, per block of 32 the scale d and d * sum(q). */
+static void quantize_row(const void *x, int x_bf16, int64_t k, int16_t *q, float *d, float *dsum) {
     for (int64_t b = 0; b < k / BLOCK; ++b) {
         __m512 v0, v1;
         if (x_bf16) {
@@ -45,34 +45,53 @@ static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *q, float 
             v1 = _mm512_loadu_ps((const float *)x + b * BLOCK + 16);
         }
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        float scale = amax / QMAX, inv = amax > 0.0f ? QMAX / amax : 0.0f;
         __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
         __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-        _mm_storeu_si128((__m128i *)(q + b * BLOCK), _mm512_cvtsepi32_epi8(i0));
-        _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), _mm512_cvtsepi32_epi8(i1));
+        _mm256_storeu_si256((__m256i *)(q + b * BLOCK), _mm512_cvtsepi32_epi16(i0));
+        _mm256_storeu_si256((__m256i *)(q + b * BLOCK + 16), _mm512_cvtsepi32_epi16(i1));
         d[b] = scale;
         dsum[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     }
 }
 
-/* Byte (4 r + t) of a 32-bit lane group <- code byte of row r (+16 for the second half) at input
- * k + t, from the 128 bytes of inputs k .. k + 3 (two registers: t = 0, 1 and t = 2, 3): each
- * 32-bit lane then holds one row's four codes, as vpdpbusd multiplies them. */
-static inline __m512i lanes_index(int half) {
+/* The rows' quantized activations: q [m, k] int16, d and d * sum(q) [m, k / 32], one allocation. */
+typedef struct { int16_t *q; float *d, *dsum; } Activations;
+
+static int quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, Activations *a) {
+    const int64_t blocks = k / BLOCK;
+    a->q = malloc(sizeof(int16_t) * m * k + 2 * sizeof(float) * m * blocks + 64);
+    if (!a->q)
+        return -1;
+    a->d = (float *)(((uintptr_t)(a->q + m * k) + 63) & ~(uintptr_t)63);
+    a->dsum = a->d + m * blocks;
+    for (int64_t r = 0; r < m; ++r)
+        quantize_row((const char *)x + r * k * (x_bf16 ? 2 : 4), x_bf16, k, a->q + r * k, a->d + r * blocks,
+                     a->dsum + r * blocks);
+    return 0;
+}
+
+/* Even bytes (2 t of lane r) <- the code byte of row r (+16 for the second half of the 32 rows a
+ * byte holds) at input k + t + 2 pair, from the 128 bytes of inputs k .. k + 3 (two registers);
+ * odd bytes are zeroed by the permute's mask: each 32-bit lane holds two of a row's codes as int16
+ * (its low nibble's row; its high nibble's row after a shift), as vpdpwssd multiplies them. */
+static inline __m512i lanes_index(int half, int pair) {
     uint8_t idx[64];
     for (int r = 0; r < 16; ++r)
-        for (int t = 0; t < 4; ++t)
-            idx[4 * r + t] = (uint8_t)(t * 32 + r + 16 * half);
+        for (int t = 0; t < 2; ++t) {
+            idx[4 * r + 2 * t] = (uint8_t)((2 * pair + t) * 32 + r + 16 * half);
+            idx[4 * r + 2 * t + 1] = 0;
+        }
     return _mm512_loadu_si512(idx);
 }
 
 /* A tile of `tile` rows of x against block b's 64 outputs, accumulated over all of K. */
 static inline __attribute__((always_inline)) void block_tile(
         const int tile, const uint8_t *codes, const uint32_t *sz, int64_t n, int64_t n0, int64_t k,
-        int64_t group, const int8_t *q, const float *d, const float *dsum, float *y,
-        __m512i idx_lo, __m512i idx_hi) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
+        int64_t group, const int16_t *q, const float *d, const float *dsum, float *y, const __m512i idx[4]) {
+    const __m512i nibble = _mm512_set1_epi16(0x0f);
     const __m512i upper = _mm512_set1_epi32((int)0xffff0000u);
+    const __mmask64 even = 0x5555555555555555ull;
     __m512 out[MAX_TILE][4];
     for (int m = 0; m < tile; ++m)
         for (int i = 0; i < 4; ++i)
@@ -83,26 +102,27 @@ static inline __attribute__((always_inline)) void block_tile(
             for (int i = 0; i < 4; ++i)
                 acc[m][i] = _mm512_setzero_si512();
         const uint8_t *p = codes + kb * 32;
-        _mm_prefetch((const char *)(sz + ((kb + PF_K) / group) * n + n0), _MM_HINT_T0);
-        _mm_prefetch((const char *)(sz + ((kb + PF_K) / group) * n + n0) + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)(sz + ((kb + PF_K) / group) * n + n0) + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)(sz + ((kb + PF_K) / group) * n + n0) + 192, _MM_HINT_T0);
         for (int step = 0; step < BLOCK / 4; ++step, p += 128) {
             _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
             _mm_prefetch((const char *)p + PF_BYTES + 64, _MM_HINT_T0);
             __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
-            __m512i lo = _mm512_permutex2var_epi8(a, idx_lo, b);     /* rows 0-15 | 32-47 */
-            __m512i hi = _mm512_permutex2var_epi8(a, idx_hi, b);     /* rows 16-31 | 48-63 */
-            __m512i w[4] = {_mm512_and_si512(lo, nibble), _mm512_and_si512(hi, nibble),
-                            _mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble),
-                            _mm512_and_si512(_mm512_srli_epi16(hi, 4), nibble)};
+            __m512i w[2][4];                                     /* [pair of inputs][16 rows] */
+            for (int pair = 0; pair < 2; ++pair) {
+                __m512i lo = _mm512_maskz_permutex2var_epi8(even, a, idx[pair], b);      /* rows 0-15 | 32-47 */
+                __m512i hi = _mm512_maskz_permutex2var_epi8(even, a, idx[2 + pair], b);  /* rows 16-31 | 48-63 */
+                w[pair][0] = _mm512_and_si512(lo, nibble);
+                w[pair][1] = _mm512_and_si512(hi, nibble);
+                w[pair][2] = _mm512_srli_epi16(lo, 4);
+                w[pair][3] = _mm512_srli_epi16(hi, 4);
+            }
             for (int m = 0; m < tile; ++m) {
-                __m512i xq = _mm512_set1_epi32(*(const int32_t *)(q + m * k + kb + 4 * step));
+                const int16_t *xq = q + m * k + kb + 4 * step;
+                __m512i x01 = _mm512_set1_epi32(*(const int32_t *)xq), x23 = _mm512_set1_epi32(*(const int32_t *)(xq + 2));
                 for (int i = 0; i < 4; ++i)
-                    acc[m][i] = _mm512_dpbusd_epi32(acc[m][i], w[i], xq);
+                    acc[m][i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][i], w[0][i], x01), w[1][i], x23);
             }
         }
-        const uint32_t *pairs = sz + (kb / group) * n + n0;
+        const uint32_t *pairs = sz + (kb / group) * ROWS;
         for (int i = 0; i < 4; ++i) {
             __m512i v = _mm512_loadu_si512(pairs + 16 * i);
             __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -126,68 +146,50 @@ static inline __attribute__((always_inline)) void block_tile(
  * memory for the quantized activations. */
 int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *packed,
                   const uint32_t *sz, int64_t n, int64_t group, float *y, int threads) {
-    int64_t blocks = k / BLOCK;
-    int8_t *q = malloc(m * k + 2 * sizeof(float) * m * blocks + 64);
-    if (!q)
+    Activations a;
+    if (quantize_rows(x, x_bf16, m, k, &a))
         return -1;
-    float *d = (float *)(((uintptr_t)(q + m * k) + 63) & ~(uintptr_t)63), *dsum = d + m * blocks;
-    for (int64_t r = 0; r < m; ++r)
-        quantize_row((const char *)x + r * k * (x_bf16 ? 2 : 4), x_bf16, k, q + r * k, d + r * blocks,
-                     dsum + r * blocks);
-    const __m512i idx_lo = lanes_index(0), idx_hi = lanes_index(1);
-    const int64_t nb = n / ROWS, tiles = (m + MAX_TILE - 1) / MAX_TILE;
+    const int64_t blocks = k / BLOCK, nb = n / ROWS, tiles = (m + MAX_TILE - 1) / MAX_TILE;
+    const __m512i idx[4] = {lanes_index(0, 0), lanes_index(0, 1), lanes_index(1, 0), lanes_index(1, 1)};
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nb > 1)
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *codes = packed + b * k * 32;
+        const uint32_t *pairs = sz + b * (k / group) * ROWS;
         for (int64_t t = 0; t < tiles; ++t) {
             int64_t r = t * MAX_TILE;
-            const int8_t *qt = q + r * k;
-            const float *dt = d + r * blocks, *st = dsum + r * blocks;
+            const int16_t *qt = a.q + r * k;
+            const float *dt = a.d + r * blocks, *st = a.dsum + r * blocks;
             float *yt = y + r * n;
             if (m - r >= 2)
-                block_tile(2, codes, sz, n, b * ROWS, k, group, qt, dt, st, yt, idx_lo, idx_hi);
+                block_tile(2, codes, pairs, n, b * ROWS, k, group, qt, dt, st, yt, idx);
             else
-                block_tile(1, codes, sz, n, b * ROWS, k, group, qt, dt, st, yt, idx_lo, idx_hi);
+                block_tile(1, codes, pairs, n, b * ROWS, k, group, qt, dt, st, yt, idx);
         }
     }
-    free(q);
+    free(a.q);
     return 0;
 }
 
 /* ---------------------------------------------------------------------------------------------
  * int8: W [n, k] int8 row-major with one bf16 scale per row (torch's `_weight_int8pack_mm` form),
  *   y_n = scale_n sum_b d_b sum_{k in b} w_nk q_k.
- * vpdpbusd multiplies unsigned by signed bytes: |q| by w with q's sign moved onto w (the codes of
- * both are in [-127, 127]: no product overflows, four of them sum within int32). One 64-input
- * chunk of a row gives 16 lanes of four products each, lanes 0-7 of its first block and 8-15 of
- * its second: the blocks' d go on as a vector of two halves. */
+ * One block of 32 inputs is one register of 32 int16 products summed in pairs (vpmaddwd), its d
+ * applied as it goes to float. */
 
 #define INT8_TILE 4           /* rows of x sharing one read of a weight row */
 
 static inline __attribute__((always_inline)) void int8_rows(
-        const int tile, const int8_t *w, int64_t k, const uint8_t *aq, const uint64_t *neg,
-        const float *dv, float scale, float *y, int64_t n) {
-    const int64_t chunks = k / 64, stride = (k + 63) / 64;    /* whole chunks; per row of x */
+        const int tile, const int8_t *w, int64_t k, const int16_t *q, const float *d, float scale, float *y,
+        int64_t n) {
+    const int64_t blocks = k / BLOCK;
     __m512 acc[INT8_TILE];
     for (int m = 0; m < tile; ++m)
         acc[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-        __m512i wv = _mm512_loadu_si512(w + 64 * c);
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + BLOCK * b)));
         for (int m = 0; m < tile; ++m) {
-            const int64_t row = m * stride;
-            __m512i sw = _mm512_mask_sub_epi8(wv, neg[row + c], _mm512_setzero_si512(), wv);
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(aq + m * k + 64 * c), sw);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(dv + 16 * (row + c)), acc[m]);
-        }
-    }
-    if (k % 64) {                                 /* a last block of 32: the upper lanes stay zero */
-        __m512i wv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 64 * chunks)));
-        for (int m = 0; m < tile; ++m) {
-            const int64_t row = m * stride;
-            __m512i sw = _mm512_mask_sub_epi8(wv, neg[row + chunks], _mm512_setzero_si512(), wv);
-            __m512i xa = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(aq + m * k + 64 * chunks)));
-            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), xa, sw);
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_loadu_ps(dv + 16 * (row + chunks)), acc[m]);
+            __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(q + m * k + BLOCK * b));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d[m * blocks + b]), acc[m]);
         }
     }
     for (int m = 0; m < tile; ++m)
@@ -198,46 +200,95 @@ static inline __attribute__((always_inline)) void int8_rows(
  * `scales`; k a multiple of 32. Returns 0, or -1 when out of memory. */
 int hpipe_int8_mm(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w,
                   const uint16_t *scales, int64_t n, float *y, int threads) {
-    const int64_t blocks = k / BLOCK, chunks = (k + 63) / 64;
-    /* per row of x: its int8 codes, |q|, the sign masks per chunk, d as two-halves vectors */
-    size_t bytes = 2 * m * k + sizeof(uint64_t) * m * chunks + sizeof(float) * (m * 16 * chunks + 2 * m * blocks) + 128;
-    int8_t *q = malloc(bytes);
-    if (!q)
+    Activations a;
+    if (quantize_rows(x, x_bf16, m, k, &a))
         return -1;
-    uint8_t *aq = (uint8_t *)(q + m * k);
-    float *dv = (float *)(((uintptr_t)(aq + m * k) + 63) & ~(uintptr_t)63);
-    float *d = dv + m * 16 * chunks, *dsum = d + m * blocks;
-    uint64_t *neg = (uint64_t *)(dsum + m * blocks);
-    for (int64_t r = 0; r < m; ++r) {
-        quantize_row((const char *)x + r * k * (x_bf16 ? 2 : 4), x_bf16, k, q + r * k, d + r * blocks,
-                     dsum + r * blocks);
-        for (int64_t c = 0; c < chunks; ++c) {
-            __m512i v = c * 64 + 64 <= k ? _mm512_loadu_si512(q + r * k + 64 * c)
-                                         : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(q + r * k + 64 * c)));
-            _mm512_mask_storeu_epi8(aq + r * k + 64 * c, c * 64 + 64 <= k ? ~0ull : 0xffffffffull, _mm512_abs_epi8(v));
-            neg[r * chunks + c] = _mm512_movepi8_mask(v);
-            float lo = d[r * blocks + 2 * c], hi = 2 * c + 1 < blocks ? d[r * blocks + 2 * c + 1] : 0.0f;
-            _mm512_storeu_ps(dv + 16 * (r * chunks + c),
-                             _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(lo), _mm512_set1_ps(hi)));
-        }
-    }
+    const int64_t blocks = k / BLOCK;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 64)
     for (int64_t j = 0; j < n; ++j) {
         float scale;
         uint32_t bits = (uint32_t)scales[j] << 16;
         __builtin_memcpy(&scale, &bits, 4);
         for (int64_t r = 0; r < m; r += INT8_TILE) {
-            const int64_t at = r * chunks;
+            const int16_t *q = a.q + r * k;
+            const float *d = a.d + r * blocks;
             if (m - r >= 4)
-                int8_rows(4, w + j * k, k, aq + r * k, neg + at, dv + 16 * at, scale, y + r * n + j, n);
+                int8_rows(4, w + j * k, k, q, d, scale, y + r * n + j, n);
             else if (m - r == 3)
-                int8_rows(3, w + j * k, k, aq + r * k, neg + at, dv + 16 * at, scale, y + r * n + j, n);
+                int8_rows(3, w + j * k, k, q, d, scale, y + r * n + j, n);
             else if (m - r == 2)
-                int8_rows(2, w + j * k, k, aq + r * k, neg + at, dv + 16 * at, scale, y + r * n + j, n);
+                int8_rows(2, w + j * k, k, q, d, scale, y + r * n + j, n);
             else
-                int8_rows(1, w + j * k, k, aq + r * k, neg + at, dv + 16 * at, scale, y + r * n + j, n);
+                int8_rows(1, w + j * k, k, q, d, scale, y + r * n + j, n);
         }
     }
-    free(q);
+    free(a.q);
     return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Dequantizing for the dense path (many rows: prefill slices): weights to bf16 a chunk at a time,
+ * multiplied by oneDNN's bf16 GEMM. One pass, rounded once to bf16 (to nearest, ties to even)
+ * from the float32 value, where torch's ops took five passes over each chunk. */
+
+static inline __m256i f32_to_bf16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+/* Blocks [b0, b0 + nb) of an int4 weight -> out [nb, k, 64] bf16, W^T of each block of 64 outputs:
+ * out[b, k, j] = (u - 8) s + z of output 64 b + j, input k. */
+void hpipe_int4_dequant(const uint8_t *packed, const uint32_t *sz, int64_t k, int64_t group, int64_t b0,
+                        int64_t nb, uint16_t *out, int threads) {
+    const __m512i nibble = _mm512_set1_epi32(0x0f), upper = _mm512_set1_epi32((int)0xffff0000u);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nb > 1)
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *codes = packed + (b0 + b) * k * 32;
+        const uint32_t *pairs = sz + (b0 + b) * (k / group) * ROWS;
+        uint16_t *o = out + b * k * ROWS;
+        for (int64_t g = 0; g < k / group; ++g) {
+            __m512 s[4], z[4];
+            for (int i = 0; i < 4; ++i) {
+                __m512i v = _mm512_loadu_si512(pairs + g * ROWS + 16 * i);
+                s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                z[i] = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
+            }
+            for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
+                for (int h = 0; h < 2; ++h) {             /* rows 16 h .. 16 h + 15 and + 32 */
+                    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + kk * 32 + 16 * h)));
+                    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(bytes, nibble), _mm512_set1_epi32(8)));
+                    __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), _mm512_set1_epi32(8)));
+                    _mm256_storeu_si256((__m256i *)(o + kk * ROWS + 16 * h), f32_to_bf16(_mm512_fmadd_ps(lo, s[h], z[h])));
+                    _mm256_storeu_si256((__m256i *)(o + kk * ROWS + 32 + 16 * h),
+                                        f32_to_bf16(_mm512_fmadd_ps(hi, s[2 + h], z[2 + h])));
+                }
+            }
+        }
+    }
+}
+
+/* Rows [r0, r0 + n) of an int8 weight [*, k] with bf16 row scales -> out [n, k] bf16 = code * scale. */
+void hpipe_int8_dequant(const int8_t *w, const uint16_t *scales, int64_t k, int64_t r0, int64_t n,
+                        uint16_t *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 16)
+    for (int64_t r = 0; r < n; ++r) {
+        uint32_t bits = (uint32_t)scales[r0 + r] << 16;
+        float scale;
+        __builtin_memcpy(&scale, &bits, 4);
+        const __m512 vs = _mm512_set1_ps(scale);
+        const int8_t *row = w + (r0 + r) * k;
+        int64_t c = 0;
+        for (; c + 16 <= k; c += 16) {
+            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
+            _mm256_storeu_si256((__m256i *)(out + r * k + c), f32_to_bf16(_mm512_mul_ps(v, vs)));
+        }
+        for (; c < k; ++c) {
+            float f = (float)row[c] * scale;
+            uint32_t u;
+            __builtin_memcpy(&u, &f, 4);
+            out[r * k + c] = (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+        }
+    }
 }
