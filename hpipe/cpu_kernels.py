@@ -81,8 +81,9 @@ def kernels() -> tuple[object | None, str]:
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as e:
-        detail = (getattr(e, "stderr", b"") or str(e).encode()).decode(errors="replace").strip()
-        return None, f"{torch_ops} (building the VNNI kernels failed: {detail[:200]})"
+        detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+        why = detail[0] if detail else f"{compiler} exited with {getattr(e, 'returncode', e)}"
+        return None, f"{torch_ops} (building the VNNI kernels with {compiler} failed: {why[:160]})"
     del torch
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32]
