@@ -5,7 +5,7 @@ torch's `_weight_int4pack_mm_for_cpu` converts every code to float (a 1B model's
 weights at ~35 GB/s of this machine's 65). llama.cpp multiplies 4-bit codes by 8-bit activations
 in integer dot products (AVX-512 VNNI); this kernel multiplies them by 16-bit activations (VNNI's
 `vpdpwssd`: an activation's rounding 2^-16 of its block's largest, 256 times finer than llama.cpp's),
-on the very packing torch's op reads (`hpipe.quant.pack`), 1.5-3x faster than that op at one row
+on the codes as torch's op packs them (`hpipe.quant.pack`; their scales in blocks of 64 outputs), 1.5-3x faster than that op at one row
 (with 8-bit activations 2.5-4x, but SmolLM2's KL against float32 doubled: 0.0024 -> 0.0046, where
 16-bit gives 0.0018; llama.cpp 0.0028); and int8 weights with a scale per
 row, the layout `_weight_int8pack_mm` reads (GGUF's 8-bit types and embeddings, the heads tied to
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hpipe.config import cache_dir
 
-__all__ = ["kernels", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops", "SOURCE"]
+__all__ = ["cpu_flags", "kernels", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("kernels") / "vnni.c"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi")      # /proc/cpuinfo names
@@ -41,7 +41,9 @@ CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx
 ENV = "HPIPE_CPU_KERNELS"
 
 
-def _cpu_flags() -> frozenset[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read)."""
     try:
         return frozenset(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
     except (OSError, IndexError):
@@ -70,7 +72,7 @@ def kernels() -> tuple[object | None, str]:
     torch_ops = "torch's int4/int8 kernels, bf16 activations"
     if os.environ.get(ENV, "").lower() == "torch":
         return None, f"{torch_ops} ({ENV}=torch)"
-    missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return None, f"{torch_ops} (this CPU lacks {', '.join(missing)})"
     compiler = next((c for c in (os.environ.get("CC"), "gcc", "cc", "clang") if c and shutil.which(c)), None)

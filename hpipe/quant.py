@@ -162,16 +162,8 @@ def kernels_on(device: str) -> tuple[bool, str]:
     return False, f"CPU capability {cap}: no vectorized int4/int8 kernel, dense float32"
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split())
-    except (OSError, IndexError):
-        return frozenset()
-
-
 def _bf16_note() -> str:
-    flags = _cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
     if not units:
         return ", bf16 emulated"
@@ -185,7 +177,7 @@ def dense_gemm(device_type: str) -> bool:
     """Whether many-row linears on `device_type` go through bf16 GEMMs on dequantized chunks: a CPU
     with bf16 matrix units (elsewhere oneDNN emulates bf16 and the kernels stay faster) whose int4
     packing is the blocked layout `Int4Linear.dense` reads, checked once on a probe."""
-    return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & _cpu_flags()) and _blocked_int4_layout()
+    return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & cpu_kernels.cpu_flags()) and _blocked_int4_layout()
 
 
 @functools.cache
@@ -201,24 +193,17 @@ def _blocked_int4_layout() -> bool:
     return torch.equal(unpacked.to(torch.int32), codes)
 
 
-def int8_activations(device_type: str, kind: str, shape: tuple[int, int]) -> bool:
+def vnni_kernel(device_type: str, kind: str, shape: tuple[int, int]) -> bool:
     """Whether a `kind` ('int4' or 'int8') linear of `shape` [N, K] on `device_type` runs the VNNI
     kernels of `hpipe.cpu_kernels` (16-bit activations per block of 32, integer dot products) on the
-    layout torch's op reads (int4: its blocked packing, whole blocks of 64 outputs); their ops
-    registered on the way."""
+    codes as torch's op packs them (int4: its blocked packing, whole blocks of 64 outputs, whose
+    scales and zeros `pack` keeps in the same blocks); their ops registered on the way."""
     n, k = shape
     if device_type != "cpu" or k % 32 or cpu_kernels.kernels()[0] is None or \
             (kind == "int4" and (n % 64 or not _blocked_int4_layout())):
         return False
     cpu_kernels.ops()
     return True
-
-
-def scales_in_blocks(device_type: str, shape: tuple[int, int]) -> bool:
-    """Whether an int4 [N, K] weight's scales and zeros are kept in blocks of 64 outputs,
-    [N / 64, K / G, 64, 2] (what the VNNI kernel reads as it streams one block's codes: one
-    contiguous run), rather than torch's [K / G, N, 2]."""
-    return int8_activations(device_type, "int4", shape)
 
 
 def blocked_scales(sz: "torch.Tensor") -> "torch.Tensor":
@@ -440,7 +425,7 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
          as_embedding: bool = False) -> dict[str, "torch.Tensor"]:
     """One weight -> the plain tensors its module holds (what the disk cache stores):
     int4: {'int4': packed, 'scales_zeros': bf16 [K / group, N, 2], or [N / 64, K / group, 64, 2] where
-    the VNNI kernel runs it (`scales_in_blocks`)}, packed in the CPU kernel's own
+    the VNNI kernel runs it (`vnni_kernel`): a block's stream one contiguous run}, packed in the CPU kernel's own
     layout (mapped straight back next time), or for CUDA two codes per byte (the GPU packs them);
     int8: {'int8': int8 [N, K], 'scales': bf16 [N]}.
     An embedding table (`as_embedding`) stays in the file's 4-bit groups where its rows can be
@@ -463,7 +448,7 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         s = weight.scale
         z = (weight.offset if weight.offset is not None else np.zeros_like(s)) + (0 if signed else 8 * s)
         sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
-        if scales_in_blocks(device_type, tuple(u.shape)):
+        if vnni_kernel(device_type, "int4", tuple(u.shape)):    # scales in the kernel's blocks of 64
             sz = blocked_scales(sz)
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
@@ -495,7 +480,7 @@ def _module_classes():
 
     class WeightOnly(nn.Module):
         """y = x W^T (+ b) through a weight-only kernel, chosen once for the device: x goes in as the
-        kernel's activation dtype (bf16 for torch's; the VNNI int4 kernel quantizes float32 itself)
+        kernel's activation dtype (bf16 for torch's; the VNNI kernels quantize float32 themselves)
         and y comes back in x's."""
 
         def __init__(self, in_features: int, out_features: int, bias):
@@ -534,13 +519,13 @@ def _module_classes():
         tinygemm's `_weight_int4pack_mm` on CUDA."""
 
         def __init__(self, packed, scales_zeros, bias=None):
-            blocked = scales_zeros.dim() == 4
-            super().__init__(packed.shape[1] * 2, scales_zeros.shape[0] * 64 if blocked else scales_zeros.shape[1],
+            in_blocks = scales_zeros.dim() == 4
+            super().__init__(packed.shape[1] * 2, scales_zeros.shape[0] * 64 if in_blocks else scales_zeros.shape[1],
                              bias)
-            self.group = self.in_features // scales_zeros.shape[1 if blocked else 0]
+            self.group = self.in_features // scales_zeros.shape[1 if in_blocks else 0]
             # the order the kernel reads (a cache packed for another kernel is put in it once, a copy)
-            vnni = int8_activations(packed.device.type, "int4", (self.out_features, self.in_features))
-            if vnni != blocked:
+            vnni = vnni_kernel(packed.device.type, "int4", (self.out_features, self.in_features))
+            if vnni != in_blocks:
                 scales_zeros = blocked_scales(scales_zeros) if vnni else flat_scales(scales_zeros)
             if packed.is_cuda:   # tinygemm's tiles: the widest inner-k tiling the input dimension allows
                 tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
@@ -609,7 +594,7 @@ def _module_classes():
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             self.dense_from = DENSE_FROM["int8"] if dense_gemm(weight.device.type) else float("inf")
-            vnni = int8_activations(weight.device.type, "int8", tuple(weight.shape))
+            vnni = vnni_kernel(weight.device.type, "int8", tuple(weight.shape))
             self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
             if vnni:
                 self.mm = self._vnni_mm
@@ -627,7 +612,7 @@ def _module_classes():
             return torch.ops.hpipe.int8_mm(x2, self.weight, self.scales)
 
         def _cuda_mm(self, x2):
-            y = torch.nn.functional.linear(x2.float(), self.weight.float(), None)
+            y = torch.nn.functional.linear(x2.to(torch.bfloat16).float(), self.weight.float(), None)
             return (y * self.scales.float()).to(torch.bfloat16)
 
         def dense(self, x2):
@@ -685,7 +670,7 @@ def _module_classes():
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self.dtype = dtype
-            blocked = scales_zeros.dim() == 4                    # [N / 64, K / G, 64, 2] (`scales_in_blocks`)
+            blocked = scales_zeros.dim() == 4                    # [N / 64, K / G, 64, 2] (`vnni_kernel`)
             self.rows = scales_zeros.shape[0] * 64 if blocked else scales_zeros.shape[1]
             self.cols = packed.shape[1] * 2
             self.group = self.cols // scales_zeros.shape[1 if blocked else 0]

@@ -172,7 +172,7 @@ def activation_blocks(x: np.ndarray):
     return q, (amax / np.float32(32767)).astype(np.float64)
 
 
-@pytest.mark.skipif(not quant.int8_activations("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
 @pytest.mark.parametrize("qtype,fmt,n,k", [(T.Q4_0, "gguf", 128, 2048), (T.Q4_1, "gguf", 192, 512),
                                            (None, "int4:64", 64, 256), (None, "int4:128", 320, 1024),
                                            (T.Q8_0, "gguf", 100, 576), (None, "int8", 48, 2048), (None, "int8", 7, 32)],
