@@ -88,10 +88,10 @@ def kernels() -> tuple[object | None, str]:
         return None, f"{torch_ops} (building the VNNI kernels with {compiler} failed: {why[:160]})"
     del torch
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32]
+    lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, i32]
     lib.hpipe_int8_mm.argtypes = [p, i32, i64, i64, p, p, i64, p, i32]
     lib.hpipe_int4_mm.restype = lib.hpipe_int8_mm.restype = i32
-    lib.hpipe_int4_dequant.argtypes = [p, p, i64, i64, i64, i64, p, i32]
+    lib.hpipe_int4_dequant.argtypes = [p, p, i32, i64, i64, i64, i64, p, i32]
     lib.hpipe_int8_dequant.argtypes = [p, p, i64, i64, i64, p, i32]
     return lib, "int4/int8 codes x 16-bit activations per block of 32 (AVX512-VNNI)"
 
@@ -107,7 +107,7 @@ def _rows(x):
 def int4_mm(x, packed, scales_zeros, group: int):
     """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W in torch's CPU int4 packing
     (`packed` [N / 64, K, 32] bytes) with its scales and zeros in blocks of 64 outputs
-    (`scales_zeros` [N / 64, K / group, 64, 2] bf16)."""
+    (`scales_zeros` [N / 64, K / group, 64, 2] bf16 (s, z), or [..., 1]: s alone, a symmetric weight)."""
     import torch
 
     x = _rows(x)
@@ -115,7 +115,8 @@ def int4_mm(x, packed, scales_zeros, group: int):
     n = scales_zeros.shape[0] * 64
     y = torch.empty(m, n, dtype=torch.float32)
     if m and kernels()[0].hpipe_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(),
-                                        scales_zeros.data_ptr(), n, group, y.data_ptr(), torch.get_num_threads()):
+                                        scales_zeros.data_ptr(), scales_zeros.shape[-1] == 2, n, group, y.data_ptr(),
+                                        torch.get_num_threads()):
         raise MemoryError(f"int4 kernel: no memory for {m} x {k} activations")
     return y
 
@@ -140,8 +141,8 @@ def int4_dequant(packed, scales_zeros, group: int, first: int, out) -> None:
     import torch
 
     blocks, k, _ = out.shape
-    kernels()[0].hpipe_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), k, group, first, blocks,
-                                    out.data_ptr(), torch.get_num_threads())
+    kernels()[0].hpipe_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), scales_zeros.shape[-1] == 2, k,
+                                    group, first, blocks, out.data_ptr(), torch.get_num_threads())
 
 
 def int8_dequant(weight, scales, first: int, out) -> None:

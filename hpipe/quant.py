@@ -60,8 +60,9 @@ __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quant
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows"]
 
-PACK_VERSION = 4        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
-                        # 4: int4 scales in blocks of 64 outputs for the VNNI kernel)
+PACK_VERSION = 5        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
+                        # 4: int4 scales in blocks of 64 outputs for the VNNI kernel, 5: and no zeros
+                        # for a symmetric weight there)
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
 INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
 # Rows from which a CPU with bf16 matrix units runs a linear as dequantized chunks through the bf16
@@ -207,19 +208,28 @@ def vnni_kernel(device_type: str, kind: str, shape: tuple[int, int]) -> bool:
 
 
 def blocked_scales(sz: "torch.Tensor") -> "torch.Tensor":
-    """[K / G, N, 2] -> [N / 64, K / G, 64, 2]."""
-    groups, n, _ = sz.shape
-    return sz.view(groups, n // 64, 64, 2).permute(1, 0, 2, 3).contiguous()
+    """[K / G, N, w] -> [N / 64, K / G, 64, w] (w: 2, (s, z), or 1, s alone)."""
+    groups, n, w = sz.shape
+    return sz.view(groups, n // 64, 64, w).permute(1, 0, 2, 3).contiguous()
 
 
 def flat_scales(sz: "torch.Tensor") -> "torch.Tensor":
-    """[N / 64, K / G, 64, 2] -> [K / G, N, 2] (torch's ops' order)."""
-    blocks, groups, _, _ = sz.shape
-    return sz.permute(1, 0, 2, 3).reshape(groups, blocks * 64, 2).contiguous()
+    """[N / 64, K / G, 64, w] -> [K / G, N, 2] (torch's ops' order, which always takes zeros)."""
+    blocks, groups, _, w = sz.shape
+    sz = sz.permute(1, 0, 2, 3).reshape(groups, blocks * 64, w)
+    return (sz if w == 2 else with_zeros(sz)).contiguous()
+
+
+def with_zeros(s: "torch.Tensor") -> "torch.Tensor":
+    """[..., 1] scales of a symmetric weight -> [..., 2] (s, 0)."""
+    import torch
+
+    return torch.cat([s, torch.zeros_like(s)], -1)
 
 
 def int4_scales(tensors: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(s, z) float64 [N, K / G] of packed int4 tensors, in whichever order they are kept."""
+    """(s, z) float64 [N, K / G] of packed int4 tensors, in whichever order they are kept (z = 0 where
+    a symmetric weight keeps none)."""
     sz = tensors["scales_zeros"]
     sz = (flat_scales(sz) if sz.dim() == 4 else sz).double().cpu().numpy()
     return sz[..., 0].T, sz[..., 1].T
@@ -425,7 +435,8 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
          as_embedding: bool = False) -> dict[str, "torch.Tensor"]:
     """One weight -> the plain tensors its module holds (what the disk cache stores):
     int4: {'int4': packed, 'scales_zeros': bf16 [K / group, N, 2], or [N / 64, K / group, 64, 2] where
-    the VNNI kernel runs it (`vnni_kernel`): a block's stream one contiguous run}, packed in the CPU kernel's own
+    the VNNI kernel runs it (`vnni_kernel`): a block's stream one contiguous run, and there [..., 1],
+    s alone, for a symmetric weight (Q4_0: the file's 4.5 bits a weight)}, packed in the CPU kernel's own
     layout (mapped straight back next time), or for CUDA two codes per byte (the GPU packs them);
     int8: {'int8': int8 [N, K], 'scales': bf16 [N]}.
     An embedding table (`as_embedding`) stays in the file's 4-bit groups where its rows can be
@@ -449,7 +460,8 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         z = (weight.offset if weight.offset is not None else np.zeros_like(s)) + (0 if signed else 8 * s)
         sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
         if vnni_kernel(device_type, "int4", tuple(u.shape)):    # scales in the kernel's blocks of 64
-            sz = blocked_scales(sz)
+            symmetric = signed and weight.offset is None        # z = 0 exactly: not kept
+            sz = blocked_scales(sz[..., :1] if symmetric else sz)
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
         return {"int4": packed, "scales_zeros": sz}
@@ -572,7 +584,7 @@ def _module_classes():
             w[..., 32:].copy_(blocks[a:a + m] >> 4)
             w4 = w.view(m, k // g, g, 64).sub_(8)
             # [m, K/G, 1, 64], contiguous: addcmul's broadcast then runs on vectors (2.5x faster)
-            sz = self.scales_zeros.view(k // g, -1, 64, 2)
+            sz = self.scales_zeros.view(k // g, -1, 64, 2)     # torch's order: zeros always kept
             s, z = (sz[:, a:a + m, :, i].permute(1, 0, 2).unsqueeze(2).contiguous() for i in (0, 1))
             torch.addcmul(z, w4, s, out=w4)
 
@@ -670,7 +682,7 @@ def _module_classes():
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self.dtype = dtype
-            blocked = scales_zeros.dim() == 4                    # [N / 64, K / G, 64, 2] (`vnni_kernel`)
+            blocked = scales_zeros.dim() == 4           # [N / 64, K / G, 64, 2 or 1] (`vnni_kernel`)
             self.rows = scales_zeros.shape[0] * 64 if blocked else scales_zeros.shape[1]
             self.cols = packed.shape[1] * 2
             self.group = self.cols // scales_zeros.shape[1 if blocked else 0]
@@ -685,9 +697,10 @@ def _module_classes():
                 j = flat % 64
                 bytes_ = self.packed.view(self.rows // 64, self.cols, 32)[flat // 64, :, j % 32]   # [T, K]
                 u = (bytes_ >> (4 * (j >= 32)).to(torch.uint8)[:, None]) & 15
-            sz = self._row_scales(flat).float()                                     # [T, K / G, 2]
-            s, z = (sz[..., i].unsqueeze(-1) for i in (0, 1))                       # [T, K / G, 1]
-            w = (u.reshape(flat.shape[0], -1, self.group).float() - 8) * s + z
+            sz = self._row_scales(flat).float()                                # [T, K / G, 2 or 1]
+            w = (u.reshape(flat.shape[0], -1, self.group).float() - 8) * sz[..., :1]
+            if sz.shape[-1] == 2:                                              # else symmetric
+                w = w + sz[..., 1:]
             return w.reshape(*ids.shape, self.cols).to(self.dtype)
 
         def _flat_rows(self, flat):

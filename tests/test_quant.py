@@ -196,6 +196,8 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
     packed = quant.pack(a, quant.WeightFormat.parse(fmt))
     module = quant.linear_module(packed, "cpu")
     assert module.mm == module._vnni_mm
+    if "int4" in packed:     # Q4_0's zeros are all 0: the kernel reads its scales alone (4.5 bits a weight)
+        assert packed["scales_zeros"].shape[-1] == (1 if qtype == T.Q4_0 else 2)
     if "int4" in packed:
         s, z = quant.int4_scales(packed)
         group = k // s.shape[1]
@@ -229,6 +231,26 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
         if rows:
             alone = np.concatenate([call(x[i:i + 1]).numpy() for i in range(rows)])
             assert np.array_equal(alone, y.astype(np.float32))
+
+
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
+def test_a_symmetric_int4_packing_runs_on_torchs_kernel_too(monkeypatch):
+    """Q4_0 packed for the VNNI kernel keeps no zeros; a process that runs torch's op on that cache
+    (HPIPE_CPU_KERNELS=torch) gets them back as 0 and the float64 matmul's outputs within bf16's."""
+    rng = np.random.default_rng(12)
+    n, k = 128, 256
+    raw = gguf.quants.quantize(rng.normal(0, 0.05, (n, k)).astype(np.float32), T.Q4_0)
+    a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=T.Q4_0, shape=(k, n)))
+    packed = quant.pack(a, quant.WeightFormat("gguf"))
+    assert packed["scales_zeros"].shape == (n // 64, k // 32, 64, 1)
+    monkeypatch.setattr(quant, "vnni_kernel", lambda *args: False)
+    module = quant.linear_module(packed, "cpu")
+    assert module.mm != getattr(module, "_vnni_mm", None) and module.scales_zeros.shape == (k // 32, n, 2)
+    x = torch.randn(3, k)
+    s = np.repeat(quant.int4_scales(packed)[0], 32, axis=1)
+    w = (int4_codes(a) - 8) * s
+    ref = x.double().numpy() @ w.T
+    assert (np.abs(module(x).double().numpy() - ref) <= kernel_bound(x, w, ref)).all()
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
@@ -276,25 +298,30 @@ def dense_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no bf16 matrix units (AMX/AVX512-BF16) on this CPU")
-@pytest.mark.parametrize("fmt", ["int4:32", "int4:128", "int8"])
+@pytest.mark.parametrize("fmt", ["int4:32", "int4:128", "Q4_0", "int8"])
 def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     """A prefill slice's rows take the dequantized bf16 GEMM path: every output against a float64
     matmul of the packed weights (several chunks: 2,048 inputs by 1,024 outputs), and the same rows
-    one at a time through the weight-only kernel within the two bounds of each other."""
+    one at a time through the weight-only kernel within the two bounds of each other. (Q4_0: a
+    GGUF file's symmetric blocks, kept without zeros by the VNNI kernels.)"""
     rng = np.random.default_rng(3)
     n, k = 1024, 2048
     w = rng.normal(0, 0.05, (n, k)).astype(np.float32)
-    packed = quant.pack(w, quant.WeightFormat.parse(fmt))
+    a = w
+    if fmt == "Q4_0":
+        raw = gguf.quants.quantize(w, T.Q4_0)
+        a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=T.Q4_0, shape=(k, n)))
+    packed = quant.pack(a, quant.WeightFormat.parse("gguf" if fmt == "Q4_0" else fmt))
     module = quant.linear_module(packed, "cpu")
     if "int4" in packed:
-        group = int(fmt.split(":")[1])
-        codes = quant.quantize_int4(w, group).codes.astype(np.float64)
+        group = 32 if fmt == "Q4_0" else int(fmt.split(":")[1])
+        codes = (int4_codes(a) if fmt == "Q4_0" else quant.quantize_int4(w, group).codes).astype(np.float64)
         s, z = (np.repeat(t, group, axis=1) for t in quant.int4_scales(packed))
         w, magnitude = (codes - 8) * s + z, 23 * np.abs(s) + np.abs(z)
     else:
         w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
         magnitude = np.abs(w)
-    rows = quant.DENSE_FROM[fmt.split(":")[0]] + 5
+    rows = quant.DENSE_FROM["int8" if fmt == "int8" else "int4"] + 5
     assert module.dense_from < rows
     x = torch.randn(rows, k)
     y = module(x).double().numpy()

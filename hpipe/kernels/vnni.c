@@ -6,7 +6,9 @@
  *   packed [N / 64, K, 32] bytes: in block b, byte (k, j) holds code u[64 b + j, k] in its low
  *          nibble and u[64 b + j + 32, k] in its high nibble;
  *   sz     [N / 64, K / G, 64] pairs of bf16 (s, z), in blocks of 64 outputs as the codes are:
- *          w = (u - 8) s + z over each group of G inputs.
+ *          w = (u - 8) s + z over each group of G inputs; or, for a symmetric weight (`zeros` 0:
+ *          GGUF's Q4_0, w = (u - 8) s), its bf16 s alone: the file's own 4.5 bits a weight, not 5,
+ *          and decode here is bound by reading them.
  * x is quantized per block of 32 inputs: x ~ d q, q int16 in [-32767, 32767], d = amax / 32767.
  * Over one block then
  *   sum_k w_k x_k = d (s sum_k u_k q_k + (z - 8 s) sum_k q_k),
@@ -87,7 +89,7 @@ static inline __m512i lanes_index(int half, int pair) {
 
 /* A tile of `tile` rows of x against block b's 64 outputs, accumulated over all of K. */
 static inline __attribute__((always_inline)) void block_tile(
-        const int tile, const uint8_t *codes, const uint32_t *sz, int64_t n, int64_t n0, int64_t k,
+        const int tile, const int zeros, const uint8_t *codes, const uint16_t *sz, int64_t n, int64_t n0, int64_t k,
         int64_t group, const int16_t *q, const float *d, const float *dsum, float *y, const __m512i idx[4]) {
     const __m512i nibble = _mm512_set1_epi16(0x0f);
     const __m512i upper = _mm512_set1_epi32((int)0xffff0000u);
@@ -122,16 +124,23 @@ static inline __attribute__((always_inline)) void block_tile(
                     acc[m][i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][i], w[0][i], x01), w[1][i], x23);
             }
         }
-        const uint32_t *pairs = sz + (kb / group) * ROWS;
+        const uint16_t *scales = sz + (kb / group) * ROWS * (zeros ? 2 : 1);
         for (int i = 0; i < 4; ++i) {
-            __m512i v = _mm512_loadu_si512(pairs + 16 * i);
-            __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
+            __m512 s, z = _mm512_setzero_ps();
+            if (zeros) {
+                __m512i v = _mm512_loadu_si512(scales + 32 * i);
+                s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                z = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
+            } else {
+                s = bf16_to_f32(scales + 16 * i);
+            }
             for (int m = 0; m < tile; ++m) {
                 int64_t blk = m * (k / BLOCK) + kb / BLOCK;
                 __m512 db = _mm512_set1_ps(d[blk]), ds = _mm512_set1_ps(dsum[blk]);
                 __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(acc[m][i]), db, _mm512_mul_ps(ds, _mm512_set1_ps(8.0f)));
-                out[m][i] = _mm512_fmadd_ps(z, ds, _mm512_fmadd_ps(s, t, out[m][i]));
+                out[m][i] = _mm512_fmadd_ps(s, t, out[m][i]);
+                if (zeros)
+                    out[m][i] = _mm512_fmadd_ps(z, ds, out[m][i]);
             }
         }
     }
@@ -141,11 +150,11 @@ static inline __attribute__((always_inline)) void block_tile(
 }
 
 /* y [m, n] float32 = x [m, k] (float32, or bf16 when x_bf16) @ W^T. k a multiple of 32 and of
- * the group, n of 64. Work is split over blocks of 64 outputs on `threads` OpenMP threads (the
+ * the group, n of 64; `zeros` 1 where sz holds (s, z) pairs, 0 where it holds s alone. Work is split over blocks of 64 outputs on `threads` OpenMP threads (the
  * runtime torch itself uses, shared when loaded into its process). Returns 0, or -1 when out of
  * memory for the quantized activations. */
 int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *packed,
-                  const uint32_t *sz, int64_t n, int64_t group, float *y, int threads) {
+                  const uint16_t *sz, int zeros, int64_t n, int64_t group, float *y, int threads) {
     Activations a;
     if (quantize_rows(x, x_bf16, m, k, &a))
         return -1;
@@ -154,16 +163,21 @@ int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nb > 1)
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *codes = packed + b * k * 32;
-        const uint32_t *pairs = sz + b * (k / group) * ROWS;
+        const uint16_t *scales = sz + b * (k / group) * ROWS * (zeros ? 2 : 1);
         for (int64_t t = 0; t < tiles; ++t) {
             int64_t r = t * MAX_TILE;
             const int16_t *qt = a.q + r * k;
             const float *dt = a.d + r * blocks, *st = a.dsum + r * blocks;
             float *yt = y + r * n;
-            if (m - r >= 2)
-                block_tile(2, codes, pairs, n, b * ROWS, k, group, qt, dt, st, yt, idx);
+            const int two = m - r >= 2;       /* the tile's shape and the scales' as constants */
+            if (zeros && two)
+                block_tile(2, 1, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
+            else if (zeros)
+                block_tile(1, 1, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
+            else if (two)
+                block_tile(2, 0, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
             else
-                block_tile(1, codes, pairs, n, b * ROWS, k, group, qt, dt, st, yt, idx);
+                block_tile(1, 0, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
         }
     }
     free(a.q);
@@ -239,21 +253,27 @@ static inline __m256i f32_to_bf16(__m512 v) {
 }
 
 /* Blocks [b0, b0 + nb) of an int4 weight -> out [nb, k, 64] bf16, W^T of each block of 64 outputs:
- * out[b, k, j] = (u - 8) s + z of output 64 b + j, input k. */
-void hpipe_int4_dequant(const uint8_t *packed, const uint32_t *sz, int64_t k, int64_t group, int64_t b0,
-                        int64_t nb, uint16_t *out, int threads) {
+ * out[b, k, j] = (u - 8) s + z of output 64 b + j, input k (z = 0 without `zeros`). */
+void hpipe_int4_dequant(const uint8_t *packed, const uint16_t *sz, int zeros, int64_t k, int64_t group,
+                        int64_t b0, int64_t nb, uint16_t *out, int threads) {
     const __m512i nibble = _mm512_set1_epi32(0x0f), upper = _mm512_set1_epi32((int)0xffff0000u);
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nb > 1)
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *codes = packed + (b0 + b) * k * 32;
-        const uint32_t *pairs = sz + (b0 + b) * (k / group) * ROWS;
+        const int width = zeros ? 2 : 1;
+        const uint16_t *scales = sz + (b0 + b) * (k / group) * ROWS * width;
         uint16_t *o = out + b * k * ROWS;
         for (int64_t g = 0; g < k / group; ++g) {
             __m512 s[4], z[4];
             for (int i = 0; i < 4; ++i) {
-                __m512i v = _mm512_loadu_si512(pairs + g * ROWS + 16 * i);
-                s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                z[i] = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
+                if (zeros) {
+                    __m512i v = _mm512_loadu_si512(scales + g * ROWS * 2 + 32 * i);
+                    s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                    z[i] = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
+                } else {
+                    s[i] = bf16_to_f32(scales + g * ROWS + 16 * i);
+                    z[i] = _mm512_setzero_ps();
+                }
             }
             for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
                 for (int h = 0; h < 2; ++h) {             /* rows 16 h .. 16 h + 15 and + 32 */
