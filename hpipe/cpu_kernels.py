@@ -35,8 +35,8 @@ from hpipe.config import cache_dir
 __all__ = ["cpu_flags", "kernels", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("kernels") / "vnni.c"
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi")      # /proc/cpuinfo names
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma",
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c")      # /proc/cpuinfo names
+CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mf16c",
           "-fopenmp", "-fPIC", "-shared")
 ENV = "HPIPE_CPU_KERNELS"
 
@@ -89,10 +89,10 @@ def kernels() -> tuple[object | None, str]:
     del torch
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, i32]
-    lib.hpipe_int8_mm.argtypes = [p, i32, i64, i64, p, p, i64, p, i32]
+    lib.hpipe_int8_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, p, i32]
     lib.hpipe_int4_mm.restype = lib.hpipe_int8_mm.restype = i32
     lib.hpipe_int4_dequant.argtypes = [p, p, i32, i64, i64, i64, i64, p, i32]
-    lib.hpipe_int8_dequant.argtypes = [p, p, i64, i64, i64, p, i32]
+    lib.hpipe_int8_dequant.argtypes = [p, p, i32, i64, i64, i64, p, i32]
     return lib, "int4/int8 codes x 16-bit activations per block of 32 (AVX512-VNNI)"
 
 
@@ -122,7 +122,8 @@ def int4_mm(x, packed, scales_zeros, group: int):
 
 
 def int8_mm(x, weight, scales):
-    """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W int8 [N, K] times bf16 `scales` [N]."""
+    """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W int8 [N, K] times bf16 `scales` [N] (one
+    per row), or float16 `scales` [N, K / 32] (one per block of 32 inputs: GGUF's Q8_0)."""
     import torch
 
     x = _rows(x)
@@ -130,7 +131,7 @@ def int8_mm(x, weight, scales):
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m and kernels()[0].hpipe_int8_mm(x.data_ptr(), x.dtype == torch.bfloat16, m, k, weight.data_ptr(),
-                                        scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads()):
+                                        scales.data_ptr(), scales.dim() == 2, n, y.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"int8 kernel: no memory for {m} x {k} activations")
     return y
 
@@ -146,13 +147,13 @@ def int4_dequant(packed, scales_zeros, group: int, first: int, out) -> None:
 
 
 def int8_dequant(weight, scales, first: int, out) -> None:
-    """Rows [first, first + len(out)) of an int8 weight times their bf16 scales into `out` [rows, K]
-    bf16, rounded once."""
+    """Rows [first, first + len(out)) of an int8 weight times their scales (per row or per block, as
+    `int8_mm` reads them) into `out` [rows, K] bf16, rounded once."""
     import torch
 
     rows, k = out.shape
-    kernels()[0].hpipe_int8_dequant(weight.data_ptr(), scales.data_ptr(), k, first, rows, out.data_ptr(),
-                                    torch.get_num_threads())
+    kernels()[0].hpipe_int8_dequant(weight.data_ptr(), scales.data_ptr(), scales.dim() == 2, k, first, rows,
+                                    out.data_ptr(), torch.get_num_threads())
 
 
 @functools.cache

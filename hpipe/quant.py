@@ -58,11 +58,11 @@ from hpipe.errors import HpipeError
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
            "ROW_PATHS", "row_paths", "DENSE_PROMPT", "path_switches",
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
-           "packed_bytes", "STACKED", "stacked_groups", "stack_rows"]
+           "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 
-PACK_VERSION = 5        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
+PACK_VERSION = 6        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
                         # 4: int4 scales in blocks of 64 outputs for the VNNI kernel, 5: and no zeros
-                        # for a symmetric weight there)
+                        # for a symmetric weight there, 6: and Q8_0's own block scales)
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
 INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
 # Rows from which a CPU with bf16 matrix units runs a linear as dequantized chunks through the bf16
@@ -225,6 +225,21 @@ def with_zeros(s: "torch.Tensor") -> "torch.Tensor":
     import torch
 
     return torch.cat([s, torch.zeros_like(s)], -1)
+
+
+def int8_weight(tensors: dict) -> np.ndarray:
+    """The float64 [N, K] weight packed int8 tensors stand for: codes times their row or block scales."""
+    codes, scales = tensors["int8"].double().cpu().numpy(), tensors["scales"].double().cpu().numpy()
+    return codes * (np.repeat(scales, 32, axis=1) if scales.ndim == 2 else scales[:, None])
+
+
+def row_scaled(weight: "torch.Tensor", scales: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """int8 codes with float16 block scales [N, K / 32] -> quantized again per row (int8, bf16 [N]),
+    what torch's ops take (a copy: a cache packed for the VNNI kernel read by a process without it)."""
+    import torch
+
+    q, scale = quantize_int8(int8_weight({"int8": weight, "scales": scales}).astype(np.float32))
+    return torch.from_numpy(q).to(weight.device), torch.from_numpy(scale).to(torch.bfloat16).to(weight.device)
 
 
 def int4_scales(tensors: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -438,7 +453,9 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
     the VNNI kernel runs it (`vnni_kernel`): a block's stream one contiguous run, and there [..., 1],
     s alone, for a symmetric weight (Q4_0: the file's 4.5 bits a weight)}, packed in the CPU kernel's own
     layout (mapped straight back next time), or for CUDA two codes per byte (the GPU packs them);
-    int8: {'int8': int8 [N, K], 'scales': bf16 [N]}.
+    int8: {'int8': int8 [N, K], 'scales': bf16 [N]}, or where the VNNI kernel runs a GGUF file's
+    8-bit blocks (Q8_0) their own codes and float16 scales, 'scales' [N, K / 32]: the file's weights
+    exactly, not rounded again to a step per row.
     An embedding table (`as_embedding`) stays in the file's 4-bit groups where its rows can be
     gathered from the packing (`int4_rows_gatherable`), so that a head tied to it runs the int4
     kernel on the file's own codes (a 1B model's 49152 x 2048 head: 1.5 ms a step against int8's
@@ -465,6 +482,9 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
         return {"int4": packed, "scales_zeros": sz}
+    if isinstance(weight, Affine) and weight.bits == 8 and weight.group == 32 and weight.offset is None and \
+            vnni_kernel(device_type, "int8", tuple(weight.codes.shape)):
+        return {"int8": torch.from_numpy(weight.codes), "scales": torch.from_numpy(weight.scale.astype(np.float16))}
     dense = weight.dequantize() if isinstance(weight, Affine) else weight
     q, scale = quantize_int8(dense)
     return {"int8": torch.from_numpy(q), "scales": torch.from_numpy(scale).to(torch.bfloat16)}
@@ -474,11 +494,12 @@ def packed_bytes(n: int, k: int, fmt: WeightFormat, int8_rows: bool = False) -> 
     """Resident bytes of one [N, K] weight once packed (the memory model's unit bytes). A GGUF
     file's block matrices are counted as 4-bit groups of 32 (its 6- and 8-bit ones pack as int8);
     `int8_rows`: an embedding table (and a head tied to it), counted as int8 rows, the most it
-    takes (a 4-bit table of whole 64-row blocks keeps its 4 bits, see `pack`)."""
+    takes (a 4-bit table of whole 64-row blocks keeps its 4 bits, see `pack`; a Q8_0 one its float16
+    scale per block of 32)."""
     group = fmt.group if fmt.kind == "int4" else 32
     if fmt.kind in ("int4", "gguf") and not int8_rows and int4_fits((n, k), group):
         return n * k // 2 + 4 * n * (k // group)
-    return n * k + 2 * n
+    return n * k + 2 * n * (max(1, k // 32) if fmt.kind == "gguf" else 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -603,10 +624,12 @@ def _module_classes():
 
         def __init__(self, weight, scales, bias=None):
             super().__init__(weight.shape[1], weight.shape[0], bias)
+            vnni = vnni_kernel(weight.device.type, "int8", tuple(weight.shape))
+            if scales.dim() == 2 and not vnni:      # block scales (Q8_0) only the VNNI kernel reads
+                weight, scales = row_scaled(weight, scales)
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
             self.dense_from = DENSE_FROM["int8"] if dense_gemm(weight.device.type) else float("inf")
-            vnni = vnni_kernel(weight.device.type, "int8", tuple(weight.shape))
             self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
             if vnni:
                 self.mm = self._vnni_mm
@@ -710,7 +733,8 @@ def _module_classes():
             return self.scales_zeros[flat // 64, :, flat % 64]
 
     class Int8Embedding(nn.Module):
-        """Rows of an int8 table times their scale; shares its tensors with a tied Int8Linear head."""
+        """Rows of an int8 table times their scale (per row, or per block of 32 columns: Q8_0's,
+        float32 arithmetic then); shares its tensors with a tied Int8Linear head."""
 
         def __init__(self, weight, scales, dtype):
             super().__init__()
@@ -719,6 +743,9 @@ def _module_classes():
             self.dtype = dtype
 
         def forward(self, ids):
+            if self.scales.dim() == 2:
+                rows = self.weight[ids].float().unflatten(-1, (-1, 32)) * self.scales[ids, :, None].float()
+                return rows.flatten(-2).to(self.dtype)
             return (self.weight[ids].to(self.dtype) * self.scales[ids, None].to(self.dtype))
 
     return Int4Linear, Int8Linear, Int8Embedding, Int4Embedding, LinearPart

@@ -114,6 +114,27 @@ def test_int8_repacking_is_within_half_a_row_step(gguf_file, qtype):
     assert (np.abs(w_packed - w) <= step / 2 + 127 * U * step * (1 + U)).all()
 
 
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int8", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
+def test_q8_0_keeps_the_files_own_weights_where_the_vnni_kernel_reads_them(gguf_file, monkeypatch):
+    """Q8_0's codes and float16 block scales are packed as they are: the weights, and the rows an
+    embedding looks up, are the gguf package's own dequantization exactly. A process on torch's ops
+    (HPIPE_CPU_KERNELS=torch) quantizes them again per row at load, within half a row step."""
+    tensor = gguf_file["Q8_0"]
+    theirs = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    packed = quant.pack(quant.read_gguf_tensor(tensor), quant.WeightFormat("gguf"))
+    assert packed["scales"].dtype == torch.float16 and packed["scales"].shape == (ROWS, COLS // 32)
+    assert np.array_equal(quant.int8_weight(packed).astype(np.float32), theirs)
+    ids = torch.tensor([[0, 5], [ROWS - 1, 3]])
+    rows = quant.embedding_module(packed, "cpu", torch.float32)(ids).numpy()
+    assert np.array_equal(rows, theirs[ids.numpy()])
+    monkeypatch.setattr(quant, "vnni_kernel", lambda *args: False)
+    module = quant.linear_module(packed, "cpu")
+    assert module.scales.shape == (ROWS,) and module.mm != getattr(module, "_vnni_mm", None)
+    w = module.weight.double().numpy() * module.scales.double().numpy()[:, None]
+    step = np.abs(theirs).max(axis=1, keepdims=True) / 127
+    assert (np.abs(w - theirs) <= step / 2 + 127 * U * step * (1 + U)).all()
+
+
 def kernel_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
     """The kernels round x to bf16 (2^-8 |x|), sum in float32 (K 2^-24 of |x| |w|) and round y to
     bf16 (2^-8 |y|)."""
@@ -150,7 +171,7 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device
         s, z = (np.repeat(t, 32, axis=1) for t in quant.int4_scales(packed))
         w, magnitude = (int4_codes(a) - 8) * s + z, 23 * np.abs(s) + np.abs(z)
     else:
-        w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
+        w = quant.int8_weight(packed)
         magnitude = np.abs(w)
     for rows in (0, 1, 7):      # 0: a prompt's slice before its last samples no row through the head
         x = torch.randn(rows, COLS)
@@ -198,6 +219,8 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
     assert module.mm == module._vnni_mm
     if "int4" in packed:     # Q4_0's zeros are all 0: the kernel reads its scales alone (4.5 bits a weight)
         assert packed["scales_zeros"].shape[-1] == (1 if qtype == T.Q4_0 else 2)
+    else:                    # Q8_0 keeps the file's codes and float16 scales per block of 32
+        assert packed["scales"].shape == ((n, k // 32) if qtype == T.Q8_0 else (n,))
     if "int4" in packed:
         s, z = quant.int4_scales(packed)
         group = k // s.shape[1]
@@ -208,7 +231,8 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
         terms, weights = [(u, s), (np.ones_like(u), z - 8 * s)], np.abs(16 * s) + np.abs(z)
         call = lambda x: torch.ops.hpipe.int4_mm(x, module.packed, module.scales_zeros, group)   # noqa: E731
     else:
-        scale = np.repeat(packed["scales"].double().numpy()[:, None], k, axis=1)
+        scales = packed["scales"].double().numpy()        # per block of 32 (Q8_0's own) or per row
+        scale = np.repeat(scales, 32, axis=1) if scales.ndim == 2 else np.repeat(scales[:, None], k, axis=1)
         terms, weights = [(packed["int8"].numpy().astype(np.float64), scale)], None
         call = lambda x: torch.ops.hpipe.int8_mm(x, module.weight, module.scales)               # noqa: E731
     w = sum(c * f for c, f in terms)
@@ -319,7 +343,7 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
         s, z = (np.repeat(t, group, axis=1) for t in quant.int4_scales(packed))
         w, magnitude = (codes - 8) * s + z, 23 * np.abs(s) + np.abs(z)
     else:
-        w = packed["int8"].numpy().astype(np.float64) * packed["scales"].double().numpy()[:, None]
+        w = quant.int8_weight(packed)
         magnitude = np.abs(w)
     rows = quant.DENSE_FROM["int8" if fmt == "int8" else "int4"] + 5
     assert module.dense_from < rows

@@ -1,5 +1,6 @@
 /* y = x W^T with 16-bit activations and integer dot products (AVX-512 VNNI `vpdpwssd`): W in
- * torch's CPU int4 packing (`hpipe_int4_mm`) or int8 with a scale per output row (`hpipe_int8_mm`).
+ * torch's CPU int4 packing (`hpipe_int4_mm`) or int8 with a scale per output row or per block of
+ * 32 inputs (`hpipe_int8_mm`).
  *
  * W is read where torch's ops read it, so the dense path, the embeddings' row gathers and the disk
  * cache keep their one layout:
@@ -186,24 +187,27 @@ int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
 
 /* ---------------------------------------------------------------------------------------------
  * int8: W [n, k] int8 row-major with one bf16 scale per row (torch's `_weight_int8pack_mm` form),
- *   y_n = scale_n sum_b d_b sum_{k in b} w_nk q_k.
- * One block of 32 inputs is one register of 32 int16 products summed in pairs (vpmaddwd), its d
- * applied as it goes to float. */
+ *   y_n = scale_n sum_b d_b sum_{k in b} w_nk q_k,
+ * or with a float16 scale per block of 32 inputs, a GGUF Q8_0 file's own (`blocks_scaled` 1),
+ *   y_n = sum_b (d_b e_nb) sum_{k in b} w_nk q_k.
+ * One block of 32 inputs is one register of 32 int16 products summed in pairs (vpmaddwd), its
+ * scales applied as it goes to float. */
 
 #define INT8_TILE 4           /* rows of x sharing one read of a weight row */
 
 static inline __attribute__((always_inline)) void int8_rows(
-        const int tile, const int8_t *w, int64_t k, const int16_t *q, const float *d, float scale, float *y,
-        int64_t n) {
+        const int tile, const int8_t *w, int64_t k, const int16_t *q, const float *d, const uint16_t *e,
+        float scale, float *y, int64_t n) {
     const int64_t blocks = k / BLOCK;
     __m512 acc[INT8_TILE];
     for (int m = 0; m < tile; ++m)
         acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + BLOCK * b)));
+        const float eb = e ? _cvtsh_ss(e[b]) : 1.0f;
         for (int m = 0; m < tile; ++m) {
             __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(q + m * k + BLOCK * b));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d[m * blocks + b]), acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(d[m * blocks + b] * eb), acc[m]);
         }
     }
     for (int m = 0; m < tile; ++m)
@@ -211,29 +215,33 @@ static inline __attribute__((always_inline)) void int8_rows(
 }
 
 /* y [m, n] float32 = x [m, k] (float32, or bf16 when x_bf16) @ W^T, W int8 [n, k] with bf16 row
- * `scales`; k a multiple of 32. Returns 0, or -1 when out of memory. */
+ * `scales` [n], or (`blocks_scaled` 1) float16 block scales [n, k / 32]; k a multiple of 32. Returns 0,
+ * or -1 when out of memory. */
 int hpipe_int8_mm(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w,
-                  const uint16_t *scales, int64_t n, float *y, int threads) {
+                  const uint16_t *scales, int blocks_scaled, int64_t n, float *y, int threads) {
     Activations a;
     if (quantize_rows(x, x_bf16, m, k, &a))
         return -1;
     const int64_t blocks = k / BLOCK;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 64)
     for (int64_t j = 0; j < n; ++j) {
-        float scale;
-        uint32_t bits = (uint32_t)scales[j] << 16;
-        __builtin_memcpy(&scale, &bits, 4);
+        float scale = 1.0f;
+        const uint16_t *e = blocks_scaled ? scales + j * blocks : NULL;
+        if (!blocks_scaled) {
+            uint32_t bits = (uint32_t)scales[j] << 16;
+            __builtin_memcpy(&scale, &bits, 4);
+        }
         for (int64_t r = 0; r < m; r += INT8_TILE) {
             const int16_t *q = a.q + r * k;
             const float *d = a.d + r * blocks;
             if (m - r >= 4)
-                int8_rows(4, w + j * k, k, q, d, scale, y + r * n + j, n);
+                int8_rows(4, w + j * k, k, q, d, e, scale, y + r * n + j, n);
             else if (m - r == 3)
-                int8_rows(3, w + j * k, k, q, d, scale, y + r * n + j, n);
+                int8_rows(3, w + j * k, k, q, d, e, scale, y + r * n + j, n);
             else if (m - r == 2)
-                int8_rows(2, w + j * k, k, q, d, scale, y + r * n + j, n);
+                int8_rows(2, w + j * k, k, q, d, e, scale, y + r * n + j, n);
             else
-                int8_rows(1, w + j * k, k, q, d, scale, y + r * n + j, n);
+                int8_rows(1, w + j * k, k, q, d, e, scale, y + r * n + j, n);
         }
     }
     free(a.q);
@@ -289,20 +297,22 @@ void hpipe_int4_dequant(const uint8_t *packed, const uint16_t *sz, int zeros, in
     }
 }
 
-/* Rows [r0, r0 + n) of an int8 weight [*, k] with bf16 row scales -> out [n, k] bf16 = code * scale. */
-void hpipe_int8_dequant(const int8_t *w, const uint16_t *scales, int64_t k, int64_t r0, int64_t n,
-                        uint16_t *out, int threads) {
+/* Rows [r0, r0 + n) of an int8 weight [*, k] with bf16 row scales, or (`blocks_scaled`) float16
+ * scales per block of 32 inputs -> out [n, k] bf16 = code * scale. */
+void hpipe_int8_dequant(const int8_t *w, const uint16_t *scales, int blocks_scaled, int64_t k, int64_t r0,
+                        int64_t n, uint16_t *out, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 16)
     for (int64_t r = 0; r < n; ++r) {
-        uint32_t bits = (uint32_t)scales[r0 + r] << 16;
         float scale;
+        uint32_t bits = (uint32_t)scales[r0 + r] << 16;
         __builtin_memcpy(&scale, &bits, 4);
-        const __m512 vs = _mm512_set1_ps(scale);
         const int8_t *row = w + (r0 + r) * k;
         int64_t c = 0;
         for (; c + 16 <= k; c += 16) {
+            if (blocks_scaled)      /* k is whole blocks of 32 here */
+                scale = _cvtsh_ss(scales[(r0 + r) * (k / BLOCK) + c / BLOCK]);
             __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c))));
-            _mm256_storeu_si256((__m256i *)(out + r * k + c), f32_to_bf16(_mm512_mul_ps(v, vs)));
+            _mm256_storeu_si256((__m256i *)(out + r * k + c), f32_to_bf16(_mm512_mul_ps(v, _mm512_set1_ps(scale))));
         }
         for (; c < k; ++c) {
             float f = (float)row[c] * scale;
