@@ -32,7 +32,7 @@ from pathlib import Path
 
 from hpipe.config import cache_dir
 
-__all__ = ["cpu_flags", "kernels", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops", "SOURCE"]
+__all__ = ["cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops", "SOURCE"]
 
 SOURCE = Path(__file__).with_name("kernels") / "vnni.c"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c")      # /proc/cpuinfo names
@@ -104,10 +104,21 @@ def _rows(x):
     return x.contiguous()
 
 
+def int4_form(scales_zeros) -> int:
+    """How `scales_zeros` holds an int4 weight's scales (vnni.c's forms), by its dtype and shape:
+    bf16 [N / 64, K / G, 64, 2] (s, z) pairs 1; bf16 [..., 1] s alone (symmetric) 0; uint8
+    [N / 64, K / 256, 1280] Q4_K's super-blocks 2."""
+    import torch
+
+    if scales_zeros.dtype == torch.uint8:
+        return 2
+    return 1 if scales_zeros.shape[-1] == 2 else 0
+
+
 def int4_mm(x, packed, scales_zeros, group: int):
     """x [M, K] (float32 or bf16) @ W^T -> float32 [M, N], W in torch's CPU int4 packing
-    (`packed` [N / 64, K, 32] bytes) with its scales and zeros in blocks of 64 outputs
-    (`scales_zeros` [N / 64, K / group, 64, 2] bf16 (s, z), or [..., 1]: s alone, a symmetric weight)."""
+    (`packed` [N / 64, K, 32] bytes) with its scales in blocks of 64 outputs, in one of the forms
+    of `int4_form`."""
     import torch
 
     x = _rows(x)
@@ -115,7 +126,7 @@ def int4_mm(x, packed, scales_zeros, group: int):
     n = scales_zeros.shape[0] * 64
     y = torch.empty(m, n, dtype=torch.float32)
     if m and kernels()[0].hpipe_int4_mm(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(),
-                                        scales_zeros.data_ptr(), scales_zeros.shape[-1] == 2, n, group, y.data_ptr(),
+                                        scales_zeros.data_ptr(), int4_form(scales_zeros), n, group, y.data_ptr(),
                                         torch.get_num_threads()):
         raise MemoryError(f"int4 kernel: no memory for {m} x {k} activations")
     return y
@@ -142,7 +153,7 @@ def int4_dequant(packed, scales_zeros, group: int, first: int, out) -> None:
     import torch
 
     blocks, k, _ = out.shape
-    kernels()[0].hpipe_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), scales_zeros.shape[-1] == 2, k,
+    kernels()[0].hpipe_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), int4_form(scales_zeros), k,
                                     group, first, blocks, out.data_ptr(), torch.get_num_threads())
 
 

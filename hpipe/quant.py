@@ -60,9 +60,10 @@ __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quant
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 
-PACK_VERSION = 6        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
+PACK_VERSION = 7        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
                         # 4: int4 scales in blocks of 64 outputs for the VNNI kernel, 5: and no zeros
-                        # for a symmetric weight there, 6: and Q8_0's own block scales)
+                        # for a symmetric weight there, 6: and Q8_0's own block scales, 7: and Q4_K's
+                        # super-blocks)
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
 INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
 # Rows from which a CPU with bf16 matrix units runs a linear as dequantized chunks through the bf16
@@ -214,10 +215,54 @@ def blocked_scales(sz: "torch.Tensor") -> "torch.Tensor":
 
 
 def flat_scales(sz: "torch.Tensor") -> "torch.Tensor":
-    """[N / 64, K / G, 64, w] -> [K / G, N, 2] (torch's ops' order, which always takes zeros)."""
+    """[N / 64, K / G, 64, w] (or Q4_K's super-blocks) -> bf16 [K / G, N, 2] (torch's ops' order and
+    dtype; they always take zeros)."""
+    import torch
+
+    sz = super_pairs(sz) if sz.dtype == torch.uint8 else sz
     blocks, groups, _, w = sz.shape
     sz = sz.permute(1, 0, 2, 3).reshape(groups, blocks * 64, w)
-    return (sz if w == 2 else with_zeros(sz)).contiguous()
+    return (sz if w == 2 else with_zeros(sz)).to(torch.bfloat16).contiguous()
+
+
+SUPER_BYTES = 1280      # Q4_K's scales of one super-block of 256 inputs for 64 outputs (vnni.c's SUPER)
+
+
+def super_blocks(f: SuperBlocks) -> "torch.Tensor":
+    """Q4_K's factors -> uint8 [N / 64, K / 256, 1280] in blocks of 64 outputs: float16 d [64] and
+    dmin [64], then for each group of 32 inputs uint8 sc [64] and mn [64] (vnni.c's SUPER form, in
+    the order the kernel reads it; 4.625 bits a weight)."""
+    import torch
+
+    n, supers = f.d.shape
+    nb = n // 64
+
+    def by_block(a, dtype, per):                                   # [N, S * per] -> [NB, S, per * 64 bytes]
+        a = a.astype(dtype).reshape(nb, 64, supers, per).transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(a).view(np.uint8).reshape(nb, supers, -1)
+
+    sc_mn = np.stack([by_block(f.sc, np.uint8, 8), by_block(f.mn, np.uint8, 8)], axis=-2)  # [NB, S, 2, 512]
+    sc_mn = sc_mn.reshape(nb, supers, 2, 8, 64).transpose(0, 1, 3, 2, 4).reshape(nb, supers, -1)
+    return torch.from_numpy(np.concatenate([by_block(f.d, np.float16, 1), by_block(f.dmin, np.float16, 1), sc_mn],
+                                           axis=-1))
+
+
+def super_pairs(sz: "torch.Tensor", rows: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """Q4_K's super-blocks (`super_blocks`) -> float32 (s, z) [N / 64, K / 32, 64, 2], s = d sc and
+    z = 8 s - dmin mn as the kernel computes them; or, for output `rows` [T], [T, K / 32, 2]."""
+    import torch
+
+    nb, supers, _ = sz.shape
+    d, dmin = (sz[..., a:a + 128].contiguous().view(torch.float16).float() for a in (0, 128))   # [NB, S, 64]
+    sc, mn = sz[..., 256:].reshape(nb, supers, 8, 2, 64).float().unbind(-2)                     # [NB, S, 8, 64]
+    if rows is not None:
+        b, j = rows // 64, rows % 64
+        d, dmin, sc, mn = d[b, :, j], dmin[b, :, j], sc[b, :, :, j], mn[b, :, :, j]        # [T, S] / [T, S, 8]
+        s = (d[..., None] * sc).flatten(-2)
+        return torch.stack([s, 8 * s - (dmin[..., None] * mn).flatten(-2)], -1)
+    s = (d[:, :, None] * sc).reshape(nb, supers * 8, 64)
+    z = 8 * s - (dmin[:, :, None] * mn).reshape(nb, supers * 8, 64)
+    return torch.stack([s, z], -1)
 
 
 def with_zeros(s: "torch.Tensor") -> "torch.Tensor":
@@ -245,8 +290,15 @@ def row_scaled(weight: "torch.Tensor", scales: "torch.Tensor") -> tuple["torch.T
 def int4_scales(tensors: dict) -> tuple[np.ndarray, np.ndarray]:
     """(s, z) float64 [N, K / G] of packed int4 tensors, in whichever order they are kept (z = 0 where
     a symmetric weight keeps none)."""
-    sz = tensors["scales_zeros"]
-    sz = (flat_scales(sz) if sz.dim() == 4 else sz).double().cpu().numpy()
+    import torch
+
+    sz = tensors["scales_zeros"].cpu()
+    if sz.dtype == torch.uint8:                 # Q4_K's super-blocks: their float32 s and z, not bf16's
+        sz = super_pairs(sz)
+        sz = sz.permute(1, 0, 2, 3).reshape(sz.shape[1], -1, 2)
+    elif sz.dim() == 4:
+        sz = flat_scales(sz)
+    sz = sz.double().numpy()
     return sz[..., 0].T, sz[..., 1].T
 
 
@@ -276,12 +328,30 @@ def planned(fmt: "WeightFormat | str", host: str, device: str) -> str:
 
 
 @dataclass
+class SuperBlocks:
+    """Q4_K's factoring of its scales, per super-block of 256 inputs (8 groups of 32): scale = d sc,
+    offset = -dmin mn, every product exact in float32."""
+    d: np.ndarray            # float32 (float16 values) [N, K // 256]
+    dmin: np.ndarray         # float32 (float16 values) [N, K // 256]
+    sc: np.ndarray           # uint8 (6-bit) [N, K // 32]
+    mn: np.ndarray           # uint8 (6-bit) [N, K // 32]
+
+    def rows(self, index: np.ndarray) -> "SuperBlocks":
+        return SuperBlocks(self.d[index], self.dmin[index], self.sc[index], self.mn[index])
+
+    @staticmethod
+    def stacked(parts: list["SuperBlocks"]) -> "SuperBlocks":
+        return SuperBlocks(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("d", "dmin", "sc", "mn")))
+
+
+@dataclass
 class Affine:
     codes: np.ndarray        # int8 or uint8 [N, K]
     scale: np.ndarray        # float32 [N, K // group]
     offset: np.ndarray | None  # float32 [N, K // group], or None (symmetric)
     group: int
     bits: int                # 4, 5, 6 or 8: which kernel fits
+    superblocks: SuperBlocks | None = None   # Q4_K's factors of scale and offset
 
     def dequantize(self) -> np.ndarray:
         """float32 [N, K], the same arithmetic as the gguf package (scale * code, then + offset)."""
@@ -295,7 +365,7 @@ class Affine:
     def rows(self, index: np.ndarray) -> "Affine":
         """Reordered output rows (GGUF stores Llama's q/k rows permuted for its RoPE layout)."""
         return Affine(self.codes[index], self.scale[index], None if self.offset is None else self.offset[index],
-                      self.group, self.bits)
+                      self.group, self.bits, None if self.superblocks is None else self.superblocks.rows(index))
 
 
 # Linears of one module that read the same input, stacked by rows into one matrix: one kernel call
@@ -323,12 +393,14 @@ def stack_rows(parts: list) -> Affine | np.ndarray | None:
         return np.concatenate(parts) if len({p.shape[1] for p in parts}) == 1 else None
     if not all(isinstance(p, Affine) for p in parts):
         return None
-    kinds = {(p.codes.shape[1], p.codes.dtype, p.group, p.bits, p.offset is None) for p in parts}
+    kinds = {(p.codes.shape[1], p.codes.dtype, p.group, p.bits, p.offset is None, p.superblocks is None)
+             for p in parts}
     if len(kinds) != 1:
         return None
     a = parts[0]
     return Affine(np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
-                  None if a.offset is None else np.concatenate([p.offset for p in parts]), a.group, a.bits)
+                  None if a.offset is None else np.concatenate([p.offset for p in parts]), a.group, a.bits,
+                  None if a.superblocks is None else SuperBlocks.stacked([p.superblocks for p in parts]))
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -368,9 +440,11 @@ def _q4_k(blocks):             # super-block of 256 = 8 groups of 32: w = (d sc)
     sc, mn = _k_scales(blocks[:, :, 4:16])
     qs = blocks[:, :, 16:144].reshape(*blocks.shape[:2], 4, 32)    # 4 chunks of 32 bytes: 64 codes each
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(*blocks.shape[:2], 256)
-    scale = (d[..., None] * sc).reshape(blocks.shape[0], -1)
-    offset = -(dmin[..., None] * mn).reshape(blocks.shape[0], -1)
-    return q, scale, offset, 32, 4
+    n = blocks.shape[0]
+    scale = (d[..., None] * sc).reshape(n, -1)
+    offset = -(dmin[..., None] * mn).reshape(n, -1)
+    return q, scale, offset, 32, 4, SuperBlocks(d, dmin, sc.reshape(n, -1).astype(np.uint8),
+                                                mn.reshape(n, -1).astype(np.uint8))
 
 
 def _q6_k(blocks):             # super-block of 256 = 16 groups of 16: w = (d sc) (q - 32), 6-bit q
@@ -407,9 +481,10 @@ def read_gguf_tensor(tensor) -> Affine | np.ndarray:
     _, _, nbytes, decode = _BLOCKS[ttype]
     n = data.shape[0]
     blocks = data.reshape(n, -1, nbytes)
-    codes, scale, offset, group, bits = decode(blocks)
+    codes, scale, offset, group, bits, *superblocks = decode(blocks)
     return Affine(codes.reshape(n, -1), scale.reshape(n, -1).astype(np.float32),
-                  None if offset is None else offset.reshape(n, -1).astype(np.float32), group, bits)
+                  None if offset is None else offset.reshape(n, -1).astype(np.float32), group, bits,
+                  *superblocks)
 
 
 def quantize_int4(w: np.ndarray, group: int) -> Affine:
@@ -451,7 +526,8 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
     """One weight -> the plain tensors its module holds (what the disk cache stores):
     int4: {'int4': packed, 'scales_zeros': bf16 [K / group, N, 2], or [N / 64, K / group, 64, 2] where
     the VNNI kernel runs it (`vnni_kernel`): a block's stream one contiguous run, and there [..., 1],
-    s alone, for a symmetric weight (Q4_0: the file's 4.5 bits a weight)}, packed in the CPU kernel's own
+    s alone, for a symmetric weight (Q4_0: the file's 4.5 bits a weight), or Q4_K's super-blocks as the
+    file factors them (`super_blocks`, uint8, 4.625 bits)}, packed in the CPU kernel's own
     layout (mapped straight back next time), or for CUDA two codes per byte (the GPU packs them);
     int8: {'int8': int8 [N, K], 'scales': bf16 [N]}, or where the VNNI kernel runs a GGUF file's
     8-bit blocks (Q8_0) their own codes and float16 scales, 'scales' [N, K / 32]: the file's weights
@@ -476,7 +552,10 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         s = weight.scale
         z = (weight.offset if weight.offset is not None else np.zeros_like(s)) + (0 if signed else 8 * s)
         sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
-        if vnni_kernel(device_type, "int4", tuple(u.shape)):    # scales in the kernel's blocks of 64
+        vnni = vnni_kernel(device_type, "int4", tuple(u.shape))
+        if vnni and weight.superblocks is not None and u.shape[1] % 256 == 0:    # Q4_K as the file factors it
+            sz = super_blocks(weight.superblocks)
+        elif vnni:                                              # scales in the kernel's blocks of 64
             symmetric = signed and weight.offset is None        # z = 0 exactly: not kept
             sz = blocked_scales(sz[..., :1] if symmetric else sz)
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
@@ -552,10 +631,12 @@ def _module_classes():
         tinygemm's `_weight_int4pack_mm` on CUDA."""
 
         def __init__(self, packed, scales_zeros, bias=None):
-            in_blocks = scales_zeros.dim() == 4
+            in_blocks = scales_zeros.dim() == 4 or scales_zeros.dtype == torch.uint8   # the VNNI kernel's forms
             super().__init__(packed.shape[1] * 2, scales_zeros.shape[0] * 64 if in_blocks else scales_zeros.shape[1],
                              bias)
-            self.group = self.in_features // scales_zeros.shape[1 if in_blocks else 0]
+            groups = scales_zeros.shape[1] * (8 if scales_zeros.dtype == torch.uint8 else 1) if in_blocks else \
+                scales_zeros.shape[0]
+            self.group = self.in_features // groups
             # the order the kernel reads (a cache packed for another kernel is put in it once, a copy)
             vnni = vnni_kernel(packed.device.type, "int4", (self.out_features, self.in_features))
             if vnni != in_blocks:
@@ -705,11 +786,12 @@ def _module_classes():
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self.dtype = dtype
-            blocked = scales_zeros.dim() == 4           # [N / 64, K / G, 64, 2 or 1] (`vnni_kernel`)
+            super_ = scales_zeros.dtype == torch.uint8   # Q4_K's super-blocks (`super_blocks`)
+            blocked = scales_zeros.dim() == 4 or super_  # [N / 64, K / G, 64, 2 or 1] (`vnni_kernel`)
             self.rows = scales_zeros.shape[0] * 64 if blocked else scales_zeros.shape[1]
             self.cols = packed.shape[1] * 2
-            self.group = self.cols // scales_zeros.shape[1 if blocked else 0]
-            self._row_scales = self._blocked_rows if blocked else self._flat_rows
+            self.group = 32 if super_ else self.cols // scales_zeros.shape[1 if blocked else 0]
+            self._row_scales = self._super_rows if super_ else self._blocked_rows if blocked else self._flat_rows
 
         def forward(self, ids):
             flat = ids.reshape(-1)
@@ -731,6 +813,9 @@ def _module_classes():
 
         def _blocked_rows(self, flat):
             return self.scales_zeros[flat // 64, :, flat % 64]
+
+        def _super_rows(self, flat):
+            return super_pairs(self.scales_zeros, flat)
 
     class Int8Embedding(nn.Module):
         """Rows of an int8 table times their scale (per row, or per block of 32 columns: Q8_0's,

@@ -30,17 +30,24 @@ ROWS, COLS = 32, 512   # a weight [N, K]: two K-quant super-blocks per row, N a 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
 
 
-def random_blocks(qtype, rng: np.random.Generator) -> np.ndarray:
-    """Raw bytes of [ROWS, COLS] weights of a K-quant type (gguf cannot quantize to these): random
+def random_blocks(qtype, rng: np.random.Generator, rows: int = ROWS, cols: int = COLS) -> np.ndarray:
+    """Raw bytes of [rows, cols] weights of a K-quant type (gguf cannot quantize to these): random
     codes and scales, with sane f16 super-block scales (d, dmin) so that no value is inf or nan."""
     elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (ROWS, COLS // elems, nbytes), dtype=np.uint8)
-    f16 = lambda n: rng.uniform(1e-3, 2e-2, (ROWS, COLS // elems, n)).astype(np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
+    f16 = lambda n: rng.uniform(1e-3, 2e-2, (rows, cols // elems, n)).astype(np.float16).view(np.uint8)
     if qtype == T.Q4_K:
         raw[..., 0:4] = f16(2)                     # d, dmin
     else:                                          # Q6_K: d is the last field
         raw[..., 208:210] = f16(1)
-    return raw.reshape(ROWS, -1)
+    return raw.reshape(rows, -1)
+
+
+def file_blocks(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
+    """Raw bytes of `values` [N, K] in a GGUF block type: the gguf package's own quantizer, or random
+    blocks of that shape for the K-quants it cannot write."""
+    return random_blocks(qtype, rng, *values.shape) if qtype in (T.Q4_K, T.Q6_K) else \
+        gguf.quants.quantize(values, qtype)
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +202,10 @@ def activation_blocks(x: np.ndarray):
 
 @pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
 @pytest.mark.parametrize("qtype,fmt,n,k", [(T.Q4_0, "gguf", 128, 2048), (T.Q4_1, "gguf", 192, 512),
+                                           (T.Q4_K, "gguf", 128, 768),
                                            (None, "int4:64", 64, 256), (None, "int4:128", 320, 1024),
                                            (T.Q8_0, "gguf", 100, 576), (None, "int8", 48, 2048), (None, "int8", 7, 32)],
-                         ids=["Q4_0", "Q4_1", "int4:64", "int4:128", "Q8_0", "int8", "int8-one-block"])
+                         ids=["Q4_0", "Q4_1", "Q4_K", "int4:64", "int4:128", "Q8_0", "int8", "int8-one-block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activations_rounding(qtype, fmt, n, k, dtype):
     """The 16-bit-activation kernels (`hpipe.cpu_kernels`) on the layouts torch's ops read:
@@ -212,12 +220,14 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
     if qtype is None:
         a = values
     else:
-        raw = gguf.quants.quantize(values, qtype)
+        raw = file_blocks(values, qtype, rng)
         a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(k, n)))
     packed = quant.pack(a, quant.WeightFormat.parse(fmt))
     module = quant.linear_module(packed, "cpu")
     assert module.mm == module._vnni_mm
-    if "int4" in packed:     # Q4_0's zeros are all 0: the kernel reads its scales alone (4.5 bits a weight)
+    if qtype == T.Q4_K:      # the file's own factors: float16 d, dmin per 256 inputs, 6-bit sc, mn per 32
+        assert packed["scales_zeros"].shape == (n // 64, k // 256, 1280)
+    elif "int4" in packed:   # Q4_0's zeros are all 0: the kernel reads its scales alone (4.5 bits a weight)
         assert packed["scales_zeros"].shape[-1] == (1 if qtype == T.Q4_0 else 2)
     else:                    # Q8_0 keeps the file's codes and float16 scales per block of 32
         assert packed["scales"].shape == ((n, k // 32) if qtype == T.Q8_0 else (n,))
@@ -277,7 +287,7 @@ def test_a_symmetric_int4_packing_runs_on_torchs_kernel_too(monkeypatch):
     assert (np.abs(module(x).double().numpy() - ref) <= kernel_bound(x, w, ref)).all()
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K], ids=lambda t: t.name)
 def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qtype, device):
     """A GGUF embedding table in 4-bit blocks (128 rows: two of the CPU packing's 64-row blocks)
     stays int4: every row looked up is the gguf package's own dequantization within the bf16
@@ -290,7 +300,7 @@ def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qt
     rng = np.random.default_rng(6)
     n, k = 128, 256
     values = rng.normal(0, 0.05, (n, k)).astype(np.float32)
-    raw = gguf.quants.quantize(values, qtype)
+    raw = file_blocks(values, qtype, rng)
     theirs = gguf.quants.dequantize(raw, qtype).astype(np.float64)
     a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(k, n)))
     packed = quant.pack(a, quant.WeightFormat("gguf"), kind, as_embedding=True)
@@ -322,24 +332,24 @@ def dense_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no bf16 matrix units (AMX/AVX512-BF16) on this CPU")
-@pytest.mark.parametrize("fmt", ["int4:32", "int4:128", "Q4_0", "int8"])
+@pytest.mark.parametrize("fmt", ["int4:32", "int4:128", "Q4_0", "Q4_K", "int8"])
 def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     """A prefill slice's rows take the dequantized bf16 GEMM path: every output against a float64
     matmul of the packed weights (several chunks: 2,048 inputs by 1,024 outputs), and the same rows
     one at a time through the weight-only kernel within the two bounds of each other. (Q4_0: a
-    GGUF file's symmetric blocks, kept without zeros by the VNNI kernels.)"""
+    GGUF file's symmetric blocks, kept without zeros by the VNNI kernels; Q4_K: its super-blocks.)"""
     rng = np.random.default_rng(3)
     n, k = 1024, 2048
     w = rng.normal(0, 0.05, (n, k)).astype(np.float32)
-    a = w
-    if fmt == "Q4_0":
-        raw = gguf.quants.quantize(w, T.Q4_0)
-        a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=T.Q4_0, shape=(k, n)))
-    packed = quant.pack(a, quant.WeightFormat.parse("gguf" if fmt == "Q4_0" else fmt))
+    a, from_file = w, fmt.startswith("Q")
+    if from_file:
+        raw = file_blocks(w, T[fmt], rng)
+        a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=T[fmt], shape=(k, n)))
+    packed = quant.pack(a, quant.WeightFormat.parse("gguf" if from_file else fmt))
     module = quant.linear_module(packed, "cpu")
     if "int4" in packed:
-        group = 32 if fmt == "Q4_0" else int(fmt.split(":")[1])
-        codes = (int4_codes(a) if fmt == "Q4_0" else quant.quantize_int4(w, group).codes).astype(np.float64)
+        group = 32 if from_file else int(fmt.split(":")[1])
+        codes = (int4_codes(a) if from_file else quant.quantize_int4(w, group).codes).astype(np.float64)
         s, z = (np.repeat(t, group, axis=1) for t in quant.int4_scales(packed))
         w, magnitude = (codes - 8) * s + z, 23 * np.abs(s) + np.abs(z)
     else:

@@ -6,10 +6,16 @@
  * cache keep their one layout:
  *   packed [N / 64, K, 32] bytes: in block b, byte (k, j) holds code u[64 b + j, k] in its low
  *          nibble and u[64 b + j + 32, k] in its high nibble;
- *   sz     [N / 64, K / G, 64] pairs of bf16 (s, z), in blocks of 64 outputs as the codes are:
- *          w = (u - 8) s + z over each group of G inputs; or, for a symmetric weight (`zeros` 0:
- *          GGUF's Q4_0, w = (u - 8) s), its bf16 s alone: the file's own 4.5 bits a weight, not 5,
- *          and decode here is bound by reading them.
+ *   sz     the scales, in blocks of 64 outputs as the codes are, w = (u - 8) s + z over each group
+ *          of G inputs, in one of three forms (`form`), decode here being bound by reading them:
+ *          PAIRS   [N / 64, K / G, 64] pairs of bf16 (s, z);
+ *          SCALES  [N / 64, K / G, 64] bf16 s, z = 0: a symmetric weight (GGUF's Q4_0), the file's
+ *                  own 4.5 bits a weight, not 5;
+ *          SUPER   [N / 64, K / 256] super-blocks of 1,280 bytes, GGUF's Q4_K (G = 32) as the file
+ *                  factors it, w = (d sc) u - (dmin mn): float16 d [64], dmin [64], then for
+ *                  each of its 8 groups uint8 sc [64] and mn [64] (6-bit; in the order they are
+ *                  read, one stream): 4.625 bits a weight (the file's 4.5), the products exact
+ *                  in float32, so s = d sc and z = 8 s - dmin mn.
  * x is quantized per block of 32 inputs: x ~ d q, q int16 in [-32767, 32767], d = amax / 32767.
  * Over one block then
  *   sum_k w_k x_k = d (s sum_k u_k q_k + (z - 8 s) sum_k q_k),
@@ -88,14 +94,44 @@ static inline __m512i lanes_index(int half, int pair) {
     return _mm512_loadu_si512(idx);
 }
 
+enum { SCALES = 0, PAIRS = 1, SUPER = 2 };
+#define SUPER_INPUTS 256      /* inputs per SUPER block */
+#define SUPER_BYTES 1280      /* its scales for 64 outputs */
+
+/* Bytes of one block of 64 outputs' scales over K inputs. */
+static inline int64_t scale_bytes(int form, int64_t k, int64_t group) {
+    return form == SUPER ? k / SUPER_INPUTS * SUPER_BYTES : (k / group) * ROWS * (form == PAIRS ? 4 : 2);
+}
+
+/* s and z of outputs 16 i .. 16 i + 15 of a block (`sz` its scales) over input group g. */
+static inline __attribute__((always_inline)) void group_scales(
+        const int form, const uint8_t *sz, int64_t g, int i, __m512 *s, __m512 *z) {
+    if (form == PAIRS) {
+        __m512i v = _mm512_loadu_si512(sz + (g * ROWS + 16 * i) * 4);
+        *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    } else if (form == SCALES) {
+        *s = bf16_to_f32((const uint16_t *)sz + g * ROWS + 16 * i);
+        *z = _mm512_setzero_ps();
+    } else {
+        const uint8_t *sb = sz + g / 8 * SUPER_BYTES;
+        const int64_t j = g % 8;
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32 * i)));
+        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * i)));
+        __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 256 + 128 * j + 16 * i))));
+        __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 320 + 128 * j + 16 * i))));
+        *s = _mm512_mul_ps(d, sc);
+        *z = _mm512_fmsub_ps(_mm512_set1_ps(8.0f), *s, _mm512_mul_ps(dmin, mn));
+    }
+}
+
 /* A tile of `tile` rows of x against block b's 64 outputs, accumulated over all of K. */
 static inline __attribute__((always_inline)) void block_tile(
-        const int tile, const int zeros, const uint8_t *codes, const uint16_t *sz, int64_t n, int64_t n0, int64_t k,
+        const int tile, const int form, const uint8_t *codes, const uint8_t *sz, int64_t n, int64_t n0, int64_t k,
         int64_t group, const int16_t *q, const float *d, const float *dsum, float *y, const __m512i idx[4]) {
     const __m512i nibble = _mm512_set1_epi16(0x0f);
-    const __m512i upper = _mm512_set1_epi32((int)0xffff0000u);
     const __mmask64 even = 0x5555555555555555ull;
-    __m512 out[MAX_TILE][4];
+    __m512 out[MAX_TILE][4], dsup[4], msup[4];
     for (int m = 0; m < tile; ++m)
         for (int i = 0; i < 4; ++i)
             out[m][i] = _mm512_setzero_ps();
@@ -125,22 +161,36 @@ static inline __attribute__((always_inline)) void block_tile(
                     acc[m][i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[m][i], w[0][i], x01), w[1][i], x23);
             }
         }
-        const uint16_t *scales = sz + (kb / group) * ROWS * (zeros ? 2 : 1);
-        for (int i = 0; i < 4; ++i) {
-            __m512 s, z = _mm512_setzero_ps();
-            if (zeros) {
-                __m512i v = _mm512_loadu_si512(scales + 32 * i);
-                s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                z = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
-            } else {
-                s = bf16_to_f32(scales + 16 * i);
+        if (form == SUPER) {    /* d and dmin once per super-block; s = d sc, then s t - (dmin mn) ds */
+            const uint8_t *sb = sz + kb / SUPER_INPUTS * SUPER_BYTES;
+            const int64_t j = (kb / BLOCK) % 8;
+            if (j == 0)
+                for (int i = 0; i < 4; ++i) {
+                    dsup[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32 * i)));
+                    msup[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * i)));
+                }
+            for (int i = 0; i < 4; ++i) {
+                __m512 s = _mm512_mul_ps(dsup[i], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(sb + 256 + 128 * j + 16 * i)))));
+                __m512 mn = _mm512_mul_ps(msup[i], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(sb + 320 + 128 * j + 16 * i)))));
+                for (int m = 0; m < tile; ++m) {
+                    int64_t blk = m * (k / BLOCK) + kb / BLOCK;
+                    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m][i]), _mm512_set1_ps(d[blk]));
+                    out[m][i] = _mm512_fnmadd_ps(mn, _mm512_set1_ps(dsum[blk]), _mm512_fmadd_ps(s, t, out[m][i]));
+                }
             }
+            continue;
+        }
+        for (int i = 0; i < 4; ++i) {
+            __m512 s, z;
+            group_scales(form, sz, kb / group, i, &s, &z);
             for (int m = 0; m < tile; ++m) {
                 int64_t blk = m * (k / BLOCK) + kb / BLOCK;
                 __m512 db = _mm512_set1_ps(d[blk]), ds = _mm512_set1_ps(dsum[blk]);
                 __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(acc[m][i]), db, _mm512_mul_ps(ds, _mm512_set1_ps(8.0f)));
                 out[m][i] = _mm512_fmadd_ps(s, t, out[m][i]);
-                if (zeros)
+                if (form != SCALES)
                     out[m][i] = _mm512_fmadd_ps(z, ds, out[m][i]);
             }
         }
@@ -151,11 +201,12 @@ static inline __attribute__((always_inline)) void block_tile(
 }
 
 /* y [m, n] float32 = x [m, k] (float32, or bf16 when x_bf16) @ W^T. k a multiple of 32 and of
- * the group, n of 64; `zeros` 1 where sz holds (s, z) pairs, 0 where it holds s alone. Work is split over blocks of 64 outputs on `threads` OpenMP threads (the
+ * the group (SUPER: of 256, G 32), n of 64; `form` how sz holds the scales (above). Work is split
+ * over blocks of 64 outputs on `threads` OpenMP threads (the
  * runtime torch itself uses, shared when loaded into its process). Returns 0, or -1 when out of
  * memory for the quantized activations. */
 int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *packed,
-                  const uint16_t *sz, int zeros, int64_t n, int64_t group, float *y, int threads) {
+                  const uint8_t *sz, int form, int64_t n, int64_t group, float *y, int threads) {
     Activations a;
     if (quantize_rows(x, x_bf16, m, k, &a))
         return -1;
@@ -164,21 +215,21 @@ int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nb > 1)
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *codes = packed + b * k * 32;
-        const uint16_t *scales = sz + b * (k / group) * ROWS * (zeros ? 2 : 1);
+        const uint8_t *scales = sz + b * scale_bytes(form, k, group);
         for (int64_t t = 0; t < tiles; ++t) {
             int64_t r = t * MAX_TILE;
             const int16_t *qt = a.q + r * k;
             const float *dt = a.d + r * blocks, *st = a.dsum + r * blocks;
             float *yt = y + r * n;
             const int two = m - r >= 2;       /* the tile's shape and the scales' as constants */
-            if (zeros && two)
-                block_tile(2, 1, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
-            else if (zeros)
-                block_tile(1, 1, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
-            else if (two)
-                block_tile(2, 0, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
+            #define TILE(rows, f) block_tile(rows, f, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx)
+            if (form == PAIRS)
+                two ? TILE(2, PAIRS) : TILE(1, PAIRS);
+            else if (form == SCALES)
+                two ? TILE(2, SCALES) : TILE(1, SCALES);
             else
-                block_tile(1, 0, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx);
+                two ? TILE(2, SUPER) : TILE(1, SUPER);
+            #undef TILE
         }
     }
     free(a.q);
@@ -261,28 +312,19 @@ static inline __m256i f32_to_bf16(__m512 v) {
 }
 
 /* Blocks [b0, b0 + nb) of an int4 weight -> out [nb, k, 64] bf16, W^T of each block of 64 outputs:
- * out[b, k, j] = (u - 8) s + z of output 64 b + j, input k (z = 0 without `zeros`). */
-void hpipe_int4_dequant(const uint8_t *packed, const uint16_t *sz, int zeros, int64_t k, int64_t group,
+ * out[b, k, j] = (u - 8) s + z of output 64 b + j, input k (sz in `form`, as hpipe_int4_mm reads it). */
+void hpipe_int4_dequant(const uint8_t *packed, const uint8_t *sz, int form, int64_t k, int64_t group,
                         int64_t b0, int64_t nb, uint16_t *out, int threads) {
-    const __m512i nibble = _mm512_set1_epi32(0x0f), upper = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i nibble = _mm512_set1_epi32(0x0f);
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && nb > 1)
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *codes = packed + (b0 + b) * k * 32;
-        const int width = zeros ? 2 : 1;
-        const uint16_t *scales = sz + (b0 + b) * (k / group) * ROWS * width;
+        const uint8_t *scales = sz + (b0 + b) * scale_bytes(form, k, group);
         uint16_t *o = out + b * k * ROWS;
         for (int64_t g = 0; g < k / group; ++g) {
             __m512 s[4], z[4];
-            for (int i = 0; i < 4; ++i) {
-                if (zeros) {
-                    __m512i v = _mm512_loadu_si512(scales + g * ROWS * 2 + 32 * i);
-                    s[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                    z[i] = _mm512_castsi512_ps(_mm512_and_si512(v, upper));
-                } else {
-                    s[i] = bf16_to_f32(scales + g * ROWS + 16 * i);
-                    z[i] = _mm512_setzero_ps();
-                }
-            }
+            for (int i = 0; i < 4; ++i)
+                group_scales(form, scales, g, i, &s[i], &z[i]);
             for (int64_t kk = g * group; kk < (g + 1) * group; ++kk) {
                 for (int h = 0; h < 2; ++h) {             /* rows 16 h .. 16 h + 15 and + 32 */
                     __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + kk * 32 + 16 * h)));
