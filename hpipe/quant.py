@@ -249,17 +249,21 @@ def super_blocks(f: SuperBlocks) -> "torch.Tensor":
 
 def super_pairs(sz: "torch.Tensor", rows: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Q4_K's super-blocks (`super_blocks`) -> float32 (s, z) [N / 64, K / 32, 64, 2], s = d sc and
-    z = 8 s - dmin mn as the kernel computes them; or, for output `rows` [T], [T, K / 32, 2]."""
+    z = 8 s - dmin mn as the kernel computes them; or, for output `rows` [T], [T, K / 32, 2] (only
+    their blocks converted: an embedding's lookups)."""
     import torch
 
+    if rows is not None:
+        t, j = torch.arange(rows.shape[0], device=rows.device), rows % 64
+        blocks = sz[rows // 64]                                                   # [T, S, 1280] bytes
+        d_dmin = blocks[..., :256].contiguous().view(torch.float16)[t, :, torch.stack([j, 64 + j])]   # [2, T, S]
+        d, dmin = d_dmin.float().unsqueeze(-1).unbind(0)                                          # [T, S, 1]
+        sc, mn = blocks[..., 256:].unflatten(-1, (8, 2, 64))[t, :, :, :, j].float().unbind(-1)     # [T, S, 8]
+        s = (d * sc).flatten(-2)
+        return torch.stack([s, 8 * s - (dmin * mn).flatten(-2)], -1)
     nb, supers, _ = sz.shape
     d, dmin = (sz[..., a:a + 128].contiguous().view(torch.float16).float() for a in (0, 128))   # [NB, S, 64]
     sc, mn = sz[..., 256:].reshape(nb, supers, 8, 2, 64).float().unbind(-2)                     # [NB, S, 8, 64]
-    if rows is not None:
-        b, j = rows // 64, rows % 64
-        d, dmin, sc, mn = d[b, :, j], dmin[b, :, j], sc[b, :, :, j], mn[b, :, :, j]        # [T, S] / [T, S, 8]
-        s = (d[..., None] * sc).flatten(-2)
-        return torch.stack([s, 8 * s - (dmin[..., None] * mn).flatten(-2)], -1)
     s = (d[:, :, None] * sc).reshape(nb, supers * 8, 64)
     z = 8 * s - (dmin[:, :, None] * mn).reshape(nb, supers * 8, 64)
     return torch.stack([s, z], -1)
