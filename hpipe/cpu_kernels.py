@@ -106,7 +106,7 @@ def _rows(x):
 
 def int4_form(scales_zeros) -> int:
     """How `scales_zeros` holds an int4 weight's scales (vnni.c's forms), by its dtype and shape:
-    bf16 [N / 64, K / G, 64, 2] (s, z) pairs 1; bf16 [..., 1] s alone (symmetric) 0; uint8
+    bf16 [N / 64, K / G, 64, 2] (s, z) pairs 1; float16 [..., 1] s alone (symmetric) 0; uint8
     [N / 64, K / 256, 1280] Q4_K's super-blocks 2."""
     import torch
 

@@ -60,10 +60,10 @@ __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quant
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 
-PACK_VERSION = 7        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
+PACK_VERSION = 8        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
                         # 4: int4 scales in blocks of 64 outputs for the VNNI kernel, 5: and no zeros
                         # for a symmetric weight there, 6: and Q8_0's own block scales, 7: and Q4_K's
-                        # super-blocks)
+                        # super-blocks, 8: a symmetric weight's float16 scales)
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
 INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
 # Rows from which a CPU with bf16 matrix units runs a linear as dequantized chunks through the bf16
@@ -219,10 +219,17 @@ def flat_scales(sz: "torch.Tensor") -> "torch.Tensor":
     dtype; they always take zeros)."""
     import torch
 
+    return flat_pairs(sz).to(torch.bfloat16).contiguous()
+
+
+def flat_pairs(sz: "torch.Tensor") -> "torch.Tensor":
+    """The VNNI kernel's scales (any form) -> [K / G, N, 2] (s, z), in their own precision."""
+    import torch
+
     sz = super_pairs(sz) if sz.dtype == torch.uint8 else sz
     blocks, groups, _, w = sz.shape
     sz = sz.permute(1, 0, 2, 3).reshape(groups, blocks * 64, w)
-    return (sz if w == 2 else with_zeros(sz)).to(torch.bfloat16).contiguous()
+    return sz if w == 2 else with_zeros(sz)
 
 
 SUPER_BYTES = 1280      # Q4_K's scales of one super-block of 256 inputs for 64 outputs (vnni.c's SUPER)
@@ -297,11 +304,8 @@ def int4_scales(tensors: dict) -> tuple[np.ndarray, np.ndarray]:
     import torch
 
     sz = tensors["scales_zeros"].cpu()
-    if sz.dtype == torch.uint8:                 # Q4_K's super-blocks: their float32 s and z, not bf16's
-        sz = super_pairs(sz)
-        sz = sz.permute(1, 0, 2, 3).reshape(sz.shape[1], -1, 2)
-    elif sz.dim() == 4:
-        sz = flat_scales(sz)
+    if sz.dim() == 4 or sz.dtype == torch.uint8:    # the VNNI kernel's forms, exactly as it reads them
+        sz = flat_pairs(sz)
     sz = sz.double().numpy()
     return sz[..., 0].T, sz[..., 1].T
 
@@ -530,7 +534,7 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
     """One weight -> the plain tensors its module holds (what the disk cache stores):
     int4: {'int4': packed, 'scales_zeros': bf16 [K / group, N, 2], or [N / 64, K / group, 64, 2] where
     the VNNI kernel runs it (`vnni_kernel`): a block's stream one contiguous run, and there [..., 1],
-    s alone, for a symmetric weight (Q4_0: the file's 4.5 bits a weight), or Q4_K's super-blocks as the
+    s alone in float16, for a symmetric weight (Q4_0: the file's 4.5 bits a weight, its own d), or Q4_K's super-blocks as the
     file factors them (`super_blocks`, uint8, 4.625 bits)}, packed in the CPU kernel's own
     layout (mapped straight back next time), or for CUDA two codes per byte (the GPU packs them);
     int8: {'int8': int8 [N, K], 'scales': bf16 [N]}, or where the VNNI kernel runs a GGUF file's
@@ -560,8 +564,9 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         if vnni and weight.superblocks is not None and u.shape[1] % 256 == 0:    # Q4_K as the file factors it
             sz = super_blocks(weight.superblocks)
         elif vnni:                                              # scales in the kernel's blocks of 64
-            symmetric = signed and weight.offset is None        # z = 0 exactly: not kept
-            sz = blocked_scales(sz[..., :1] if symmetric else sz)
+            symmetric = signed and weight.offset is None        # z = 0 exactly: not kept, and s is Q4_0's
+            sz = blocked_scales(torch.from_numpy(np.ascontiguousarray(s.T[..., None])).to(torch.float16)  # float16 d
+                                if symmetric else sz)
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
         return {"int4": packed, "scales_zeros": sz}

@@ -229,6 +229,7 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
         assert packed["scales_zeros"].shape == (n // 64, k // 256, 1280)
     elif "int4" in packed:   # Q4_0's zeros are all 0: the kernel reads its scales alone (4.5 bits a weight)
         assert packed["scales_zeros"].shape[-1] == (1 if qtype == T.Q4_0 else 2)
+        assert packed["scales_zeros"].dtype == (torch.float16 if qtype == T.Q4_0 else torch.bfloat16)
     else:                    # Q8_0 keeps the file's codes and float16 scales per block of 32
         assert packed["scales"].shape == ((n, k // 32) if qtype == T.Q8_0 else (n,))
     if "int4" in packed:

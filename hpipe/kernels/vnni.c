@@ -9,8 +9,8 @@
  *   sz     the scales, in blocks of 64 outputs as the codes are, w = (u - 8) s + z over each group
  *          of G inputs, in one of three forms (`form`), decode here being bound by reading them:
  *          PAIRS   [N / 64, K / G, 64] pairs of bf16 (s, z);
- *          SCALES  [N / 64, K / G, 64] bf16 s, z = 0: a symmetric weight (GGUF's Q4_0), the file's
- *                  own 4.5 bits a weight, not 5;
+ *          SCALES  [N / 64, K / G, 64] float16 s, z = 0: a symmetric weight (GGUF's Q4_0), the
+ *                  file's own 4.5 bits a weight, not 5, and its own d;
  *          SUPER   [N / 64, K / 256] super-blocks of 1,280 bytes, GGUF's Q4_K (G = 32) as the file
  *                  factors it, w = (d sc) u - (dmin mn): float16 d [64], dmin [64], then for
  *                  each of its 8 groups uint8 sc [64] and mn [64] (6-bit; in the order they are
@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void group_scales(
         *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
         *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
     } else if (form == SCALES) {
-        *s = bf16_to_f32((const uint16_t *)sz + g * ROWS + 16 * i);
+        *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sz + (g * ROWS + 16 * i) * 2)));
         *z = _mm512_setzero_ps();
     } else {
         const uint8_t *sb = sz + g / 8 * SUPER_BYTES;
