@@ -232,9 +232,6 @@ def flat_pairs(sz: "torch.Tensor") -> "torch.Tensor":
     return sz if w == 2 else with_zeros(sz)
 
 
-SUPER_BYTES = 1280      # Q4_K's scales of one super-block of 256 inputs for 64 outputs (vnni.c's SUPER)
-
-
 def super_blocks(f: SuperBlocks) -> "torch.Tensor":
     """Q4_K's factors -> uint8 [N / 64, K / 256, 1280] in blocks of 64 outputs: float16 d [64] and
     dmin [64], then for each group of 32 inputs uint8 sc [64] and mn [64] (vnni.c's SUPER form, in
@@ -274,6 +271,19 @@ def super_pairs(sz: "torch.Tensor", rows: "torch.Tensor | None" = None) -> "torc
     s = (d[:, :, None] * sc).reshape(nb, supers * 8, 64)
     z = 8 * s - (dmin[:, :, None] * mn).reshape(nb, supers * 8, 64)
     return torch.stack([s, z], -1)
+
+
+def scales_shape(sz: "torch.Tensor") -> tuple[bool, int, int]:
+    """(in the VNNI kernel's blocks of 64 outputs, outputs N, input groups K / G) of int4 scales in
+    any of their forms: torch's [K / G, N, 2], the kernel's [N / 64, K / G, 64, 2 or 1], or Q4_K's
+    super-blocks [N / 64, K / 256, 1280] (groups of 32)."""
+    import torch
+
+    if sz.dtype == torch.uint8:
+        return True, sz.shape[0] * 64, sz.shape[1] * 8
+    if sz.dim() == 4:
+        return True, sz.shape[0] * 64, sz.shape[1]
+    return False, sz.shape[1], sz.shape[0]
 
 
 def with_zeros(s: "torch.Tensor") -> "torch.Tensor":
@@ -559,14 +569,14 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         u = torch.from_numpy(weight.codes.astype(np.int32) + (8 if signed else 0))
         s = weight.scale
         z = (weight.offset if weight.offset is not None else np.zeros_like(s)) + (0 if signed else 8 * s)
-        sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
         vnni = vnni_kernel(device_type, "int4", tuple(u.shape))
         if vnni and weight.superblocks is not None and u.shape[1] % 256 == 0:    # Q4_K as the file factors it
             sz = super_blocks(weight.superblocks)
-        elif vnni:                                              # scales in the kernel's blocks of 64
-            symmetric = signed and weight.offset is None        # z = 0 exactly: not kept, and s is Q4_0's
-            sz = blocked_scales(torch.from_numpy(np.ascontiguousarray(s.T[..., None])).to(torch.float16)  # float16 d
-                                if symmetric else sz)
+        elif vnni and signed and weight.offset is None:   # symmetric (Q4_0): z = 0 not kept, s its float16 d
+            sz = blocked_scales(torch.from_numpy(np.ascontiguousarray(s.T[..., None])).to(torch.float16))
+        else:                                             # (s, z) pairs; in the kernel's blocks of 64 there
+            sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
+            sz = blocked_scales(sz) if vnni else sz
         packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
             torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
         return {"int4": packed, "scales_zeros": sz}
@@ -640,11 +650,8 @@ def _module_classes():
         tinygemm's `_weight_int4pack_mm` on CUDA."""
 
         def __init__(self, packed, scales_zeros, bias=None):
-            in_blocks = scales_zeros.dim() == 4 or scales_zeros.dtype == torch.uint8   # the VNNI kernel's forms
-            super().__init__(packed.shape[1] * 2, scales_zeros.shape[0] * 64 if in_blocks else scales_zeros.shape[1],
-                             bias)
-            groups = scales_zeros.shape[1] * (8 if scales_zeros.dtype == torch.uint8 else 1) if in_blocks else \
-                scales_zeros.shape[0]
+            in_blocks, n, groups = scales_shape(scales_zeros)
+            super().__init__(packed.shape[1] * 2, n, bias)
             self.group = self.in_features // groups
             # the order the kernel reads (a cache packed for another kernel is put in it once, a copy)
             vnni = vnni_kernel(packed.device.type, "int4", (self.out_features, self.in_features))
@@ -796,10 +803,9 @@ def _module_classes():
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
             self.dtype = dtype
             super_ = scales_zeros.dtype == torch.uint8   # Q4_K's super-blocks (`super_blocks`)
-            blocked = scales_zeros.dim() == 4 or super_  # [N / 64, K / G, 64, 2 or 1] (`vnni_kernel`)
-            self.rows = scales_zeros.shape[0] * 64 if blocked else scales_zeros.shape[1]
+            blocked, self.rows, groups = scales_shape(scales_zeros)
             self.cols = packed.shape[1] * 2
-            self.group = 32 if super_ else self.cols // scales_zeros.shape[1 if blocked else 0]
+            self.group = self.cols // groups
             self._row_scales = self._super_rows if super_ else self._blocked_rows if blocked else self._flat_rows
 
         def forward(self, ids):

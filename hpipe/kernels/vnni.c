@@ -103,6 +103,16 @@ static inline int64_t scale_bytes(int form, int64_t k, int64_t group) {
     return form == SUPER ? k / SUPER_INPUTS * SUPER_BYTES : (k / group) * ROWS * (form == PAIRS ? 4 : 2);
 }
 
+/* SUPER, outputs 16 i .. 16 i + 15 of super-block `sb`: float16 d (which 0) or dmin (1); group j's
+ * 6-bit sc (which 0) or mn (1). */
+static inline __m512 super_d(const uint8_t *sb, int which, int i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 128 * which + 32 * i)));
+}
+
+static inline __m512 super_u8(const uint8_t *sb, int64_t j, int which, int i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 256 + 128 * j + 64 * which + 16 * i))));
+}
+
 /* s and z of outputs 16 i .. 16 i + 15 of a block (`sz` its scales) over input group g. */
 static inline __attribute__((always_inline)) void group_scales(
         const int form, const uint8_t *sz, int64_t g, int i, __m512 *s, __m512 *z) {
@@ -115,13 +125,8 @@ static inline __attribute__((always_inline)) void group_scales(
         *z = _mm512_setzero_ps();
     } else {
         const uint8_t *sb = sz + g / 8 * SUPER_BYTES;
-        const int64_t j = g % 8;
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32 * i)));
-        __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * i)));
-        __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 256 + 128 * j + 16 * i))));
-        __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 320 + 128 * j + 16 * i))));
-        *s = _mm512_mul_ps(d, sc);
-        *z = _mm512_fmsub_ps(_mm512_set1_ps(8.0f), *s, _mm512_mul_ps(dmin, mn));
+        *s = _mm512_mul_ps(super_d(sb, 0, i), super_u8(sb, g % 8, 0, i));
+        *z = _mm512_fmsub_ps(_mm512_set1_ps(8.0f), *s, _mm512_mul_ps(super_d(sb, 1, i), super_u8(sb, g % 8, 1, i)));
     }
 }
 
@@ -166,14 +171,12 @@ static inline __attribute__((always_inline)) void block_tile(
             const int64_t j = (kb / BLOCK) % 8;
             if (j == 0)
                 for (int i = 0; i < 4; ++i) {
-                    dsup[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32 * i)));
-                    msup[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * i)));
+                    dsup[i] = super_d(sb, 0, i);
+                    msup[i] = super_d(sb, 1, i);
                 }
             for (int i = 0; i < 4; ++i) {
-                __m512 s = _mm512_mul_ps(dsup[i], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(sb + 256 + 128 * j + 16 * i)))));
-                __m512 mn = _mm512_mul_ps(msup[i], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(sb + 320 + 128 * j + 16 * i)))));
+                __m512 s = _mm512_mul_ps(dsup[i], super_u8(sb, j, 0, i));
+                __m512 mn = _mm512_mul_ps(msup[i], super_u8(sb, j, 1, i));
                 for (int m = 0; m < tile; ++m) {
                     int64_t blk = m * (k / BLOCK) + kb / BLOCK;
                     __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m][i]), _mm512_set1_ps(d[blk]));
