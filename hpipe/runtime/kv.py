@@ -1,10 +1,14 @@
 """The KV cache of one stage: fixed-size pages from one pool (gLLM §3.3, vLLM's paged attention).
 
-Storage, per attention layer: one tensor [pages, page_size, kv_heads, head_dim] for keys and one for
-values. Which page holds which position is `hpipe.runtime.pages`' bookkeeping; here a flat index
-`page * page_size + row` addresses a position in the layer's [pages * page_size, ...] view:
-writing a micro-batch's new keys is one `index_copy_` per layer, reading a sequence's context one
-`index_select`. A segment without pages (profiling, benchmarks, unit tests) uses the store's own
+Storage, per attention layer: one tensor [kv_heads, pages * page_size, head_dim] for keys and one
+for values, head-major, so that each head's context is contiguous where attention reads it: torch's
+CPU flash kernel packs every block of keys it multiplies, and a position-major pool ([pages,
+page_size, kv_heads, head_dim]) made that a strided gather (a decode step's attention, one thread,
+SmolLM2's 9/3 heads: 50 -> 40 us a layer at 320 positions, 197 -> 147 at 1,000; the 1B shape's
+32/8 at 2 threads: 74 -> 61, 266 -> 207). Which page holds which position is
+`hpipe.runtime.pages`' bookkeeping; here a flat index `page * page_size + row` addresses a
+position along dim 1: writing a micro-batch's new keys is one `index_copy_` per layer, reading a
+sequence's context one `index_select`. A segment without pages (profiling, benchmarks, unit tests) uses the store's own
 table per slot, grown on demand, which gives the old one-slot-per-sequence behaviour.
 
 `BatchCache` is what transformers' attention modules see as `past_key_values` for one micro-batch:
@@ -48,9 +52,10 @@ class KVStore:
         with torch.inference_mode(False):
             for store in (self.keys, self.values):
                 for layer, old in store.items():
-                    new = self._marked(old.new_zeros((pages, *old.shape[1:])))
-                    n = min(pages, old.shape[0])
-                    new[:n] = old[:n]
+                    heads, _, d = old.shape
+                    new = self._marked(old.new_zeros((heads, pages * self.page_size, d)))
+                    n = min(pages, self.pages) * self.page_size
+                    new[:, :n] = old[:, :n]
                     store[layer] = new
         self.pages = pages
 
@@ -72,16 +77,16 @@ class KVStore:
 
     def _layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
-            shape = (self.pages, self.page_size, like.shape[1], like.shape[3])
+            shape = (like.shape[1], self.pages * self.page_size, like.shape[3])
             with torch.inference_mode(False):    # plain tensors, which a compiled decode step may write
                 self.keys[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
                 self.values[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
         return self.keys[layer], self.values[layer]
 
     def keep_page_shape_static(self) -> None:
-        """Tells torch.compile that a page's shape (tokens, KV heads, head size: dims 1-3 of every
-        layer's tensors, now and later) never changes; the number of pages may (warm-up's pool is
-        smaller than a run's). Compiled decode steps read the pool. With those dims dynamic, dynamo's
+        """Tells torch.compile that the KV heads and the head size (dims 0 and 2 of every layer's
+        tensors, now and later) never change; the pool's length may (warm-up's pool is smaller than a
+        run's). Compiled decode steps read the pool. With those dims dynamic, dynamo's
         duck shaping gave a batch's row count the symbol of an equal one (3 rows and SmolLM2's 3 KV
         heads) and baked it in with that one: a graph traced at 3 rows guarded rows == 3, and every
         other batch size compiled again mid-run (5-10 s a graph here)."""
@@ -91,7 +96,7 @@ class KVStore:
 
     def _marked(self, t: torch.Tensor) -> torch.Tensor:
         if self.static_page_shape:      # torch._dynamo is loaded by then (importing it costs ~0.9 s)
-            for dim in (1, 2, 3):
+            for dim in (0, 2):
                 torch._dynamo.mark_static(t, dim)
         return t
 
@@ -143,18 +148,17 @@ class BatchCache:
     def write_read(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
                    value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes the new keys and values into one layer's pages; returns what its attention reads."""
-        heads, d = keys.shape[2], keys.shape[3]
-        kf, vf = keys.view(-1, heads, d), values.view(-1, heads, d)
-        kf.index_copy_(0, self._write, key_states.transpose(1, 2).reshape(-1, heads, d))
-        vf.index_copy_(0, self._write, value_states.transpose(1, 2).reshape(-1, heads, d))
-        if self._span is not None:
-            k, v = kf[self._span:self._span + self._max_end], vf[self._span:self._span + self._max_end]
-        else:
-            k, v = kf.index_select(0, self._read), vf.index_select(0, self._read)
+        heads, d = keys.shape[0], keys.shape[2]
+        keys.index_copy_(1, self._write, key_states.transpose(0, 1).reshape(heads, -1, d))
+        values.index_copy_(1, self._write, value_states.transpose(0, 1).reshape(heads, -1, d))
+        if self._span is not None:            # one sequence: [1, heads, K, d] in place
+            return (keys[None, :, self._span:self._span + self._max_end],
+                    values[None, :, self._span:self._span + self._max_end])
+        k, v = keys.index_select(1, self._read), values.index_select(1, self._read)
         if self.layout == "rows":
-            return (k.view(self.rows, self._max_end, heads, d).transpose(1, 2),
-                    v.view(self.rows, self._max_end, heads, d).transpose(1, 2))
-        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            return (k.view(heads, self.rows, self._max_end, d).transpose(0, 1),
+                    v.view(heads, self.rows, self._max_end, d).transpose(0, 1))
+        return k.unsqueeze(0), v.unsqueeze(0)
 
     # transformers' attention code may ask these of a cache object
     def get_seq_length(self, layer_idx: int = 0) -> int:

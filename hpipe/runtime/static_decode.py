@@ -56,12 +56,11 @@ class StaticKV:
         return LayerKV(self, self.store.keys[layer_idx], self.store.values[layer_idx])
 
     def write_read(self, keys, values, key_states, value_states):
-        heads, d = keys.shape[2], keys.shape[3]
-        kf, vf = keys.view(-1, heads, d), values.view(-1, heads, d)
-        kf.index_copy_(0, self.write, key_states[:, :, 0])
-        vf.index_copy_(0, self.write, value_states[:, :, 0])
-        return (kf.index_select(0, self.read).view(self.rows, self.capacity, heads, d).transpose(1, 2),
-                vf.index_select(0, self.read).view(self.rows, self.capacity, heads, d).transpose(1, 2))
+        heads, d = keys.shape[0], keys.shape[2]
+        keys.index_copy_(1, self.write, key_states[:, :, 0].transpose(0, 1))
+        values.index_copy_(1, self.write, value_states[:, :, 0].transpose(0, 1))
+        return (keys.index_select(1, self.read).view(heads, self.rows, self.capacity, d).transpose(0, 1),
+                values.index_select(1, self.read).view(heads, self.rows, self.capacity, d).transpose(0, 1))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.capacity
