@@ -18,6 +18,10 @@ gcc), loaded with ctypes into torch's process, where its OpenMP calls share torc
 (the same libgomp soname). Where the CPU lacks the instructions, or no C compiler is found, or the
 build fails, `kernels()` says so and the modules keep torch's ops: nothing else changes.
 `HPIPE_CPU_KERNELS=torch` keeps torch's ops on purpose (benchmarks compare the two).
+
+The modules call them as torch ops (`ops()`), whose CPU kernels are C++ (`kernels/ops.cpp`, built
+once per torch version against its headers, ~6 s of g++), so that a compiled graph calls them
+without Python; where that build fails they are the Python functions here, as `ops_route()` says.
 """
 
 from __future__ import annotations
@@ -32,13 +36,16 @@ from pathlib import Path
 
 from hpipe.config import cache_dir
 
-__all__ = ["cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops", "SOURCE"]
+__all__ = ["cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops",
+           "ops_route", "SOURCE", "OPS_SOURCE"]
 
 SOURCE = Path(__file__).with_name("kernels") / "vnni.c"
+OPS_SOURCE = SOURCE.with_name("ops.cpp")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c")      # /proc/cpuinfo names
 CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mf16c",
           "-fopenmp", "-fPIC", "-shared")
 ENV = "HPIPE_CPU_KERNELS"
+OPS_ENV = "HPIPE_CPU_OPS"        # "python": the ops' Python kernels (tests compare the two routes)
 
 
 @functools.cache
@@ -50,19 +57,25 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def _build(compiler: str) -> Path:
-    """The shared library for this source and these flags, compiled once (atomically: processes
-    that start together each build their own temporary file and the last rename wins)."""
-    text = SOURCE.read_bytes()
-    key = hashlib.sha256(text + " ".join((compiler, *CFLAGS)).encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"vnni-{key}.so"
+def _build(compiler: str, source: Path, flags: tuple[str, ...], stem: str, inputs: tuple[str, ...] = (),
+           timeout: int = 120) -> Path:
+    """The shared library for this source, these flags and inputs, compiled once (atomically:
+    processes that start together each build their own temporary file and the last rename wins)."""
+    key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags, *inputs)).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"{stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".tmp-{os.getpid()}.so")
-        subprocess.run([compiler, *CFLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True,
-                       timeout=120)
+        subprocess.run([compiler, *flags, "-o", str(tmp), str(source), *inputs], check=True, capture_output=True,
+                       timeout=timeout)
         os.replace(tmp, out)
     return out
+
+
+def _failure(e: Exception, compiler: str) -> str:
+    """The first line a failed build printed (or its exit status)."""
+    detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+    return (detail[0] if detail else f"{compiler} exited with {getattr(e, 'returncode', e)}")[:160]
 
 
 @functools.cache
@@ -81,11 +94,9 @@ def kernels() -> tuple[object | None, str]:
     import torch          # its libgomp first: the library's OpenMP binds to the same runtime
 
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, SOURCE, CFLAGS, "vnni")))
     except (OSError, subprocess.SubprocessError) as e:
-        detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
-        why = detail[0] if detail else f"{compiler} exited with {getattr(e, 'returncode', e)}"
-        return None, f"{torch_ops} (building the VNNI kernels with {compiler} failed: {why[:160]})"
+        return None, f"{torch_ops} (building the VNNI kernels with {compiler} failed: {_failure(e, compiler)})"
     del torch
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, i32]
@@ -167,19 +178,43 @@ def int8_dequant(weight, scales, first: int, out) -> None:
                                     out.data_ptr(), torch.get_num_threads())
 
 
+def _cpp_ops() -> str | None:
+    """Loads `kernels/ops.cpp`'s CPU kernels of the hpipe ops into torch's dispatcher (built once per
+    source, torch version and ABI, linked to the VNNI library); None, or why not."""
+    import torch
+
+    compiler = next((c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+    if compiler is None:
+        return "no C++ compiler found: install g++"
+    root = Path(torch.__file__).parent
+    flags = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DHPIPE_TORCH={torch.__version__}",
+             f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}")
+    libraries = (kernels()[0]._name, f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-ltorch_cpu", "-lc10")
+    try:     # the libraries after the source (a linker that drops those not needed yet would drop them)
+        torch.ops.load_library(str(_build(compiler, OPS_SOURCE, flags, "ops", libraries, timeout=300)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"building {OPS_SOURCE.name} with {compiler} failed: {_failure(e, compiler)}"
+    return None
+
+
 @functools.cache
 def ops():
     """`int4_mm` and `int8_mm` as the torch ops `torch.ops.hpipe.int4_mm` / `int8_mm`, what the
     modules call: a compiled graph keeps each as one opaque call (dynamo does not trace into
-    ctypes). Defined through the plain `torch.library.Library` (1.7 us a call here;
-    `torch.library.custom_op`'s wrappers cost 7.5)."""
+    ctypes). Their CPU kernels are `kernels/ops.cpp`'s (`_cpp_ops`: 2.2 us a call from Python at
+    one row of 64 x 64 here, 5.4 through Python's, and none of Python from a compiled graph's C++
+    wrapper); where it cannot be built, or `HPIPE_CPU_OPS=python`, the Python functions above.
+    Returns (the library, None or why the Python kernels)."""
     import torch
 
     lib = torch.library.Library("hpipe", "DEF")
     lib.define("int4_mm(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor")
     lib.define("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor")
-    lib.impl("int4_mm", int4_mm, "CPU")
-    lib.impl("int8_mm", int8_mm, "CPU")
+    why = f"{OPS_ENV}=python" if os.environ.get(OPS_ENV, "").lower() == "python" else _cpp_ops()
+    if why is not None:
+        lib.impl("int4_mm", int4_mm, "CPU")
+        lib.impl("int8_mm", int8_mm, "CPU")
 
     @torch.library.register_fake("hpipe::int4_mm", lib=lib)
     def _(x, packed, scales_zeros, group):
@@ -189,4 +224,10 @@ def ops():
     def _(x, weight, scales):
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
-    return lib
+    return lib, why
+
+
+def ops_route() -> str:
+    """How the hpipe ops reach the kernels: "C++", or "Python (why)"."""
+    why = ops()[1]
+    return "C++" if why is None else f"Python ({why})"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import types
 
 import gguf
@@ -17,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 from torch._dynamo.utils import counters
 
 from conftest import VOCAB, assert_greedy_equal, reference_greedy, reference_logits
-from hpipe import models, quant
+from hpipe import cpu_kernels, models, quant
 from hpipe.cli import main
 from hpipe.formats import Slicing
 from hpipe.request import Request
@@ -208,7 +209,8 @@ def activation_blocks(x: np.ndarray):
                          ids=["Q4_0", "Q4_1", "Q4_K", "int4:64", "int4:128", "Q8_0", "int8", "int8-one-block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activations_rounding(qtype, fmt, n, k, dtype):
-    """The 16-bit-activation kernels (`hpipe.cpu_kernels`) on the layouts torch's ops read:
+    """The 16-bit-activation kernels (`hpipe.cpu_kernels`) on the layouts torch's ops read, called as
+    the modules call them (the ops' C++ kernels, where g++ built them; the Python twin beside):
     1. against their arithmetic restated in float64 (activations to int16 per block of 32, integer
        dot products with the codes, the block's scales after): within float32's roundings only;
     2. against a float64 matmul of the packed weights: within half an activation step per block
@@ -241,11 +243,13 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
         # per block: s sum(u q) + (z - 8 s) sum(q), the kernel's two terms
         terms, weights = [(u, s), (np.ones_like(u), z - 8 * s)], np.abs(16 * s) + np.abs(z)
         call = lambda x: torch.ops.hpipe.int4_mm(x, module.packed, module.scales_zeros, group)   # noqa: E731
+        twin = lambda x: cpu_kernels.int4_mm(x, module.packed, module.scales_zeros, group)      # noqa: E731
     else:
         scales = packed["scales"].double().numpy()        # per block of 32 (Q8_0's own) or per row
         scale = np.repeat(scales, 32, axis=1) if scales.ndim == 2 else np.repeat(scales[:, None], k, axis=1)
         terms, weights = [(packed["int8"].numpy().astype(np.float64), scale)], None
         call = lambda x: torch.ops.hpipe.int8_mm(x, module.weight, module.scales)               # noqa: E731
+        twin = lambda x: cpu_kernels.int8_mm(x, module.weight, module.scales)                   # noqa: E731
     w = sum(c * f for c, f in terms)
     weights = np.abs(w) if weights is None else weights
     for rows in (0, 1, 2, 3, 5, 7):
@@ -253,6 +257,7 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
         x[:, :32] = 0                                             # a block of zeros: amax 0
         y = call(x)
         assert y.dtype == torch.float32 and y.shape == (rows, n)
+        assert torch.equal(twin(x), y)         # the op's C++ kernel and its Python twin: the same call
         y = y.double().numpy()
         xf = x.double().numpy()
         q, d = activation_blocks(xf)
@@ -266,6 +271,13 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
         if rows:
             alone = np.concatenate([call(x[i:i + 1]).numpy() for i in range(rows)])
             assert np.array_equal(alone, y.astype(np.float32))
+
+
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)) or not shutil.which("g++"),
+                    reason="no AVX512-VNNI kernels on this CPU, or no g++")
+def test_the_ops_reach_the_kernels_from_cpp_where_a_compiler_is_found():
+    """A compiled graph calls the ops without Python: their kernels are C++ wherever g++ is found."""
+    assert cpu_kernels.ops_route() == "C++"
 
 
 @pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")

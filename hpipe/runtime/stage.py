@@ -394,8 +394,9 @@ def graph_plan(runner) -> dict[int, tuple]:
 
 def _warm_marks(runner) -> list[Path]:
     """One file per graph of the stage beside inductor's artifacts, named by what the graph bakes in:
-    torch's and hpipe's versions, the function's code, its modules' signature, the attention
-    implementation, the KV page size (what the traced cache reads) and the thread count (inductor
+    torch's and hpipe's versions, the function's code and the cache's it traces (`write_read`: the
+    pool's layout), its modules' signature, the attention implementation, the KV page size and the
+    thread count (inductor
     builds its C++ kernels for one: a stage of 1 thread missed a 2-thread warmup's artifacts and
     compiled for 40 s at its start), the decode steps warm-up runs (a mark made by a warm-up of
     fewer shapes does not count) and `DYNAMO_SETTINGS`."""
@@ -408,7 +409,8 @@ def _warm_marks(runner) -> list[Path]:
     marks = []
     shapes = decode_shapes(WARM_TOKENS, runner.kv.page_size)
     for fn, key in graph_plan(runner).values():
-        text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, key, runner.attn_implementation,
+        text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, BatchCache.write_read.__code__.co_code,
+                     key, runner.attn_implementation,
                      runner.kv.page_size, torch.get_num_threads(), shapes, DYNAMO_SETTINGS))
         marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
     return marks
