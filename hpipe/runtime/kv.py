@@ -1,15 +1,16 @@
 """The KV cache of one stage: fixed-size pages from one pool (gLLM §3.3, vLLM's paged attention).
 
-Storage, per attention layer: one tensor [kv_heads, pages * page_size, head_dim] for keys and one
+Storage, per attention layer: one tensor [kv_heads, pages, page_size, head_dim] for keys and one
 for values, head-major, so that each head's context is contiguous where attention reads it: torch's
 CPU flash kernel packs every block of keys it multiplies, and a position-major pool ([pages,
 page_size, kv_heads, head_dim]) made that a strided gather (a decode step's attention, one thread,
 SmolLM2's 9/3 heads: 50 -> 40 us a layer at 320 positions, 197 -> 147 at 1,000; the 1B shape's
 32/8 at 2 threads: 74 -> 61, 266 -> 207). Which page holds which position is
 `hpipe.runtime.pages`' bookkeeping; here a flat index `page * page_size + row` addresses a
-position along dim 1: writing a micro-batch's new keys is one `index_copy_` per layer, reading a
-sequence's context one `index_select`. A segment without pages (profiling, benchmarks, unit tests) uses the store's own
-table per slot, grown on demand, which gives the old one-slot-per-sequence behaviour.
+position in the layer's [kv_heads, pages * page_size, head_dim] view: writing a micro-batch's
+new keys is one `index_copy_` per layer, reading a sequence's context one `index_select`. A
+segment without pages (profiling, benchmarks, unit tests) uses the store's own table per slot,
+grown on demand, which gives the old one-slot-per-sequence behaviour.
 
 `BatchCache` is what transformers' attention modules see as `past_key_values` for one micro-batch:
 its `update(keys, values, layer_idx)` writes the new keys of every segment into their pages and
@@ -52,9 +53,8 @@ class KVStore:
         with torch.inference_mode(False):
             for store in (self.keys, self.values):
                 for layer, old in store.items():
-                    heads, _, d = old.shape
-                    new = self._marked(old.new_zeros((heads, pages * self.page_size, d)))
-                    n = min(pages, self.pages) * self.page_size
+                    new = self._marked(old.new_zeros((old.shape[0], pages, *old.shape[2:])))
+                    n = min(pages, self.pages)
                     new[:, :n] = old[:, :n]
                     store[layer] = new
         self.pages = pages
@@ -77,16 +77,18 @@ class KVStore:
 
     def _layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
-            shape = (like.shape[1], self.pages * self.page_size, like.shape[3])
+            shape = (like.shape[1], self.pages, self.page_size, like.shape[3])
             with torch.inference_mode(False):    # plain tensors, which a compiled decode step may write
                 self.keys[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
                 self.values[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
         return self.keys[layer], self.values[layer]
 
     def keep_page_shape_static(self) -> None:
-        """Tells torch.compile that the KV heads and the head size (dims 0 and 2 of every layer's
-        tensors, now and later) never change; the pool's length may (warm-up's pool is smaller than a
-        run's). Compiled decode steps read the pool. With those dims dynamic, dynamo's
+        """Tells torch.compile that the KV heads, a page's tokens and the head size (dims 0, 2 and 3
+        of every layer's tensors, now and later) never change; the number of pages may (warm-up's
+        pool is smaller than a run's: with the pool's length one dynamic dim, pages times tokens, the
+        graphs `hpipe warmup` compiled missed a run's pool and compiled again, 17 s at its start).
+        Compiled decode steps read the pool. With those dims dynamic, dynamo's
         duck shaping gave a batch's row count the symbol of an equal one (3 rows and SmolLM2's 3 KV
         heads) and baked it in with that one: a graph traced at 3 rows guarded rows == 3, and every
         other batch size compiled again mid-run (5-10 s a graph here)."""
@@ -96,7 +98,7 @@ class KVStore:
 
     def _marked(self, t: torch.Tensor) -> torch.Tensor:
         if self.static_page_shape:      # torch._dynamo is loaded by then (importing it costs ~0.9 s)
-            for dim in (0, 2):
+            for dim in (0, 2, 3):
                 torch._dynamo.mark_static(t, dim)
         return t
 
@@ -148,7 +150,8 @@ class BatchCache:
     def write_read(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor,
                    value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes the new keys and values into one layer's pages; returns what its attention reads."""
-        heads, d = keys.shape[0], keys.shape[2]
+        heads, d = keys.shape[0], keys.shape[3]
+        keys, values = keys.view(heads, -1, d), values.view(heads, -1, d)
         keys.index_copy_(1, self._write, key_states.transpose(0, 1).reshape(heads, -1, d))
         values.index_copy_(1, self._write, value_states.transpose(0, 1).reshape(heads, -1, d))
         if self._span is not None:            # one sequence: [1, heads, K, d] in place

@@ -56,7 +56,8 @@ class StaticKV:
         return LayerKV(self, self.store.keys[layer_idx], self.store.values[layer_idx])
 
     def write_read(self, keys, values, key_states, value_states):
-        heads, d = keys.shape[0], keys.shape[2]
+        heads, d = keys.shape[0], keys.shape[3]
+        keys, values = keys.view(heads, -1, d), values.view(heads, -1, d)
         keys.index_copy_(1, self.write, key_states[:, :, 0].transpose(0, 1))
         values.index_copy_(1, self.write, value_states[:, :, 0].transpose(0, 1))
         return (keys.index_select(1, self.read).view(heads, self.rows, self.capacity, d).transpose(0, 1),
