@@ -147,7 +147,9 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     in one line what would compile it; `hpipe warmup` compiles the model's graphs once (a run of
     whole blocks, one whole block, and the halves of a block cut between stages) into inductor's
     cache, for the thread count the launch gives each stage; the same launch
-    then runs them (its summary says so) and gives the eager launch's tokens."""
+    then runs them (its summary says so) from the cache, compiling nothing new (a warm-up whose pool
+    differed from the run's once missed every graph: the KV pool's shape), and gives the eager
+    launch's tokens."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}     # this test's own cache
     path = str(tiny_models["llama"])
     plan, prompts = tmp_path / "plan.json", tmp_path / "p.jsonl"
@@ -175,8 +177,11 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     threads = str(threads_per_stage(["cpu", "cpu"])[0])          # what the launch gives each of its 2 stages
     warmed = hpipe("warmup", "--model", path, "--threads", threads).stdout
     assert "4 decode graphs compiled" in warmed and f"{threads} threads" in warmed     # 4 blocks, 1 block, 2 halves
+    graphs = lambda: set((tmp_path / "inductor" / "fxgraph").rglob("*"))     # noqa: E731 - inductor's compiled graphs
+    before = graphs()
     hint, compiled, tokens = launch("warm")
     assert compiled == (True, False) and not hint
+    assert graphs() == before, "the warm launch compiled graphs the warmup had not"
     for i, prompt in enumerate(prompt_ids):       # inductor's sums are not eager's bit for bit: near-ties aside
         assert_greedy_equal(reference_models["llama"], prompt, tokens[f"p{i}"], eager_tokens[f"p{i}"])
 
