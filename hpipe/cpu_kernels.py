@@ -187,6 +187,7 @@ def _cpp_ops() -> str | None:
     if compiler is None:
         return "no C++ compiler found: install g++"
     root = Path(torch.__file__).parent
+    # -DHPIPE_TORCH: torch's version in the build's cache key (the source does not read it)
     flags = ("-O2", "-std=c++17", "-fPIC", "-shared", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DHPIPE_TORCH={torch.__version__}",
              f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}")

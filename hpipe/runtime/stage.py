@@ -396,10 +396,9 @@ def _warm_marks(runner) -> list[Path]:
     """One file per graph of the stage beside inductor's artifacts, named by what the graph bakes in:
     torch's and hpipe's versions, the function's code and the cache's it traces (`write_read`: the
     pool's layout), its modules' signature, the attention implementation, the KV page size and the
-    thread count (inductor
-    builds its C++ kernels for one: a stage of 1 thread missed a 2-thread warmup's artifacts and
-    compiled for 40 s at its start), the decode steps warm-up runs (a mark made by a warm-up of
-    fewer shapes does not count) and `DYNAMO_SETTINGS`."""
+    thread count (inductor builds its C++ kernels for one: a stage of 1 thread missed a 2-thread
+    warmup's artifacts and compiled for 40 s at its start), the decode steps warm-up runs (a mark
+    made by a warm-up of fewer shapes does not count) and `DYNAMO_SETTINGS`."""
     import hashlib
 
     import hpipe
