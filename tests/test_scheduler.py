@@ -246,11 +246,15 @@ def test_prefix_caching_reads_every_sequences_own_tokens(docs, picks, n_stages, 
             if at == step and seq < len(requests) and seq not in finished and sched.abort(seq) is not None:
                 aborted.add(seq)
                 finished[seq] = None
+        # what runs in the pipeline: what entered it, and what is committed with all its inputs known
+        assert sched.running() == len(pipe) + sum(sched.input_ids(c) is not None for c in committed)
         mb = sched.next_microbatch()
         if mb is not None:
+            mb.underfilled = step % 3 == 0
             header, body, payload = encode(mb, page_size, with_requests=False)
             other = decode(header, body, payload, table, requests.__getitem__)
             assert [s.pages for s in other.segments] == [s.pages for s in mb.segments], "stage 1 follows stage 0"
+            assert other.underfilled == mb.underfilled
             committed.append(mb)
             continue
         if committed and (tokens := sched.input_ids(committed[0])) is not None:
@@ -315,3 +319,34 @@ def test_a_prompt_that_runs_alone_is_sliced_as_the_plan_slices_it_whatever_waits
     alone = prefill_lengths([first])
     assert alone == slicing.slices_for(40) and len(alone) == 3
     assert prefill_lengths([first, Request(1, "b", tuple(range(1, 300)), max_new_tokens=4)]) == alone
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.booleans(), max_size=12), st.booleans())
+def test_a_stage_takes_its_schedules_in_order_whoever_receives_them(flags, yields):
+    """Stages 1..N-1 (`pipeline.Source`): after a schedule that says the pipeline is underfilled, a
+    CPU stage's compute thread receives the next one itself; the thread takes over again after one
+    that does not. Every schedule comes out once, in order, then the stop; the compute thread
+    received exactly those that follow an underfilled one."""
+    import threading
+    from types import SimpleNamespace
+
+    from hpipe.runtime.pipeline import Source, Work, _get
+    from hpipe.runtime.schedule import Schedule
+
+    arriving = [Schedule(i, [], underfilled=f) for i, f in enumerate(flags)] + [Schedule.end()]
+    by = []
+
+    def receive(versions):
+        schedule = arriving.pop(0)
+        by.append(threading.current_thread().name)
+        return None if schedule.stop else Work(schedule)
+
+    errors = []
+    source = Source(SimpleNamespace(transport=SimpleNamespace(receive=receive), errors=errors), None, yields)
+    got = []
+    while (work := _get(source, errors)) is not None:
+        got.append(work.schedule.id)
+    assert got == list(range(len(flags))) and not arriving
+    inline = [yields and f for f in [False] + flags]
+    assert [name != "hpipe-source" for name in by] == inline

@@ -36,7 +36,7 @@ from hpipe.runtime.pages import PageTable, Segment, added_pages, microbatch_kind
 
 __all__ = ["FRESH_PER_SCHEDULE", "HEADER_LEN", "SEGMENT_FIELDS", "Schedule", "body_capacity", "decode", "encode"]
 
-HEADER_LEN = 8
+HEADER_LEN = 9
 SEGMENT_FIELDS = 11
 FRESH_PER_SCHEDULE = 2      # segments that carry a whole page table (after a cached prefix) per schedule
 OP_WORK, OP_STOP = 1, 2
@@ -54,6 +54,8 @@ class Schedule:
     tokens: list[int] | None = None   # stage 0 only, not sent: the input ids (None while a decode token is out)
     prompt_ids: list[int] = field(default_factory=list)   # stage 0 only: its prefill segments' ids, in order
     t: float = 0.0                    # stage 0 only: when it was committed
+    underfilled: bool = False         # fewer micro-batches ran in the pipeline than it has stages when this
+                                      # was committed: every stage waits between its forwards
 
     # its segments never change once decided: what follows from them is computed once
     @cached_property
@@ -118,7 +120,8 @@ def encode(schedule: Schedule, page_size: int, with_requests: bool) -> tuple[lis
             if with_requests and schedule.admitted else b""
         n_admitted, n_payload = len(schedule.admitted), len(payload)
     n_pages = sum(len(a) for a in added)
-    header = [op, mb_id, len(schedule.segments), n_pages, len(schedule.released), n_admitted, n_payload, len(body)]
+    header = [op, mb_id, len(schedule.segments), n_pages, len(schedule.released), n_admitted, n_payload, len(body),
+              int(schedule.underfilled)]
     return header, body, payload
 
 
@@ -154,10 +157,11 @@ def decode(header: list[int], body: list[int], payload: bytes, table: PageTable,
     released = [(body[at + 2 * i], body[at + 2 * i + 1]) for i in range(n_released)]
     at += 2 * n_released
     indices = body[at:at + n_admitted]
+    stop, underfilled = op == OP_STOP, bool(header[8])
     if payload:
         return Schedule(mb_id, segments, [Request.from_json(d) for d in json.loads(payload.decode())], released,
-                        stop=op == OP_STOP)
+                        stop=stop, underfilled=underfilled)
     if requests is not None:
-        return Schedule(mb_id, segments, [requests(i) for i in indices], released, stop=op == OP_STOP)
-    return Schedule(mb_id, segments, [], released, stop=op == OP_STOP, passed=tuple(indices),
-                    passed_bytes=payload_len(header))
+        return Schedule(mb_id, segments, [requests(i) for i in indices], released, stop=stop, underfilled=underfilled)
+    return Schedule(mb_id, segments, [], released, stop=stop, passed=tuple(indices),
+                    passed_bytes=payload_len(header), underfilled=underfilled)

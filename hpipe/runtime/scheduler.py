@@ -475,6 +475,11 @@ class Scheduler:
         return segments, ids
 
     # ------------------------------------------------------------------ ids in
+    def running(self) -> int:
+        """The micro-batches in flight whose inputs are all known: in the pipeline, or entering it
+        (the others wait for a token that is still out)."""
+        return sum(self.input_ids(s) is not None for s in self.inflight.values())
+
     def input_ids(self, schedule: Schedule) -> list[int] | None:
         """The micro-batch's input ids, or None while a decode step's token is still in flight. A
         decode step of a sequence that stopped in the meantime gets a dummy id (its output is

@@ -387,7 +387,8 @@ class StageWorker:
         modes = Modes(tsem=config.tsem, sat=config.sat, prepare_thread=prepare_thread,
                       sampler_thread=config.tsem and device.type == "cuda",
                       sampling=choose_sampling(config.sampling, self.stage_plan.device, self.world),
-                      cuda_graphs=config.cuda_graphs and device.type == "cuda")
+                      cuda_graphs=config.cuda_graphs and device.type == "cuda",
+                      turns=self.world > 1 and device.type == "cpu")
         static = config.static_decode == "on" or (config.static_decode == "auto" and modes.cuda_graphs)
         self.grouped = self.seat is not None and not runs_plain(self.seat.group, config.sidp_mode)
         why = "a SiDP replica's MLP halves run through WaS or CaS" if self.grouped else unsupported(self.runner)
