@@ -83,7 +83,7 @@ class Turn:
     moment its inputs are in hand until its output has gone on; where the pipeline is underfilled
     (`Driver._underfilled`: stage 0 waits for the next ids anyway) the scheduler commits in
     between. A full pipeline has no such wait: there the commit overlaps the forward (8 streams
-    through 3 stages: 8 % more tokens a second than committing in between). Without `yields`
+    through 3 stages: 9 % more tokens a second than committing in between). Without `yields`
     (one stage; a GPU stage, whose forward runs on the device) nothing waits. `cond` is the
     driver's lock."""
 
