@@ -264,9 +264,7 @@ class StructureAware:
         ex = self.ex
         while (schedule := _get(driver.expected, ex.errors)) is not None:
             _, _, ids = comm.recv_tokens(ex.groups, ex.world - 1, len(schedule.sampled))
-            t = time.time()
             driver.take_ids(schedule.id, ids)
-            ex.timeline.add("ids", t, time.time())
 
 
 class WithHeaders:
@@ -592,7 +590,6 @@ class Driver:
         self.turn = Turn(ex.modes.turns)
         self.cond = self.turn.cond       # the scheduler's lock is the turn's: ids handed over and the turn taken at once
         self.waiting: Schedule | None = None     # the micro-batch the compute thread waits for the ids of
-        self.handed: list[int] | None = None     # and its input ids, once the back thread has them
         self.committed: queue.Queue = queue.Queue()     # to prepare/compute, in order
         self.expected: queue.Queue = queue.Queue()      # SAT: micro-batches whose ids come back, in order
         self.pending = comm.Pending()
@@ -623,10 +620,9 @@ class Driver:
     def take_ids(self, mb_id: int, ids: list[int]) -> None:
         with self.cond:
             finished = self.sched.on_sampled(mb_id, ids)
-            if self.waiting is not None:        # hand the compute thread its ids and its turn, before the
-                self.handed = self.sched.input_ids(self.waiting)   # scheduler (woken too) can start
-                if self.handed is not None:
-                    self.turn.take()
+            # the compute thread's turn starts with its ids, before the scheduler (woken too) can start
+            if self.waiting is not None and self.sched.input_ids(self.waiting) is not None:
+                self.turn.take()
             self.reports.flush_tokens()          # a request's tokens before its result
             for seq in finished:
                 self.reports.result(seq)
@@ -668,11 +664,11 @@ class Driver:
         thread's turn starts with them."""
         with self.cond:
             self.waiting = schedule
-            while (ids := self.handed or self.sched.input_ids(schedule)) is None:
+            while (ids := self.sched.input_ids(schedule)) is None:
                 self.cond.wait(timeout=0.1)
                 if self.errors:
                     raise self.errors[0]
-            self.waiting = self.handed = None
+            self.waiting = None
             self.turn.take()
             return ids
 
