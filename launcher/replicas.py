@@ -3,7 +3,8 @@
 Every replica is a one-stage pipeline (the plan's stage for it, `--replica`) started as `hpipe
 serve` starts its stages, taking requests on stage 0's stdin; one dispatcher hands the job's
 requests out so that no replica idles while another has a queue (a request goes to the least
-loaded replica with room under its --max-batch, the rest wait), and every result is appended to
+loaded replica with room under its --max-batch, ties to the one that has taken fewer, the rest
+wait), and every result is appended to
 the results file as it finishes (`--resume` skips them). On a CPU host the replicas map one copy
 of the weights (the packed cache or the safetensors file, read-only), and each replica's resident
 weights are shared pages (Pss = 1/d of them); the CPU's cores are split among the replicas. The
@@ -183,10 +184,14 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
     tokens = 0
     last_line = 0.0
 
+    taken = [0] * len(clients)          # requests handed to each replica so far
+
     def pick() -> int | None:
-        loads = [(c.load() / max(1, c.max_batch), r) for r, c in enumerate(clients)
+        # ties go to the replica that has taken fewer: where the event loop runs late (a loaded machine)
+        # and a short request ends before the next is handed out, the lower index would take them all
+        loads = [(c.load() / max(1, c.max_batch), taken[r], r) for r, c in enumerate(clients)
                  if c.failure is None and r not in restarting and c.load() < c.max_batch]
-        return min(loads)[1] if loads else None
+        return min(loads)[-1] if loads else None
 
     causes: list[str] = []
 
@@ -241,6 +246,7 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
                     raise HpipeError(f"every replica was lost ({'; '.join(causes)}); rerun with --resume to finish")
                 r = pick()
                 handle = clients[r].submit_request(request, loop)
+                taken[r] += 1
             kind, value, _ = await handle.queue.get()     # no output assembled: the end or an error alone
             if kind != "error":
                 break

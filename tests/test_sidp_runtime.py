@@ -4,6 +4,7 @@ mid-job stops the job with its name while finished results stay for --resume."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -13,13 +14,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import VOCAB, assert_greedy_equal, reference_greedy
-from hpipe import formats
+from hpipe import formats, protocol
 from hpipe.cli import main
+from hpipe.launcher.replicas import ReplicaReport, _dispatch
+from hpipe.launcher.serving import Handle
+from hpipe.request import Request
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +58,7 @@ def fetching_plan(path, tmp_path, threshold: int):
 def prompts_file(tmp_path, n: int, seed: str, tail: int | None = None):
     """`n` prompts, greedy and seeded in turn; with `tail`, the first two are greedy and generate that
     many tokens (the others --max-new-tokens). The dispatcher hands them to two replicas (the least loaded
-    first, ties to the lower index), so each replica's share ends with one sequence of its own,
+    first, ties to the one that has taken fewer, then the lower index), so each replica's share ends with one sequence of its own,
     whatever the timing: a tail that went to the faster replica alone (the last prompt's, once)
     could end while the other, starved on a loaded machine, still ran its bulk at the threshold."""
     rng = random.Random(seed)
@@ -71,6 +76,33 @@ def prompts_file(tmp_path, n: int, seed: str, tail: int | None = None):
 
 def results(path) -> dict:
     return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+class EndsAtOnce:
+    """A replica whose requests end before the dispatcher hands out the next one: what a loaded
+    machine's event loop, running late behind a tiny model, sees of a real one."""
+
+    def __init__(self):
+        self.job = SimpleNamespace(plan=SimpleNamespace(stages=[SimpleNamespace(host="local", device="cpu")]))
+        self.max_batch, self.failure, self.on_failure = 2, None, None
+        self.output = SimpleNamespace(peers_lost=set())
+
+    def load(self) -> int:
+        return 0
+
+    def submit_request(self, request, loop):
+        handle = Handle(request, loop, asyncio.Queue())
+        handle.result = protocol.Result(request.index, [7], "length", len(request.input_ids), None, 0.0, None, None)
+        handle.queue.put_nowait(("finish", "length", ()))
+        return handle
+
+
+def test_the_dispatcher_spreads_requests_that_end_before_the_next_is_handed_out(tmp_path):
+    clients = [EndsAtOnce(), EndsAtOnce()]
+    job = SimpleNamespace(requests=[Request(i, f"p{i}", (3, 4, 5), max_new_tokens=1) for i in range(8)], tokenizer=None)
+    report = ReplicaReport()
+    asyncio.run(_dispatch(clients, job, str(tmp_path / "out.jsonl"), report, lambda msg: None, time.time()))
+    assert [r["requests"] for r in report.replicas] == [4, 4]
 
 
 def test_replicas_give_the_pipelines_tokens_and_share_the_weights(tiny_models, reference_models, tmp_path):
