@@ -32,18 +32,35 @@ import hashlib
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpipe.config import cache_dir
 
-__all__ = ["cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops",
-           "ops_route", "SOURCE", "OPS_SOURCE"]
+__all__ = ["Variant", "VARIANTS", "variant_here", "cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops",
+           "ops_route", "OPS_SOURCE"]
 
-SOURCE = Path(__file__).with_name("kernels") / "vnni.c"
-OPS_SOURCE = SOURCE.with_name("ops.cpp")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c")      # /proc/cpuinfo names
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mf16c",
-          "-fopenmp", "-fPIC", "-shared")
+
+@dataclass(frozen=True)
+class Variant:
+    """One build of the kernels: its source, the CPU flags it needs (/proc/cpuinfo names) and the
+    compiler's."""
+    name: str
+    source: Path
+    cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+_KERNELS = Path(__file__).with_name("kernels")
+_COMMON = ("-O3", "-fopenmp", "-fPIC", "-shared")
+# the first whose flags the CPU has: AVX-512 (VNNI's fused dot products), else AVX2 (the same
+# arithmetic in two instructions, vpmaddwd and an add)
+VARIANTS = (
+    Variant("AVX512-VNNI", _KERNELS / "vnni.c", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "f16c"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mfma", "-mf16c", *_COMMON)),
+    Variant("AVX2", _KERNELS / "avx2.c", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", *_COMMON)),
+)
+OPS_SOURCE = _KERNELS / "ops.cpp"
 ENV = "HPIPE_CPU_KERNELS"
 OPS_ENV = "HPIPE_CPU_OPS"        # "python": the ops' Python kernels (tests compare the two routes)
 
@@ -85,18 +102,18 @@ def kernels() -> tuple[object | None, str]:
     torch_ops = "torch's int4/int8 kernels, bf16 activations"
     if os.environ.get(ENV, "").lower() == "torch":
         return None, f"{torch_ops} ({ENV}=torch)"
-    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        return None, f"{torch_ops} (this CPU lacks {', '.join(missing)})"
+    variant = variant_here()
+    if variant is None:
+        return None, f"{torch_ops} (this CPU has neither {' nor '.join('/'.join(v.cpu_flags) for v in VARIANTS)})"
     compiler = next((c for c in (os.environ.get("CC"), "gcc", "cc", "clang") if c and shutil.which(c)), None)
     if compiler is None:
-        return None, f"{torch_ops} (no C compiler found for the VNNI kernels: install gcc)"
+        return None, f"{torch_ops} (no C compiler found for the {variant.name} kernels: install gcc)"
     import torch          # its libgomp first: the library's OpenMP binds to the same runtime
 
     try:
-        lib = ctypes.CDLL(str(_build(compiler, SOURCE, CFLAGS, "vnni")))
+        lib = ctypes.CDLL(str(_build(compiler, variant.source, variant.cflags, variant.source.stem)))
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{torch_ops} (building the VNNI kernels with {compiler} failed: {_failure(e, compiler)})"
+        return None, f"{torch_ops} (building the {variant.name} kernels with {compiler} failed: {_failure(e, compiler)})"
     del torch
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, i32]
@@ -104,7 +121,12 @@ def kernels() -> tuple[object | None, str]:
     lib.hpipe_int4_mm.restype = lib.hpipe_int8_mm.restype = i32
     lib.hpipe_int4_dequant.argtypes = [p, p, i32, i64, i64, i64, i64, p, i32]
     lib.hpipe_int8_dequant.argtypes = [p, p, i32, i64, i64, i64, p, i32]
-    return lib, "int4/int8 codes x 16-bit activations per block of 32 (AVX512-VNNI)"
+    return lib, f"int4/int8 codes x 16-bit activations per block of 32 ({variant.name})"
+
+
+def variant_here() -> Variant | None:
+    """The kernels' build this CPU runs (None: neither)."""
+    return next((v for v in VARIANTS if all(f in cpu_flags() for f in v.cpu_flags)), None)
 
 
 def _rows(x):

@@ -564,8 +564,10 @@ def _packed_dir(source: ModelSource, weights, device_type: str) -> Path:
     files = [source.gguf] if source.gguf is not None else sorted(source.path.glob("*.safetensors"))
     key = hashlib.sha256("|".join(_file_key(f) for f in files).encode()).hexdigest()[:16]
     stem = source.gguf.stem if source.gguf is not None else source.path.name
+    # a CPU packing other than the kernels' (torch's own, where they cannot run) is kept apart
+    layout = "" if device_type != "cpu" or quant.cpu_int4_layout() == quant.BLOCKED else f"-{quant.cpu_int4_layout()}"
     return cache_dir() / "packed" / f"{stem}-{key}" / \
-        f"{str(weights).replace(':', '-')}-{device_type}-v{quant.PACK_VERSION}"
+        f"{str(weights).replace(':', '-')}-{device_type}{layout}-v{quant.PACK_VERSION}"
 
 
 def _load_quantized(model, source: ModelSource, config, units: range, device: str, tdtype, weights) -> None:

@@ -56,7 +56,7 @@ from hpipe import cpu_kernels
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
-           "ROW_PATHS", "row_paths", "DENSE_PROMPT", "path_switches",
+           "ROW_PATHS", "row_paths", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked",
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 
@@ -179,14 +179,49 @@ def dense_gemm(device_type: str) -> bool:
     """Whether many-row linears on `device_type` go through bf16 GEMMs on dequantized chunks: a CPU
     with bf16 matrix units (elsewhere oneDNN emulates bf16 and the kernels stay faster) whose int4
     packing is the blocked layout `Int4Linear.dense` reads, checked once on a probe."""
-    return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & cpu_kernels.cpu_flags()) and _blocked_int4_layout()
+    return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & cpu_kernels.cpu_flags()) and \
+        cpu_int4_layout() == BLOCKED
+
+
+BLOCKED = "blocked64"
 
 
 @functools.cache
-def _blocked_int4_layout() -> bool:
-    """torch's CPU int4 packing (AVX512 build): [N, K] codes -> [N/64, K, 32] bytes, the low nibble
-    row j and the high nibble row j + 32 of each block of 64 rows. Checked, not assumed: another
-    build packs otherwise, and then the kernels serve every size."""
+def cpu_int4_layout() -> str:
+    """How this process packs int4 codes on the CPU: `BLOCKED` ([N/64, K, 32] bytes, the low nibble
+    row j and the high nibble row j + 32 of each block of 64 rows), what the kernels of
+    `hpipe.cpu_kernels` read and `pack_blocked` writes, and torch's own packing on an AVX512 build;
+    or, where neither kernels nor that packing are here, torch's other packing (its AVX2 build
+    packs blocks of 32 rows), named by torch's CPU capability. The packed cache keeps them apart."""
+    if cpu_kernels.kernels()[0] is not None or _torch_packs_blocked():
+        return BLOCKED
+    import torch
+
+    return f"torch-{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def pack_blocked(u: "torch.Tensor") -> "torch.Tensor":
+    """int4 codes [N, K] (N whole blocks of 64) -> the `BLOCKED` layout's bytes, [N / 64, K, 32] held
+    as [N, K / 2] uint8 (the shape of torch's packing)."""
+    import torch
+
+    n, k = u.shape
+    halves = u.to(torch.uint8).view(n // 64, 2, 32, k)
+    return (halves[:, 0] | halves[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
+
+
+def unpack_blocked(packed: "torch.Tensor") -> "torch.Tensor":
+    """`pack_blocked`'s inverse: [N, K / 2] uint8 -> int32 codes [N, K]."""
+    import torch
+
+    n, k = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.view(n // 64, k, 32)
+    return torch.stack([blocks & 15, blocks >> 4], 1).transpose(2, 3).reshape(n, k).to(torch.int32)
+
+
+@functools.cache
+def _torch_packs_blocked() -> bool:
+    """Whether torch's own CPU int4 packing is `BLOCKED` (its AVX512 build). Checked, not assumed."""
     import torch
 
     codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
@@ -202,7 +237,7 @@ def vnni_kernel(device_type: str, kind: str, shape: tuple[int, int]) -> bool:
     scales and zeros `pack` keeps in the same blocks); their ops registered on the way."""
     n, k = shape
     if device_type != "cpu" or k % 32 or cpu_kernels.kernels()[0] is None or \
-            (kind == "int4" and (n % 64 or not _blocked_int4_layout())):
+            (kind == "int4" and n % 64):
         return False
     cpu_kernels.ops()
     return True
@@ -536,7 +571,7 @@ def int4_rows_gatherable(n: int, device_type: str) -> bool:
     """Whether an embedding can look its rows up in the int4 packing of an [n, K] table (and so
     share it with a tied head): CUDA's two codes per byte always, the CPU's blocked layout when
     the table is whole blocks of 64 rows."""
-    return device_type == "cuda" or (n % 64 == 0 and _blocked_int4_layout())
+    return device_type == "cuda" or (n % 64 == 0 and cpu_int4_layout() == BLOCKED)
 
 
 def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu",
@@ -577,8 +612,12 @@ def pack(weight: Affine | np.ndarray, fmt: WeightFormat, device_type: str = "cpu
         else:                                             # (s, z) pairs; in the kernel's blocks of 64 there
             sz = torch.from_numpy(np.ascontiguousarray(np.stack([s.T, z.T], axis=-1))).to(torch.bfloat16)
             sz = blocked_scales(sz) if vnni else sz
-        packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8) if device_type == "cuda" else \
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+        if device_type == "cuda":
+            packed = (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8)
+        elif cpu_int4_layout() == BLOCKED and u.shape[0] % 64 == 0:
+            packed = pack_blocked(u)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
         return {"int4": packed, "scales_zeros": sz}
     if isinstance(weight, Affine) and weight.bits == 8 and weight.group == 32 and weight.offset is None and \
             vnni_kernel(device_type, "int8", tuple(weight.codes.shape)):
@@ -657,6 +696,8 @@ def _module_classes():
             vnni = vnni_kernel(packed.device.type, "int4", (self.out_features, self.in_features))
             if vnni != in_blocks:
                 scales_zeros = blocked_scales(scales_zeros) if vnni else flat_scales(scales_zeros)
+                if in_blocks and not packed.is_cuda and not _torch_packs_blocked():    # torch's own packing
+                    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_blocked(packed), 1)
             if packed.is_cuda:   # tinygemm's tiles: the widest inner-k tiling the input dimension allows
                 tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
                 packed = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
@@ -795,7 +836,7 @@ def _module_classes():
         """Rows of a 4-bit table, w = (u - 8) s + z as the int4 kernel reads them (float32 arithmetic
         on the bf16 s and z), gathered from the packing it shares with a tied Int4Linear head: the
         CPU's blocks of 64 rows (low nibbles rows 0-31, high nibbles rows 32-63, see
-        `_blocked_int4_layout`) or CUDA's two codes per byte."""
+        `BLOCKED`) or CUDA's two codes per byte."""
 
         def __init__(self, packed, scales_zeros, dtype):
             super().__init__()

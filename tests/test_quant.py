@@ -122,7 +122,7 @@ def test_int8_repacking_is_within_half_a_row_step(gguf_file, qtype):
     assert (np.abs(w_packed - w) <= step / 2 + 127 * U * step * (1 + U)).all()
 
 
-@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int8", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int8", (64, 64)), reason="no int4/int8 kernels (AVX512-VNNI or AVX2) on this CPU")
 def test_q8_0_keeps_the_files_own_weights_where_the_vnni_kernel_reads_them(gguf_file, monkeypatch):
     """Q8_0's codes and float16 block scales are packed as they are: the weights, and the rows an
     embedding looks up, are the gguf package's own dequantization exactly. A process on torch's ops
@@ -201,7 +201,7 @@ def activation_blocks(x: np.ndarray):
     return q, (amax / np.float32(32767)).astype(np.float64)
 
 
-@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no int4/int8 kernels (AVX512-VNNI or AVX2) on this CPU")
 @pytest.mark.parametrize("qtype,fmt,n,k", [(T.Q4_0, "gguf", 128, 2048), (T.Q4_1, "gguf", 192, 512),
                                            (T.Q4_K, "gguf", 128, 768),
                                            (None, "int4:64", 64, 256), (None, "int4:128", 320, 1024),
@@ -274,13 +274,13 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
 
 
 @pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)) or not shutil.which("g++"),
-                    reason="no AVX512-VNNI kernels on this CPU, or no g++")
+                    reason="no int4/int8 kernels (AVX512-VNNI or AVX2) on this CPU, or no g++")
 def test_the_ops_reach_the_kernels_from_cpp_where_a_compiler_is_found():
     """A compiled graph calls the ops without Python: their kernels are C++ wherever g++ is found."""
     assert cpu_kernels.ops_route() == "C++"
 
 
-@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no AVX512-VNNI kernels on this CPU")
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no int4/int8 kernels (AVX512-VNNI or AVX2) on this CPU")
 def test_a_symmetric_int4_packing_runs_on_torchs_kernel_too(monkeypatch):
     """Q4_0 packed for the VNNI kernel keeps no zeros; a process that runs torch's op on that cache
     (HPIPE_CPU_KERNELS=torch) gets them back as 0 and the float64 matmul's outputs within bf16's."""
