@@ -1,11 +1,13 @@
-"""The CPU's int4 and int8 matrix products with 16-bit activations (`kernels/vnni.c`), built at first use.
+"""The CPU's int4 and int8 matrix products with 16-bit activations, built at first use: `kernels/vnni.c`
+on AVX512-VNNI, `kernels/avx2.c` (the same arithmetic, `vpmaddwd` and an add) on AVX2 (`VARIANTS`).
 
 Decode at one or two threads is bound by the arithmetic per weight, not by reading the weights:
 torch's `_weight_int4pack_mm_for_cpu` converts every code to float (a 1B model's step reads its
 weights at ~35 GB/s of this machine's 65). llama.cpp multiplies 4-bit codes by 8-bit activations
 in integer dot products (AVX-512 VNNI); this kernel multiplies them by 16-bit activations (VNNI's
 `vpdpwssd`: an activation's rounding 2^-16 of its block's largest, 256 times finer than llama.cpp's),
-on the codes as torch's op packs them (`hpipe.quant.pack`; their scales in blocks of 64 outputs), 1.5-3x faster than that op at one row
+on the codes in blocks of 64 outputs as torch's AVX512 build packs them (`hpipe.quant.pack_blocked`;
+their scales in the same blocks), 1.5-3x faster than that op at one row (AVX2: 2.7-4x)
 (with 8-bit activations 2.5-4x, but SmolLM2's KL against float32 doubled: 0.0024 -> 0.0046, where
 16-bit gives 0.0018; llama.cpp 0.0028); and int8 weights with a scale per
 row, the layout `_weight_int8pack_mm` reads (GGUF's 8-bit types and embeddings, the heads tied to

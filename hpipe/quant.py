@@ -1,5 +1,5 @@
 """Weights kept quantized: GGUF files in their own 4/8-bit form, Hugging Face models quantized at
-load, run by PyTorch's weight-only kernels, or on a CPU with AVX512-VNNI by hpipe's own 16-bit-activation
+load, run by PyTorch's weight-only kernels, or on a CPU with AVX512-VNNI or AVX2 by hpipe's own 16-bit-activation
 kernels on the same layouts (`hpipe.cpu_kernels`).
 
 Three steps, each a small function:
@@ -56,7 +56,7 @@ from hpipe import cpu_kernels
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
-           "ROW_PATHS", "row_paths", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked",
+           "ROW_PATHS", "row_paths", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 
@@ -225,15 +225,13 @@ def _torch_packs_blocked() -> bool:
     import torch
 
     codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    blocks = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).view(2, 64, 32)
-    unpacked = torch.cat([blocks & 15, blocks >> 4], -1).transpose(1, 2).reshape(128, 64)
-    return torch.equal(unpacked.to(torch.int32), codes)
+    return torch.equal(unpack_blocked(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)), codes)
 
 
 def vnni_kernel(device_type: str, kind: str, shape: tuple[int, int]) -> bool:
     """Whether a `kind` ('int4' or 'int8') linear of `shape` [N, K] on `device_type` runs the VNNI
     kernels of `hpipe.cpu_kernels` (16-bit activations per block of 32, integer dot products) on the
-    codes as torch's op packs them (int4: its blocked packing, whole blocks of 64 outputs, whose
+    codes as `pack` packs them for it (int4: the `BLOCKED` layout, whole blocks of 64 outputs, whose
     scales and zeros `pack` keeps in the same blocks); their ops registered on the way."""
     n, k = shape
     if device_type != "cpu" or k % 32 or cpu_kernels.kernels()[0] is None or \
@@ -684,8 +682,8 @@ def _module_classes():
             return y
 
     class Int4Linear(WeightOnly):
-        """W in int4 groups: on a CPU with AVX512-VNNI the 16-bit-activation kernel of
-        `hpipe.cpu_kernels` (torch's packing, read as it is), else `_weight_int4pack_mm_for_cpu`;
+        """W in int4 groups: on a CPU with AVX512-VNNI or AVX2 the 16-bit-activation kernel of
+        `hpipe.cpu_kernels` (codes in the `BLOCKED` layout), else `_weight_int4pack_mm_for_cpu`;
         tinygemm's `_weight_int4pack_mm` on CUDA."""
 
         def __init__(self, packed, scales_zeros, bias=None):
@@ -752,7 +750,7 @@ def _module_classes():
             cpu_kernels.int4_dequant(self.packed, self.scales_zeros, self.group, a, w)
 
     class Int8Linear(WeightOnly):
-        """W int8 with one scale per output row: on a CPU with AVX512-VNNI the 16-bit-activation
+        """W int8 with one scale per output row: on a CPU with AVX512-VNNI or AVX2 the 16-bit-activation
         kernel of `hpipe.cpu_kernels` (activations per block of 32, as llama.cpp's Q8_0 dot
         products), else `_weight_int8pack_mm`.
         That op's results come rounded to bf16: logits on a grid of 2^-8 of their size. (Exact int32 sums

@@ -280,6 +280,23 @@ def test_the_ops_reach_the_kernels_from_cpp_where_a_compiler_is_found():
     assert cpu_kernels.ops_route() == "C++"
 
 
+def test_int4_codes_are_packed_in_the_kernels_blocked_layout_and_back():
+    """`pack_blocked` against the layout read byte by byte (block b, input k, byte j: output 64 b + j
+    in the low nibble, 64 b + j + 32 in the high one), the inverse, and torch's own packing where
+    torch packs the same blocks (its AVX512 build)."""
+    n, k = 192, 96
+    u = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    packed = quant.pack_blocked(u)
+    assert packed.shape == (n, k // 2) and packed.dtype == torch.uint8
+    blocks = packed.view(n // 64, k, 32).numpy().astype(np.int32)
+    codes = u.numpy()
+    b, kk, j = np.meshgrid(np.arange(n // 64), np.arange(k), np.arange(32), indexing="ij")
+    assert (blocks & 15 == codes[64 * b + j, kk]).all() and (blocks >> 4 == codes[64 * b + j + 32, kk]).all()
+    assert torch.equal(quant.unpack_blocked(packed), u)
+    if quant._torch_packs_blocked():
+        assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1), packed)
+
+
 @pytest.mark.skipif(not quant.vnni_kernel("cpu", "int4", (64, 64)), reason="no int4/int8 kernels (AVX512-VNNI or AVX2) on this CPU")
 def test_a_symmetric_int4_packing_runs_on_torchs_kernel_too(monkeypatch):
     """Q4_0 packed for the VNNI kernel keeps no zeros; a process that runs torch's op on that cache
