@@ -24,7 +24,7 @@ and each the best of --repeats (this machine is shared and noisy);
 
     python bench/quant.py [--files smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0]
                           [--formats gguf,int8,int4:32] [--shape-formats gguf,gguf@torch]
-                          [--threads 2] [--repeats 2]
+                          [--threads 2] [--repeats 2] [--out bench/results/quant.json]
 
 A file is `smollm2` (the default model's own Q4_1 file; every --formats variant and float32) or
 SHAPE-TYPE, a random-weight model of a real model's shape quantized by llama.cpp (bench/shapes.py:
@@ -33,7 +33,7 @@ with its own blocks (--shape-formats).
 llama.cpp's library: llama-cpp-python built against the binaries of ../shared/notes/peers.md
 (`CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install llama-cpp-python`, LLAMA_CPP_LIB_PATH=<build>/bin).
 
-Writes bench/results/quant.json.
+Writes bench/results/quant.json (--out), with the CPU's name and the kernels it ran.
 """
 
 from __future__ import annotations
@@ -65,6 +65,19 @@ def variant_env(variant: str) -> tuple[str, dict]:
     return variant, env
 
 PROMPT, NEW, PREFILL, WINDOW = 256, 128, 2048, 512
+
+
+def cpu_name() -> str:
+    """The CPU's model name, and whether it has AVX-512 (the kernels' build differs)."""
+    text = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    return f"{name}, {'AVX-512' if ' avx512f' in text else 'AVX2, no AVX-512' if ' avx2' in text else 'no AVX2'}"
+
+
+def kernels_line() -> str:
+    from hpipe import cpu_kernels
+
+    return cpu_kernels.kernels()[1]
 
 
 def model_path(name: str) -> Path:
@@ -327,6 +340,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quality-tokens", type=int, default=4096)
     ap.add_argument("--child", default=None)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant.json"))
     args = ap.parse_args()
     if args.child:
         fn = {"memory": lambda: child_hpipe_memory(args.files, args.formats, args.threads),
@@ -340,8 +354,8 @@ def main() -> None:
     bandwidth = read_bandwidth(args.threads)
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "threads": args.threads,
               "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "prompt": PROMPT, "new_tokens": NEW,
-              "prefill_tokens": PREFILL, "files": {}}
-    out = ROOT / "bench" / "results" / "quant.json"
+              "prefill_tokens": PREFILL, "cpu": cpu_name(), "kernels": kernels_line(), "files": {}}
+    out = Path(args.out)
     if out.exists():    # a run of some files keeps the others' entries (each has its date)
         report["files"] = {k: v for k, v in json.loads(out.read_text()).get("files", {}).items() if k not in files}
     for model in files:
