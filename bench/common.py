@@ -9,6 +9,19 @@ import sys
 from pathlib import Path
 
 
+def cpu_name() -> str:
+    """The CPU's model name, and whether it has AVX-512 (the kernels' build differs)."""
+    text = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    return f"{name}, {'AVX-512' if ' avx512f' in text else 'AVX2, no AVX-512' if ' avx2' in text else 'no AVX2'}"
+
+
+def kernels_line() -> str:
+    from hpipe import cpu_kernels
+
+    return cpu_kernels.kernels()[1]
+
+
 def prompt_ids(n: int) -> list[int]:
     """A fixed, non-repeating prompt of n token ids (no tokenizer needed)."""
     return [3 + (j * 31) % 30000 for j in range(n)]

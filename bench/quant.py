@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import hpipe, prompt_ids  # noqa: E402
+from bench.common import cpu_name, hpipe, kernels_line, prompt_ids  # noqa: E402
 
 TORCH_KERNELS = "@torch"          # a variant's suffix: torch's kernels (hpipe.cpu_kernels.ENV)
 
@@ -65,19 +65,6 @@ def variant_env(variant: str) -> tuple[str, dict]:
     return variant, env
 
 PROMPT, NEW, PREFILL, WINDOW = 256, 128, 2048, 512
-
-
-def cpu_name() -> str:
-    """The CPU's model name, and whether it has AVX-512 (the kernels' build differs)."""
-    text = Path("/proc/cpuinfo").read_text()
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
-    return f"{name}, {'AVX-512' if ' avx512f' in text else 'AVX2, no AVX-512' if ' avx2' in text else 'no AVX2'}"
-
-
-def kernels_line() -> str:
-    from hpipe import cpu_kernels
-
-    return cpu_kernels.kernels()[1]
 
 
 def model_path(name: str) -> Path:

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import hpipe, prompt_ids  # noqa: E402
+from bench.common import cpu_name, hpipe, kernels_line, prompt_ids  # noqa: E402
 from hpipe.net import free_port  # noqa: E402
 
 PROMPT, NEW, PREFILL = 256, 128, 2048
@@ -171,7 +171,8 @@ def main() -> None:
     typical = sorted(rounds, key=lambda row: row["hpipe"]["decode_ms"])[len(rounds) // 2]["hpipe"]
     ours.update(decode_ms=median_of("hpipe", "decode_ms"), prefill_s=median_of("hpipe", "prefill_s"),
                 per_token_ms=typical["per_token_ms"], start_to_end_s=typical["start_to_end_s"])
-    report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "file": path.name,
+    report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "cpu": cpu_name(),
+              "kernels": kernels_line(), "file": path.name,
               "stages": args.stages, "prompt": PROMPT, "new_tokens": NEW, "prefill_tokens": PREFILL,
               "hpipe_flags": args.extra or "(defaults)", "hpipe": ours,
               "llama.cpp rpc": {"decode_ms": median_of("llama.cpp", "decode_ms"),

@@ -80,7 +80,8 @@ def _build(compiler: str, source: Path, flags: tuple[str, ...], stem: str, input
            timeout: int = 120) -> Path:
     """The shared library for this source, these flags and inputs, compiled once (atomically:
     processes that start together each build their own temporary file and the last rename wins)."""
-    key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *flags, *inputs)).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))     # what the sources include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join((compiler, *flags, *inputs)).encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"{stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

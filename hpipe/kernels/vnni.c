@@ -27,13 +27,8 @@
  * per weight, and decode at one or two threads is bound by that work, not by reading memory.
  *
  * Rows of x are independent: a row gets the same bits whatever else is in the call. */
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
+#include "common.h"
 
-#define BLOCK 32              /* activation block: inputs per scale */
-#define QMAX 32767.0f         /* the activations' int16 range */
-#define ROWS 64               /* outputs per block of the packing */
 #define PF_BYTES 2048         /* codes prefetched this far ahead of the dot products (one block's stream) */
 #define MAX_TILE 2            /* rows of x sharing one pass over a block's codes */
 
@@ -64,21 +59,6 @@ static void quantize_row(const void *x, int x_bf16, int64_t k, int16_t *q, float
     }
 }
 
-/* The rows' quantized activations: q [m, k] int16, d and d * sum(q) [m, k / 32], one allocation. */
-typedef struct { int16_t *q; float *d, *dsum; } Activations;
-
-static int quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, Activations *a) {
-    const int64_t blocks = k / BLOCK;
-    a->q = malloc(sizeof(int16_t) * m * k + 2 * sizeof(float) * m * blocks + 64);
-    if (!a->q)
-        return -1;
-    a->d = (float *)(((uintptr_t)(a->q + m * k) + 63) & ~(uintptr_t)63);
-    a->dsum = a->d + m * blocks;
-    for (int64_t r = 0; r < m; ++r)
-        quantize_row((const char *)x + r * k * (x_bf16 ? 2 : 4), x_bf16, k, a->q + r * k, a->d + r * blocks,
-                     a->dsum + r * blocks);
-    return 0;
-}
 
 /* Even bytes (2 t of lane r) <- the code byte of row r (+16 for the second half of the 32 rows a
  * byte holds) at input k + t + 2 pair, from the 128 bytes of inputs k .. k + 3 (two registers);
@@ -94,14 +74,7 @@ static inline __m512i lanes_index(int half, int pair) {
     return _mm512_loadu_si512(idx);
 }
 
-enum { SCALES = 0, PAIRS = 1, SUPER = 2 };
-#define SUPER_INPUTS 256      /* inputs per SUPER block */
-#define SUPER_BYTES 1280      /* its scales for 64 outputs */
 
-/* Bytes of one block of 64 outputs' scales over K inputs. */
-static inline int64_t scale_bytes(int form, int64_t k, int64_t group) {
-    return form == SUPER ? k / SUPER_INPUTS * SUPER_BYTES : (k / group) * ROWS * (form == PAIRS ? 4 : 2);
-}
 
 /* SUPER, outputs 16 i .. 16 i + 15 of super-block `sb`: float16 d (which 0) or dmin (1); group j's
  * 6-bit sc (which 0) or mn (1). */
@@ -247,7 +220,6 @@ int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
  * One block of 32 inputs is one register of 32 int16 products summed in pairs (vpmaddwd), its
  * scales applied as it goes to float. */
 
-#define INT8_TILE 4           /* rows of x sharing one read of a weight row */
 
 static inline __attribute__((always_inline)) void int8_rows(
         const int tile, const int8_t *w, int64_t k, const int16_t *q, const float *d, const uint16_t *e,
@@ -290,57 +262,7 @@ static inline __attribute__((always_inline)) void int8_row_pair(
     *y1 = _mm512_reduce_add_ps(a1) * s1;
 }
 
-static inline float row_scale(const uint16_t *scales, int blocks_scaled, int64_t j) {
-    float scale = 1.0f;
-    if (!blocks_scaled) {
-        uint32_t bits = (uint32_t)scales[j] << 16;
-        __builtin_memcpy(&scale, &bits, 4);
-    }
-    return scale;
-}
-
-/* y [m, n] float32 = x [m, k] (float32, or bf16 when x_bf16) @ W^T, W int8 [n, k] with bf16 row
- * `scales` [n], or (`blocks_scaled` 1) float16 block scales [n, k / 32]; k a multiple of 32. Returns 0,
- * or -1 when out of memory. */
-int hpipe_int8_mm(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w,
-                  const uint16_t *scales, int blocks_scaled, int64_t n, float *y, int threads) {
-    Activations a;
-    if (quantize_rows(x, x_bf16, m, k, &a))
-        return -1;
-    const int64_t blocks = k / BLOCK;
-    if (m == 1) {
-        const int64_t h = n / 2;
-        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 64)
-        for (int64_t j = 0; j < h; ++j)
-            int8_row_pair(w + j * k, w + (j + h) * k, k, a.q, a.d, blocks_scaled ? scales + j * blocks : NULL,
-                          blocks_scaled ? scales + (j + h) * blocks : NULL, row_scale(scales, blocks_scaled, j),
-                          row_scale(scales, blocks_scaled, j + h), y + j, y + j + h);
-        if (n % 2)
-            int8_rows(1, w + (n - 1) * k, k, a.q, a.d, blocks_scaled ? scales + (n - 1) * blocks : NULL,
-                      row_scale(scales, blocks_scaled, n - 1), y + n - 1, n);
-        free(a.q);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 64)
-    for (int64_t j = 0; j < n; ++j) {
-        const float scale = row_scale(scales, blocks_scaled, j);
-        const uint16_t *e = blocks_scaled ? scales + j * blocks : NULL;
-        for (int64_t r = 0; r < m; r += INT8_TILE) {
-            const int16_t *q = a.q + r * k;
-            const float *d = a.d + r * blocks;
-            if (m - r >= 4)
-                int8_rows(4, w + j * k, k, q, d, e, scale, y + r * n + j, n);
-            else if (m - r == 3)
-                int8_rows(3, w + j * k, k, q, d, e, scale, y + r * n + j, n);
-            else if (m - r == 2)
-                int8_rows(2, w + j * k, k, q, d, e, scale, y + r * n + j, n);
-            else
-                int8_rows(1, w + j * k, k, q, d, e, scale, y + r * n + j, n);
-        }
-    }
-    free(a.q);
-    return 0;
-}
+#include "int8_mm.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Dequantizing for the dense path (many rows: prefill slices): weights to bf16 a chunk at a time,
