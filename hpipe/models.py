@@ -565,7 +565,8 @@ def _packed_dir(source: ModelSource, weights, device_type: str) -> Path:
     key = hashlib.sha256("|".join(_file_key(f) for f in files).encode()).hexdigest()[:16]
     stem = source.gguf.stem if source.gguf is not None else source.path.name
     # a CPU packing other than the kernels' (torch's own, where they cannot run) is kept apart
-    layout = "" if device_type != "cpu" or quant.cpu_int4_layout() == quant.BLOCKED else f"-{quant.cpu_int4_layout()}"
+    layout = quant.cpu_int4_layout() if device_type == "cpu" else quant.BLOCKED
+    layout = "" if layout == quant.BLOCKED else f"-{layout}"
     return cache_dir() / "packed" / f"{stem}-{key}" / \
         f"{str(weights).replace(':', '-')}-{device_type}{layout}-v{quant.PACK_VERSION}"
 
