@@ -18,12 +18,16 @@ Three steps, each a small function:
    kernels as they are (float32 by default), quantized there to int16 per block of 32.
    Linears that read one input (attention's q, k, v; a gated MLP's gate and up) are packed
    stacked into one matrix and run as one (`STACKED`, `LinearPart`).
-   Many rows at once (prefill slices, scored prompts) on a CPU with bf16 matrix units (AMX or
-   AVX512-BF16): the weights are dequantized to bf16 a cache-sized chunk of output rows at a time
-   and multiplied by oneDNN's bf16 GEMM (the modules' `dense`). The weight-only kernels do the arithmetic
-   of a matrix-vector product for every row (180 GFLOP/s on 2 cores here, against 2,500 for the
-   bf16 GEMM), so from `DENSE_FROM` rows on, dequantizing costs less than it saves: 8192x2048 int4
-   at 256 rows 47 -> 25 ms, at 512 rows 94 -> 31 ms; int8 at 256 rows 47 -> 11 ms.
+   Many rows at once (prefill slices, scored prompts) on a CPU: the weights are dequantized to bf16
+   a chunk of output rows at a time and multiplied by a GEMM (the modules' `dense`, as `dense_gemm`
+   chooses per device: `DENSE`). The weight-only kernels do the arithmetic of a matrix-vector
+   product for every row, so from some number of rows on, dequantizing costs less than it saves.
+   With bf16 matrix units (AMX or AVX512-BF16), oneDNN's bf16 GEMM: 180 GFLOP/s for the kernels on
+   2 cores there against 2,500 for the GEMM; 8192x2048 int4 at 256 rows 47 -> 25 ms, at 512 rows
+   94 -> 31 ms; int8 at 256 rows 47 -> 11 ms. Without them (AVX2; oneDNN emulates bf16 there, a
+   512 x 2048 x 8192 product took 84 s), the chunks are widened to float32 for MKL's GEMM:
+   ~120 GFLOP/s on 2 Zen 3 cores against the AVX2 kernels' ~90 (16384x2048 int4 at 512 rows
+   381 -> 293 ms, 2048x8192 189 -> 138 ms; int8 2048x8192 at 256 rows 93 -> 69 ms).
 
 Why the torch ops and not torchao: the codes and scales must be the file's own (torchao's
 weight-only configs re-derive them from floats), and the two CPU ops are all we need; torchao is
@@ -56,7 +60,7 @@ from hpipe import cpu_kernels
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
-           "ROW_PATHS", "row_paths", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
+           "ROW_PATHS", "row_paths", "DenseGemm", "DENSE", "dense_gemm", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
            "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 
@@ -66,15 +70,27 @@ PACK_VERSION = 8        # the packed cache's layout: a new one never reads an ol
                         # super-blocks, 8: a symmetric weight's float16 scales)
 INT4_GROUPS = (32, 64, 128, 256)        # what torch's int4 weight-only kernels accept
 INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in multiples of 16
-# Rows from which a CPU with bf16 matrix units runs a linear as dequantized chunks through the bf16
-# GEMM (measured on 2 cores, bench numbers in the module's docstring): int4 breaks even at 128 rows
-# (dequantizing one code costs what ~120 rows of the kernel's arithmetic on it cost), int8 at ~32
-DENSE_FROM = {"int4": 192, "int8": 64}
-DENSE_CHUNK_BYTES = 1 << 20             # one chunk of dequantized bf16 weights: stays in L2 while multiplied
+
+
+@dataclass(frozen=True)
+class DenseGemm:
+    """How a CPU runs many-row linears: weights dequantized to bf16 `chunk_bytes` at a time, widened
+    to `dtype` and multiplied by its GEMM, from `from_rows[kind]` rows on (int4, int8)."""
+    dtype: str
+    chunk_bytes: int
+    from_rows: dict
+
+
+# Measured on 2 cores (the module's docstring). bf16 units: int4 breaks even at 128 rows (dequantizing
+# one code costs what ~120 rows of the kernel's arithmetic on it cost), int8 at ~32; its chunk stays in
+# L2 while multiplied. float32 (AVX2): both break even between 128 and 256 rows, and the GEMM wants
+# wider chunks (16384x2048 at 512 rows: 338 ms with chunks of 1 MB, 293 with 4 MB, 434 with 16 MB)
+DENSE = {"bf16": DenseGemm("bfloat16", 1 << 20, {"int4": 192, "int8": 64}),
+         "float32": DenseGemm("float32", 4 << 20, {"int4": 192, "int8": 192})}
 # --deterministic: a row's path is fixed by its own request, never by how many rows share the call
 # (each path alone gives a row the same bits for any number of rows; the two paths round apart).
 # Prompt rows of prompts this long take the dense GEMM, every other row the weight-only kernel.
-DENSE_PROMPT = max(DENSE_FROM.values())
+DENSE_PROMPT = max(r for d in DENSE.values() for r in d.from_rows.values())
 
 
 @dataclass(frozen=True)
@@ -169,18 +185,24 @@ def _bf16_note() -> str:
     units = [name for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
     if not units:
         return ", bf16 emulated"
-    if not dense_gemm("cpu"):
+    gemm = dense_gemm("cpu")
+    if gemm is None:
         return f", {'/'.join(units)}"
-    return f", {'/'.join(units)}; from {DENSE_FROM['int8']}/{DENSE_FROM['int4']} rows (int8/int4) bf16 GEMMs " \
-           f"on weights dequantized in chunks"
+    return f", {'/'.join(units)}; from {gemm.from_rows['int8']}/{gemm.from_rows['int4']} rows (int8/int4) " \
+           f"{gemm.dtype} GEMMs on weights dequantized in chunks"
 
 
-def dense_gemm(device_type: str) -> bool:
-    """Whether many-row linears on `device_type` go through bf16 GEMMs on dequantized chunks: a CPU
-    with bf16 matrix units (elsewhere oneDNN emulates bf16 and the kernels stay faster) whose int4
-    packing is the blocked layout `Int4Linear.dense` reads, checked once on a probe."""
-    return device_type == "cpu" and bool({"amx_bf16", "avx512_bf16"} & cpu_kernels.cpu_flags()) and \
-        cpu_int4_layout() == BLOCKED
+@functools.cache
+def dense_gemm(device_type: str) -> DenseGemm | None:
+    """How many-row linears on `device_type` run (None: through the weight-only kernels at any
+    count): on a CPU whose int4 packing is the blocked layout `Int4Linear.dense` reads, bf16 GEMMs
+    with bf16 matrix units, float32 GEMMs without them where hpipe's kernels run (torch's bf16 GEMM
+    is emulated there, ~700x slower)."""
+    if device_type != "cpu" or cpu_int4_layout() != BLOCKED:
+        return None
+    if {"amx_bf16", "avx512_bf16"} & cpu_kernels.cpu_flags():
+        return DENSE["bf16"]
+    return DENSE["float32"] if cpu_kernels.kernels()[0] is not None else None
 
 
 BLOCKED = "blocked64"
@@ -361,10 +383,11 @@ def stage_weights(fmt: WeightFormat, device: str) -> WeightFormat:
 def path_switches(fmt: WeightFormat, device: str) -> tuple[int, ...]:
     """The row counts from which a stage's quantized linears on `device` take the dense GEMM
     instead of the kernel: its time per row steps there, so a profile measures both sides."""
-    if not stage_weights(fmt, device).quantized or not dense_gemm(device.split(":")[0]):
+    gemm = dense_gemm(device.split(":")[0])
+    if not stage_weights(fmt, device).quantized or gemm is None:
         return ()
     kinds = ("int4", "int8") if fmt.kind == "gguf" else (fmt.kind,)
-    return tuple(sorted({DENSE_FROM[k] for k in kinds}))
+    return tuple(sorted({gemm.from_rows[k] for k in kinds}))
 
 
 def planned(fmt: "WeightFormat | str", host: str, device: str) -> str:
@@ -703,8 +726,8 @@ def _module_classes():
                 torch.ops.aten._weight_int4pack_mm_for_cpu
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-            blocked = self.out_features % 64 == 0 and dense_gemm(packed.device.type)
-            self.dense_from = DENSE_FROM["int4"] if blocked else float("inf")
+            self.gemm = dense_gemm(packed.device.type) if self.out_features % 64 == 0 else None
+            self.dense_from = self.gemm.from_rows["int4"] if self.gemm else float("inf")
             self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
             if vnni:
                 self.mm = self._vnni_mm
@@ -718,12 +741,12 @@ def _module_classes():
             return self._kernel(x2.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
 
         def dense(self, x2):
-            """x2 @ W.T through bf16 GEMMs, W dequantized (w = (u - 8) s + z, rounded to bf16) one
-            chunk of 64-row blocks at a time, in the packing's own order: a block's codes come out
-            as W.T [K, 64] without a transposing copy of the whole matrix."""
+            """x2 @ W.T through GEMMs of `self.gemm`'s dtype, W dequantized (w = (u - 8) s + z,
+            rounded to bf16) one chunk of 64-row blocks at a time, in the packing's own order: a
+            block's codes come out as W.T [K, 64] without a transposing copy of the whole matrix."""
             k, nb = self.in_features, self.out_features // 64
-            x2 = x2.to(torch.bfloat16)
-            step = max(1, min(nb, DENSE_CHUNK_BYTES // (2 * 64 * k)))
+            x2 = x2.to(getattr(torch, self.gemm.dtype))
+            step = max(1, min(nb, self.gemm.chunk_bytes // (2 * 64 * k)))
             blocks = self.packed.view(nb, k, 32)
             work = torch.empty(step, k, 64, dtype=torch.bfloat16, device=x2.device)
             outs = []
@@ -731,7 +754,7 @@ def _module_classes():
                 m = min(step, nb - a)
                 w = work[:m]
                 self._dequantize(blocks, a, w)
-                outs.append(x2 @ w.transpose(0, 1).reshape(k, m * 64))
+                outs.append(x2 @ w.transpose(0, 1).reshape(k, m * 64).to(x2.dtype))
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
         def _torch_dequantize(self, blocks, a: int, w) -> None:
@@ -765,7 +788,8 @@ def _module_classes():
                 weight, scales = row_scaled(weight, scales)
             self.register_buffer("weight", weight, persistent=False)
             self.register_buffer("scales", scales, persistent=False)
-            self.dense_from = DENSE_FROM["int8"] if dense_gemm(weight.device.type) else float("inf")
+            self.gemm = dense_gemm(weight.device.type)
+            self.dense_from = self.gemm.from_rows["int8"] if self.gemm else float("inf")
             self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
             if vnni:
                 self.mm = self._vnni_mm
@@ -787,17 +811,17 @@ def _module_classes():
             return (y * self.scales.float()).to(torch.bfloat16)
 
         def dense(self, x2):
-            """x2 @ W.T through bf16 GEMMs, W = code * row scale rounded to bf16 (the codes are exact
-            in bf16), a cache-sized chunk of rows at a time."""
+            """x2 @ W.T through GEMMs of `self.gemm`'s dtype, W = code * row scale rounded to bf16
+            (the codes are exact in bf16), a chunk of rows at a time."""
             n, k = self.weight.shape
-            x2 = x2.to(torch.bfloat16)
-            step = max(64, DENSE_CHUNK_BYTES // (2 * k))
+            x2 = x2.to(getattr(torch, self.gemm.dtype))
+            step = max(64, self.gemm.chunk_bytes // (2 * k))
             work = torch.empty(min(step, n), k, dtype=torch.bfloat16, device=x2.device)
             outs = []
             for a in range(0, n, step):
                 w = work[: min(step, n - a)]
                 self._dequantize(a, w)
-                outs.append(x2 @ w.t())
+                outs.append(x2 @ w.t().to(x2.dtype))
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
         def _torch_dequantize(self, a: int, w) -> None:

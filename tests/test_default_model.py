@@ -80,9 +80,9 @@ def test_smollm2_pipeline_matches_transformers(smollm2, tmp_path, stages, cuts):
     # then one token at a time through its own cache, differs from its one forward by some mean
     # (0.04 on an AMX Xeon); ours may differ by at most twice that. A wrong cut, page or position is
     # off by whole units on many rows (5.8 for a position off by one): the mean tells them apart.
-    # The largest difference is bounded the same way: a slice of 192 rows and the one forward go
-    # through bf16 GEMMs on dequantized weights (each weight rounded to bf16 too), the smaller slices
-    # and decode steps through the weight-only kernels (quant.DENSE_FROM).
+    # The largest difference is bounded the same way: a long slice and the one forward go through
+    # GEMMs on dequantized weights (each weight rounded to bf16 too), the smaller slices and decode
+    # steps through the weight-only kernels (quant.dense_gemm).
     diff = (got - ref).abs()
     noise = (sliced_logits(reference, prompt, result["output_ids"], [192, 128, 96, 64, 32]) - ref).abs()
     assert float(diff.max()) < max(QUANTIZED_TOLERANCE, 2 * float(noise.max())) and \

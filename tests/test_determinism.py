@@ -107,9 +107,10 @@ def test_prompt_pieces_fall_on_the_grid_and_generated_tokens_go_alone():
     assert [(p.q0 + 64, p.q1 + 64, p.k1) for p in pieces][:2] == [(64, 128, 128), (128, 150, 150)]
     assert [(p.q0 + 64, p.k1, p.mask) for p in pieces[2:]] == [(p, p + 1, None) for p in range(150, 160)]
     assert invariant.row_paths([seg], None, "cpu").dense is None      # 150 < DENSE_PROMPT: the kernel
-    long = Segment(0, 0, 0, 200, True, True, prompt=195)              # 195 prompt rows dense, 5 generated
+    n = quant.DENSE_PROMPT + 3
+    long = Segment(0, 0, 0, n + 5, True, True, prompt=n)              # n prompt rows dense, 5 generated
     paths = invariant.row_paths([long], None, "cpu")
-    assert paths.dense.tolist() == list(range(195)) and paths.kernel.tolist() == list(range(195, 200))
+    assert paths.dense.tolist() == list(range(n)) and paths.kernel.tolist() == list(range(n, n + 5))
 
 
 def test_a_model_or_settings_it_cannot_serve_are_refused_in_one_line(tiny_models):

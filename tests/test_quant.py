@@ -361,11 +361,13 @@ def dense_bound(x: torch.Tensor, w: np.ndarray, ref: np.ndarray) -> np.ndarray:
     return (2 * U * (1 + U) + w.shape[1] * 2.0 ** -23) * a + U * np.abs(ref)
 
 
-@pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no bf16 matrix units (AMX/AVX512-BF16) on this CPU")
+@pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no dense path on this CPU (neither hpipe's kernels "
+                    "nor torch's blocked int4 packing with bf16 units)")
 @pytest.mark.parametrize("fmt", ["int4:32", "int4:128", "Q4_0", "Q4_K", "int8"])
 def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
-    """A prefill slice's rows take the dequantized bf16 GEMM path: every output against a float64
-    matmul of the packed weights (several chunks: 2,048 inputs by 1,024 outputs), and the same rows
+    """A prefill slice's rows take the dequantized GEMM path (bf16, or float32 without bf16 units):
+    every output against a float64 matmul of the packed weights (several chunks: 2,048 inputs by
+    1,024 outputs; the bf16 GEMM's bound holds for the float32 one), and the same rows
     one at a time through the weight-only kernel within the two bounds of each other. (Q4_0: a
     GGUF file's symmetric blocks, kept without zeros by the VNNI kernels; Q4_K: its super-blocks.)"""
     rng = np.random.default_rng(3)
@@ -385,7 +387,7 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     else:
         w = quant.int8_weight(packed)
         magnitude = np.abs(w)
-    rows = quant.DENSE_FROM["int8" if fmt == "int8" else "int4"] + 5
+    rows = quant.dense_gemm("cpu").from_rows["int8" if fmt == "int8" else "int4"] + 5
     assert module.dense_from < rows
     x = torch.randn(rows, k)
     y = module(x).double().numpy()
@@ -396,7 +398,8 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
     assert not np.array_equal(one, y)        # the two paths differ in their roundings: both ran
 
 
-@pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no bf16 matrix units (AMX/AVX512-BF16) on this CPU")
+@pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no dense path on this CPU (neither hpipe's kernels "
+                    "nor torch's blocked int4 packing with bf16 units)")
 def test_the_profile_measures_both_sides_of_every_path_switch():
     """`quant.path_switches` names the row counts where a real linear leaves the kernel for the
     dense GEMM (seen by which of the two it calls), and the profiler's grid holds each of them and
@@ -424,7 +427,7 @@ def test_the_profile_measures_both_sides_of_every_path_switch():
 
 def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
     """Inside torch.compile (the `--compile on` decode step) a linear always takes the weight-only
-    kernel: a batch past DENSE_FROM rows reuses the graph of any other number of rows (no guard on the
+    kernel: a batch past the dense path's rows reuses the graph of any other number of rows (no guard on the
     count, no recompile mid-run) and gives the kernel's result."""
     from torch._dynamo.utils import counters
 
@@ -435,7 +438,7 @@ def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
         for rows in (2, 3):
             compiled(torch.randn(rows, 512))
         graphs = counters["stats"]["unique_graphs"]
-        x = torch.randn(quant.DENSE_FROM["int8"] + 6, 512)
+        x = torch.randn(max(r for d in quant.DENSE.values() for r in d.from_rows.values()) + 6, 512)
         y = compiled(x)
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.allclose(y, module.mm(x).float(), rtol=2 ** -7, atol=1e-3)
