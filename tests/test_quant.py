@@ -438,7 +438,7 @@ def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
         for rows in (2, 3):
             compiled(torch.randn(rows, 512))
         graphs = counters["stats"]["unique_graphs"]
-        x = torch.randn(max(r for d in quant.DENSE.values() for r in d.from_rows.values()) + 6, 512)
+        x = torch.randn(quant.DENSE_PROMPT + 6, 512)        # past every CPU's dense-path row count
         y = compiled(x)
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.allclose(y, module.mm(x).float(), rtol=2 ** -7, atol=1e-3)
