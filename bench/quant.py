@@ -14,6 +14,9 @@ the A/B of the two in the same run:
 - 2,048-token prefill: `hpipe launch`'s time to first token for one 2,048-token prompt;
 llama.cpp (llama-cpp-python, a bench dependency) measured the same way, the variants interleaved
 and each the best of --repeats (this machine is shared and noisy);
+- with --contexts, decode after longer prompts (a chat's context grows): the first format's TPOT
+  (default flags, after the warmup above) and llama.cpp's, 64 tokens after each prompt length,
+  each the best of --repeats (`decode_by_context`);
 - the weight-reading bound: the bytes a decode step reads (every matrix once, the embedding's one
   row; a tied head reads the embedding whole) over this machine's read bandwidth (a sum over 1 GiB
   with the same threads), beside both;
@@ -24,7 +27,8 @@ and each the best of --repeats (this machine is shared and noisy);
 
     python bench/quant.py [--files smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0]
                           [--formats gguf,int8,int4:32] [--shape-formats gguf,gguf@torch]
-                          [--threads 2] [--repeats 2] [--out bench/results/quant.json]
+                          [--threads 2] [--repeats 2] [--contexts 256,1024,2048]
+                          [--out bench/results/quant.json]
 
 A file is `smollm2` (the default model's own Q4_1 file; every --formats variant and float32) or
 SHAPE-TYPE, a random-weight model of a real model's shape quantized by llama.cpp (bench/shapes.py:
@@ -65,6 +69,7 @@ def variant_env(variant: str) -> tuple[str, dict]:
     return variant, env
 
 PROMPT, NEW, PREFILL, WINDOW = 256, 128, 2048, 512
+CONTEXT_NEW = 64          # tokens decoded after each --contexts prompt
 
 
 def model_path(name: str) -> Path:
@@ -179,27 +184,43 @@ def child_hpipe_forward(name: str, fmt: str, threads: int) -> dict:
 
 def child_llama_cpp(name: str, threads: int) -> dict:
     import llama_cpp
-    import numpy as np
 
     before, parts = rss(), rss_parts()
     llm = llama_cpp.Llama(str(model_path(name)), n_ctx=PREFILL + 64, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
-    llm.eval(prompt_ids(PROMPT))
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    times = []
-    for _ in range(NEW):
-        t = time.perf_counter()
-        llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))      # sampling included, as in hpipe's TPOT
-        times.append(time.perf_counter() - t)
+    decode = llama_cpp_decode(llm, PROMPT, NEW)
     grown, after = rss() - before, rss_parts()
     llm.reset()
     t = time.perf_counter()
     llm.eval(prompt_ids(PREFILL))
     prefill = time.perf_counter() - t
-    return {"decode_ms": 1000 * sum(times) / len(times), "prefill_s": prefill, "rss_growth_bytes": grown,
+    return {"decode_ms": decode, "prefill_s": prefill, "rss_growth_bytes": grown,
             "rss_file_growth_bytes": after["RssFile"] - parts["RssFile"],
             "rss_anon_growth_bytes": after["RssAnon"] - parts["RssAnon"]}
+
+
+def llama_cpp_decode(llm, context: int, new: int) -> float:
+    """ms/token of `new` greedy tokens after a `context`-token prompt, sampling included."""
+    import numpy as np
+
+    llm.eval(prompt_ids(context))
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    times = []
+    for _ in range(new):
+        t = time.perf_counter()
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))      # sampling included, as in hpipe's TPOT
+        times.append(time.perf_counter() - t)
+    return 1000 * sum(times) / len(times)
+
+
+def child_llama_cpp_context(name: str, threads: int, context: int) -> dict:
+    import llama_cpp
+
+    # n_batch: the prompt's last row of logits is kept (scores holds n_batch rows)
+    llm = llama_cpp.Llama(str(model_path(name)), n_ctx=context + CONTEXT_NEW, n_threads=threads,
+                          n_threads_batch=threads, n_batch=context + CONTEXT_NEW, verbose=False)
+    return {"decode_ms": llama_cpp_decode(llm, context, CONTEXT_NEW)}
 
 
 # ------------------------------------------------------------------------------- launch runs
@@ -230,9 +251,23 @@ def launch_numbers(model: str, variant: str, work: Path, compiled: bool) -> dict
     return out
 
 
-def child(kind: str, model: str, variant: str, threads: int) -> dict:
+def context_decode_ms(model: str, variant: str, work: Path, context: int) -> float:
+    """hpipe's TPOT (default flags; compiled where `launch_numbers` warmed up) after a `context`-token
+    prompt, on the plan `launch_numbers` made."""
     fmt, env = variant_env(variant)
-    cmd = [sys.executable, __file__, "--child", kind, "--files", model, "--formats", fmt, "--threads", str(threads)]
+    plan = work / f"plan-{model}-{fmt.replace(':', '-')}.json"
+    prompts, results = work / f"context-{context}.jsonl", work / f"context-{context}-out.jsonl"
+    prompts.write_text(json.dumps({"id": "c", "input_ids": prompt_ids(context)}) + "\n")
+    results.unlink(missing_ok=True)
+    hpipe("launch", plan, "--local", "--prompts", prompts, "--out", results, "--max-new-tokens", CONTEXT_NEW,
+          "--quiet", cwd=work, env=env)
+    return 1000 * json.loads(results.read_text().splitlines()[0])["tpot_s"]
+
+
+def child(kind: str, model: str, variant: str, threads: int, context: int = 0) -> dict:
+    fmt, env = variant_env(variant)
+    cmd = [sys.executable, __file__, "--child", kind, "--files", model, "--formats", fmt, "--threads", str(threads),
+           "--context", str(context)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -326,13 +361,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quality-tokens", type=int, default=4096)
+    ap.add_argument("--contexts", default="",
+                    help="prompt lengths (e.g. 256,1024,2048) after which the first --formats variant and "
+                         "llama.cpp also decode %d tokens" % CONTEXT_NEW)
     ap.add_argument("--child", default=None)
+    ap.add_argument("--context", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant.json"))
     args = ap.parse_args()
     if args.child:
         fn = {"memory": lambda: child_hpipe_memory(args.files, args.formats, args.threads),
               "forward": lambda: child_hpipe_forward(args.files, args.formats, args.threads),
               "llama.cpp": lambda: child_llama_cpp(args.files, args.threads),
+              "llama.cpp-context": lambda: child_llama_cpp_context(args.files, args.threads, args.context),
               "quality": lambda: quality(args.files, [args.formats], args.quality_tokens, args.threads,
                                          theirs=False)}[args.child]
         print(json.dumps(fn()))
@@ -365,6 +405,20 @@ def main() -> None:
                         else:
                             best[v][k] = x if k.endswith("bytes") else min(best[v].get(k, x), x)
                     print(f"  {model} repeat {rep} {v}: {got}", flush=True)
+            contexts = [int(c) for c in args.contexts.split(",") if c]
+            by_context: dict[int, dict] = {c: {} for c in contexts}
+            for rep in range(args.repeats if contexts else 0):      # after the runs above: warmed up
+                for c in contexts:
+                    got = {"llama.cpp_ms": child("llama.cpp-context", model, "", args.threads, c)["decode_ms"],
+                           "hpipe_ms": context_decode_ms(model, formats[0], Path(tmp), c)}
+                    by_context[c] = {k: min(by_context[c].get(k, x), x) for k, x in got.items()}
+                    print(f"  {model} repeat {rep} context {c}: {got}", flush=True)
+            if contexts:
+                entry["decode_by_context"] = {
+                    "variant": formats[0], "new_tokens": CONTEXT_NEW,
+                    **{str(c): {**{k: round(x, 3) for k, x in row.items()},
+                                "vs_llama_cpp": round(row["hpipe_ms"] / row["llama.cpp_ms"], 3)}
+                       for c, row in by_context.items()}}
         for v in variants[1:]:
             best[v].update(child("memory", model, v, args.threads))
         lc = best["llama.cpp"]
