@@ -44,7 +44,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from hpipe import models, quant
-    from hpipe.runtime.pages import Segment
+    from hpipe.runtime.pages import Segment, pages_needed
     from hpipe.runtime.stage import StageRunner
     from hpipe.runtime.static_decode import StaticDecode
 
@@ -55,12 +55,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_compile.json"))
     args = ap.parse_args()
     prompt = args.prompt
-    pages = 2 * ((prompt + 2 * args.steps + 40) // 16 + 2)     # two sequences: the warm-up's second row
     torch.set_num_threads(args.threads)
     source = models.resolve_model("smollm2")
     config = models.load_config(source.path)
     weights = quant.WeightFormat.parse("gguf")
     runner = StageRunner(source, config, range(models.num_units(config)), weights=weights, compile="off")
+    # two sequences (the warm-up's second row), each up to the profiled steps' last position
+    pages = 2 * pages_needed(prompt + args.steps + 20 + 1, runner.kv.page_size)
     runner.kv.allocate(pages)
     runner.forward(runner.prepare_inputs([Segment(0, 0, 0, prompt, True)]), torch.arange(3, 3 + prompt))
     report: dict = {"threads": args.threads, "weights": str(weights), "prompt": prompt, "steps": args.steps}

@@ -225,9 +225,14 @@ def child_llama_cpp_context(name: str, threads: int, context: int) -> dict:
 
 # ------------------------------------------------------------------------------- launch runs
 
+def plan_path(model: str, fmt: str, work: Path) -> Path:
+    """The one-stage plan `launch_numbers` makes for a file and weight format (the context runs reuse it)."""
+    return work / f"plan-{model}-{fmt.replace(':', '-')}.json"
+
+
 def launch_numbers(model: str, variant: str, work: Path, compiled: bool) -> dict:
     fmt, env = variant_env(variant)
-    plan = work / f"plan-{model}-{fmt.replace(':', '-')}.json"
+    plan = plan_path(model, fmt, work)
     if not plan.exists():
         hpipe("plan", "--model", "smollm2" if model == "smollm2" else model_path(model), "--stages", "1",
               "--quantize", fmt, "--slices", str(PREFILL), "-o", plan, cwd=work, env=env)
@@ -255,7 +260,7 @@ def context_decode_ms(model: str, variant: str, work: Path, context: int) -> flo
     """hpipe's TPOT (default flags; compiled where `launch_numbers` warmed up) after a `context`-token
     prompt, on the plan `launch_numbers` made."""
     fmt, env = variant_env(variant)
-    plan = work / f"plan-{model}-{fmt.replace(':', '-')}.json"
+    plan = plan_path(model, fmt, work)
     prompts, results = work / f"context-{context}.jsonl", work / f"context-{context}-out.jsonl"
     prompts.write_text(json.dumps({"id": "c", "input_ids": prompt_ids(context)}) + "\n")
     results.unlink(missing_ok=True)
