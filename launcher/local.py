@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpipe import formats
+from hpipe.launcher import forkserver
 from hpipe.lifeline import PARENT_ENV, arm_parent_death_signal
 from hpipe.net import free_port
 from hpipe.request import write_requests
@@ -104,7 +105,8 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
             cmd = worker_command(sys.executable, os.path.abspath(plan_path), rank, world, "127.0.0.1", port,
                                  str(job.source.location), requests_path, settings, threads[rank],
                                  logits if rank == world - 1 else None, seat)
-            workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0))
+            workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0,
+                                       fork=stage.device == "cpu"))
     except BaseException:
         cleanup()
         raise
@@ -126,11 +128,14 @@ def _pump(stream, rank: int, name: str, lines: queue.Queue) -> None:
 class LocalWorker:
     """A worker process in its own process group, with the surface `watch_workers` expects."""
 
-    def __init__(self, cmd: list[str], env: dict, rank: int, lines: queue.Queue, takes_input: bool = False):
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True,
-                                     stdin=subprocess.PIPE if takes_input else subprocess.DEVNULL,
-                                     preexec_fn=arm_parent_death_signal)
+    def __init__(self, cmd: list[str], env: dict, rank: int, lines: queue.Queue, takes_input: bool = False,
+                 fork: bool = True):
+        """fork: forked by this process's fork server (`hpipe.launcher.forkserver`) where it can,
+        else (and for GPU stages) a process of its own."""
+        self.proc = (forkserver.spawn(cmd, env, takes_input) if fork else None) or \
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                             start_new_session=True, stdin=subprocess.PIPE if takes_input else subprocess.DEVNULL,
+                             preexec_fn=arm_parent_death_signal)
         self.input_lock = threading.Lock()
         for stream, name in ((self.proc.stdout, "out"), (self.proc.stderr, "err")):
             threading.Thread(target=_pump, args=(stream, rank, name, lines), daemon=True).start()

@@ -77,14 +77,26 @@ def three_stages(tmp_path_factory) -> Path:
 
 
 def stage_pid(server: int, rank: int) -> int:
+    """The server's stage worker of `rank`: a process below it (its fork server's child) whose
+    command line is the worker's."""
+    parents, commands = {}, {}
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            commands[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() + " "
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == server and b"hpipe.runtime.worker" in cmd and cmd[cmd.index(b"--rank") + 1] == str(rank).encode():
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def below_server(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == server:
+                return True
+        return False
+
+    for pid, cmd in commands.items():
+        if "hpipe.runtime.worker" in cmd and f" --rank {rank} " in cmd and below_server(pid):
             return pid
     raise AssertionError(f"no stage {rank} under pid {server}")
 

@@ -1,0 +1,361 @@
+"""A fork server for local stage workers: one process imports torch, transformers' model modules
+and the stage worker once, then forks a worker for every stage of every local launch.
+
+Why: a worker spends ~6 s of CPU importing before it reads its plan (torch 2.1 s, transformers and
+its Llama modules 4.3 s, on this kind of machine), and a local launch's stages share the host's
+cores: a 3-stage launch of a tiny model took 17.4 s wall and 25 s of CPU for 0.2 s of tokens. The
+server pays that once per launching process (`hpipe serve` restarting stages after a lost host,
+the SiDP replicas, the test suite's hundreds of launches) and a forked worker starts at once.
+
+The server is started lazily by the first local launch that can use it (CPU stages only: a
+process that imported torch may fork before CUDA is initialised, but a GPU stage is started as a
+fresh process all the same) and lives as long as its launching process:
+- it polls its parent (a parent-death signal follows the thread that started the server, and any
+  thread may launch) and exits within `POLL_S` of its death; every worker it forks arms the
+  parent-death signal against the server (`hpipe.lifeline`), so none outlives either;
+- it stays single-threaded (forking a process with threads can deadlock the child);
+- it serves one environment: the workers' environment less what each launch sets
+  (`PER_LAUNCH_ENV`); OpenMP and torch read theirs when torch is imported. A launch from another
+  environment starts a server of its own in place of the old one.
+
+One request per worker, on its own connection to the server's Unix socket: the worker's stdin,
+stdout and stderr (the launcher's pipe ends, as file descriptors), then its argv, environment and
+working directory as JSON. The server forks; the child starts a session of its own, takes the
+descriptors and environment and calls the module's `main(argv)`. The server answers with the
+child's pid and, when it has reaped the child, its exit code as `subprocess` gives it (negative:
+the signal). `Forked` is the launcher's handle on such a worker, with Popen's surface.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import io
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+from hpipe.lifeline import PARENT_ENV, arm_parent_death_signal
+
+__all__ = ["Forked", "spawn"]
+
+# what the server imports before it forks: what every stage worker imports first
+PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
+           "hpipe.runtime.worker")
+PER_LAUNCH_ENV = ("HPIPE_JOB_TOKEN", "HPIPE_GROUP_TOKEN", PARENT_ENV)
+POLL_S = 0.25
+_HEADER = struct.Struct("!Q")        # the JSON's length, sent with the descriptors
+
+
+# ------------------------------------------------------------------------------ the launcher's side
+class Forked:
+    """A worker the server forked: `subprocess.Popen`'s pid, stdin/stdout/stderr (text), poll() and
+    wait(timeout) (raising `subprocess.TimeoutExpired`). Its exit code comes from the server over
+    the request's connection; a server gone before the worker's end reads as SIGKILL (the worker
+    is killed with it)."""
+
+    def __init__(self, conn: socket.socket, pid: int, args: list[str], stdin, stdout, stderr):
+        self.conn, self.pid, self.args = conn, pid, args
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+        threading.Thread(target=self._await_exit, name=f"hpipe-forked-{pid}", daemon=True).start()
+
+    def _await_exit(self) -> None:
+        code = -int(signal.SIGKILL)
+        try:
+            line = _read_line(self.conn)
+            if line.startswith("exit "):
+                code = int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.conn.close()
+        self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+
+class _Server:
+    """The running server: its process, socket and the environment it serves."""
+
+    def __init__(self, env: dict[str, str]):
+        self.key = _env_key(env)
+        self.dir = tempfile.mkdtemp(prefix="hpipe-forkserver-")
+        self.address = os.path.join(self.dir, "socket")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.address)
+        listener.listen(64)
+        # the listening socket is the server's from the start: requests queue while it imports
+        own_env = {k: v for k, v in env.items() if k not in PER_LAUNCH_ENV}
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpipe.launcher.forkserver", str(listener.fileno())],
+                                     env=own_env, pass_fds=(listener.fileno(),), start_new_session=True,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        listener.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def retire(self) -> None:
+        """No more workers from this server: it exits once those it forked have ended."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        shutil.rmtree(self.dir, ignore_errors=True)     # the server holds its socket open; nobody else reaches it
+
+    def kill(self) -> None:
+        """At the launching process's exit (its workers are gone or going with it)."""
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def fork(self, cmd: list[str], env: dict[str, str], takes_input: bool) -> Forked | None:
+        """Asks for one worker; None when the server cannot fork it (it failed to start or died)."""
+        module, argv = _module_argv(cmd)
+        stdin_r, stdin_w = os.pipe() if takes_input else (os.open(os.devnull, os.O_RDONLY), None)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(self.address)
+            payload = json.dumps({"module": module, "argv": argv, "cmd": cmd, "env": env, "cwd": os.getcwd()}).encode()
+            socket.send_fds(conn, [_HEADER.pack(len(payload))], [stdin_r, out_w, err_w])
+            conn.sendall(payload)
+            reply = _read_line(conn)                    # the server answers once its imports are done
+            pid = int(reply.split()[1]) if reply.startswith("pid ") else None
+        except (OSError, ValueError):
+            pid = None
+        finally:
+            for fd in (stdin_r, out_w, err_w):        # the child's ends: the child holds them now
+                os.close(fd)
+        if pid is None:
+            conn.close()
+            for fd in (stdin_w, out_r, err_r):
+                if fd is not None:
+                    os.close(fd)
+            return None
+        return Forked(conn, pid, cmd, open(stdin_w, "w", encoding="utf-8") if takes_input else None,
+                      open(out_r, encoding="utf-8", errors="replace"), open(err_r, encoding="utf-8", errors="replace"))
+
+
+_SERVER: _Server | None = None
+_RETIRED: list[_Server] = []
+_LOCK = threading.Lock()
+
+
+def spawn(cmd: list[str], env: dict[str, str], takes_input: bool) -> Forked | None:
+    """The worker `cmd` (`python -m MODULE ARGS`, the module having `main(argv)`) forked by this
+    process's server for `env` (started here at first; a launch from another environment retires
+    the old server, whose workers run on, and starts one of its own); None where the server cannot
+    fork it: the caller starts the command as a process of its own."""
+    global _SERVER
+    if not sys.platform.startswith("linux") or _module_argv(cmd)[0] is None:
+        return None
+    with _LOCK:
+        if _SERVER is not None and (not _SERVER.alive() or _SERVER.key != _env_key(env)):
+            _SERVER.retire()
+            _RETIRED.append(_SERVER)
+            _SERVER = None
+        _RETIRED[:] = [s for s in _RETIRED if s.alive()]      # reaped
+        if _SERVER is None:
+            _SERVER = _Server(env)
+            atexit.register(_SERVER.kill)
+        server = _SERVER
+    return server.fork(cmd, env, takes_input)
+
+
+def _read_line(conn: socket.socket) -> str:
+    """One line of the server's answers, read byte by byte: the exit line may follow the pid line
+    at once, and a buffered reader would take it along."""
+    data = b""
+    while not data.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte:
+            break
+        data += byte
+    return data.decode()
+
+
+def _env_key(env: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH_ENV))
+
+
+def _module_argv(cmd: list[str]) -> tuple[str | None, list[str]]:
+    """`[python, "-m", module, *argv]` -> (module, argv); (None, []) for any other command."""
+    if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1] == "-m":
+        return cmd[2], list(cmd[3:])
+    return None, []
+
+
+# ------------------------------------------------------------------------------ the server's side
+def serve(listener_fd: int) -> None:
+    parent = os.getppid()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(fileno=listener_fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    retiring = []
+    signal.signal(signal.SIGTERM, lambda *_: retiring.append(True))
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    workers: dict[int, socket.socket] = {}       # pid -> the connection its exit code goes back on
+    while os.getppid() == parent and not (retiring and not workers):
+        for key, _ in selector.select(POLL_S):
+            if key.fileobj is listener and not retiring:
+                conn, _ = listener.accept()
+                pid = _fork_one(conn, [listener.fileno(), wake_r, wake_w, *(c.fileno() for c in workers.values())])
+                if pid is None:
+                    conn.close()
+                else:
+                    workers[pid] = conn
+            elif key.fileobj is wake_r:
+                os.read(wake_r, 4096)
+        if retiring and listener.fileno() >= 0:          # requests still queued go unanswered
+            selector.unregister(listener)
+            listener.close()
+        _reap(workers)
+    # retired with no worker left, or the launching process is gone: so are we (and our workers,
+    # by their parent-death signal)
+    os._exit(0)
+
+
+def _reap(workers: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = workers.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the launcher closed the request")
+        data += chunk
+    return data
+
+
+def _fork_one(conn: socket.socket, close_in_child: list[int]) -> int | None:
+    """Reads one request and forks its worker; the child's pid (answered on `conn`), or None."""
+    try:
+        header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+        if len(header) < _HEADER.size:
+            header += _recv_exact(conn, _HEADER.size - len(header))
+        request = json.loads(_recv_exact(conn, _HEADER.unpack(header)[0]))
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} descriptors, not 3")
+    except (OSError, ValueError, ConnectionError):
+        return None
+    pid = os.fork()
+    if pid == 0:
+        _become_worker(request, fds, [conn.fileno(), *close_in_child])
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.sendall(f"pid {pid}\n".encode())
+    except OSError:
+        pass
+    return pid
+
+
+def _become_worker(request: dict, fds: list[int], close: list[int]) -> None:
+    """In the forked child: the worker's session, descriptors, environment and module; never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        server = os.getppid()
+        for fd in close:
+            os.close(fd)
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True,
+                                      write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                      line_buffering=True, write_through=True)
+        sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.environ[PARENT_ENV] = str(server)            # the worker ties itself to the server
+        _show_command(request["cmd"])
+        arm_parent_death_signal()
+        sys.argv = [request["module"], *request["argv"]]
+        try:
+            module = importlib.import_module(request["module"])
+            # `__main__` as `python -m` makes it: processes the worker spawns (its sampler pool)
+            # import the worker's module for theirs, not the server's
+            sys.modules["__main__"] = module
+            module.main(request["argv"])
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - the worker's own failure: its traceback, as python -m prints it
+            traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _show_command(cmd: list[str]) -> None:
+    """/proc/PID/cmdline (what `ps` and `pgrep -f` read) shows the worker's command, space-joined,
+    as setproctitle(3) does it: written over the server's argument and environment strings (the
+    C environment no longer points there: `os.environ` was replaced first), past the arguments'
+    last NUL, which tells the kernel to read the title up to its first NUL. A title longer than
+    that memory is cut; where /proc/self/mem cannot be written the server's command line stays."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        arg_start, env_end = int(fields[45]), int(fields[48])       # fields 48 and 51 of proc(5)
+        size = env_end - arg_start
+        title = " ".join(cmd).encode()[: size - 1]
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(arg_start)
+            mem.write(title + b"\0" * (size - len(title)))
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

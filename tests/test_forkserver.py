@@ -1,0 +1,126 @@
+"""The fork server that starts local stage workers (`hpipe.launcher.forkserver`), with real
+processes: what a forked worker gets (its own session, the launch's environment, working
+directory and pipes), exit codes and signals as `subprocess` reports them, one server reused by
+every launch of one environment, a retired server running its workers to their end, and nothing
+left behind when the launching process dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpipe.launcher import forkserver
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = '''
+import json, os, sys, time
+
+def main(argv):
+    if argv[0] == "sleep":
+        print("ready", flush=True)
+        time.sleep(600)
+    line = sys.stdin.readline().strip()
+    print(json.dumps({"ppid": os.getppid(), "pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(),
+                      "probe": os.environ.get("PROBE"), "line": line, "argv": argv,
+                      "parent_env": os.environ.get("HPIPE_PARENT_PID")}), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    sys.exit(int(argv[1]))
+'''
+
+
+def _env(tmp_path: Path, **extra) -> dict[str, str]:
+    (tmp_path / "fs_probe.py").write_text(PROBE)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), **extra}
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_forked_worker_gets_the_launchs_session_environment_pipes_and_exit_code(tmp_path, monkeypatch):
+    env = _env(tmp_path, PROBE="first")
+    monkeypatch.chdir(tmp_path)
+    w = forkserver.spawn([sys.executable, "-m", "fs_probe", "run", "3"], env, takes_input=True)
+    assert isinstance(w, forkserver.Forked)
+    server = forkserver._SERVER.proc.pid
+    w.stdin.write("hello\n")
+    w.stdin.flush()
+    seen = json.loads(w.stdout.readline())
+    assert w.stderr.readline().strip() == "to stderr"
+    assert w.wait(timeout=30) == 3 and w.poll() == 3
+    assert seen == {"ppid": server, "pid": w.pid, "sid": w.pid, "cwd": str(tmp_path), "probe": "first",
+                    "line": "hello", "argv": ["run", "3"], "parent_env": str(server)}
+
+    quick = forkserver.spawn([sys.executable, "-m", "fs_probe", "run", "4"], env, takes_input=False)
+    assert quick.wait(timeout=30) == 4, "an exit right after the fork reports its code"
+
+    # the same environment (less what each launch sets): the same server, no import paid again
+    again = forkserver.spawn([sys.executable, "-m", "fs_probe", "sleep"], {**env, "HPIPE_JOB_TOKEN": "x"},
+                             takes_input=False)
+    assert forkserver._SERVER.proc.pid == server
+    assert again.stdout.readline().strip() == "ready"
+    # `ps` and `pgrep -f` see the worker's own command, not the server's
+    assert Path(f"/proc/{again.pid}/cmdline").read_bytes().rstrip(b"\0") == \
+        f"{sys.executable} -m fs_probe sleep".encode()
+    found = subprocess.run(["pgrep", "-f", "fs_probe sleep"], capture_output=True, text=True).stdout.split()
+    assert str(again.pid) in found
+    with pytest.raises(subprocess.TimeoutExpired):
+        again.wait(timeout=0.2)
+    os.killpg(again.pid, signal.SIGKILL)         # the launcher stops a worker by its process group
+    assert again.wait(timeout=30) == -signal.SIGKILL
+
+    # another environment: a server of its own; the old one runs its worker to the end, then exits
+    old = forkserver._SERVER
+    running = forkserver.spawn([sys.executable, "-m", "fs_probe", "run", "0"], env, takes_input=True)
+    fresh = forkserver.spawn([sys.executable, "-m", "fs_probe", "run", "5"], {**env, "PROBE": "second"},
+                             takes_input=True)
+    assert forkserver._SERVER is not old and fresh.pid != running.pid
+    assert old.alive(), "a retired server keeps serving the workers it forked"
+    for w, code in ((running, 0), (fresh, 5)):
+        w.stdin.write("x\n")
+        w.stdin.flush()
+        assert w.wait(timeout=30) == code
+    assert json.loads(fresh.stdout.readline())["probe"] == "second"
+    assert old.proc.wait(timeout=10) == 0, "a retired server exits once its workers have ended"
+
+
+def test_nothing_outlives_the_launching_process(tmp_path):
+    """The launcher killed (SIGKILL: no cleanup of its own runs): its fork server and the worker it
+    forked end too."""
+    env = _env(tmp_path)
+    launcher = textwrap.dedent(f"""
+        import sys
+        from hpipe.launcher import forkserver
+        w = forkserver.spawn([sys.executable, "-m", "fs_probe", "sleep"], {env!r}, takes_input=False)
+        assert w.stdout.readline().strip() == "ready"
+        print(forkserver._SERVER.proc.pid, w.pid, flush=True)
+        sys.stdin.readline()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", launcher], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        server, worker = map(int, proc.stdout.readline().split())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _gone(server) and _gone(worker)
+
+
+def test_a_command_that_is_not_a_module_main_is_not_forked(tmp_path):
+    assert forkserver.spawn(["/bin/true"], _env(tmp_path), takes_input=False) is None
