@@ -498,6 +498,8 @@ def launch(
                             presence_penalty=presence_penalty)
     settings = launcher.LaunchSettings(runtime=runtime, max_new_tokens=max_new_tokens, params=params, seed=seed,
                                        logits_out=logits_out, resume=resume, log_dir=_log_dir(log_dir))
+    if local:
+        launcher.prestart_local(plan_path)
     job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
@@ -562,6 +564,8 @@ def serve(
     _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
     inventory = formats.load_inventory(cluster) if cluster else None
     settings = launcher.LaunchSettings(runtime=runtime, serve=True, log_dir=_log_dir(log_dir))
+    if local:
+        launcher.prestart_local(plan_path)
     job = launcher.prepare_model(plan_path, settings, model=model, progress=_note)
     if job.tokenizer is None:
         raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from hpipe.lifeline import PARENT_ENV, arm_parent_death_signal
 
-__all__ = ["Forked", "spawn"]
+__all__ = ["Forked", "spawn", "start"]
 
 # what the server imports before it forks: what every stage worker imports first
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
@@ -165,8 +165,17 @@ def spawn(cmd: list[str], env: dict[str, str], takes_input: bool) -> Forked | No
     process's server for `env` (started here at first; a launch from another environment retires
     the old server, whose workers run on, and starts one of its own); None where the server cannot
     fork it: the caller starts the command as a process of its own."""
+    if _module_argv(cmd)[0] is None:
+        return None
+    server = start(env)
+    return None if server is None else server.fork(cmd, env, takes_input)
+
+
+def start(env: dict[str, str]) -> _Server | None:
+    """This process's server for `env`, started now if need be (a launch may start it ahead of its
+    workers: its imports then overlap the launch's own work); None off Linux."""
     global _SERVER
-    if not sys.platform.startswith("linux") or _module_argv(cmd)[0] is None:
+    if not sys.platform.startswith("linux"):
         return None
     with _LOCK:
         if _SERVER is not None and (not _SERVER.alive() or _SERVER.key != _env_key(env)):
@@ -177,8 +186,7 @@ def spawn(cmd: list[str], env: dict[str, str], takes_input: bool) -> Forked | No
         if _SERVER is None:
             _SERVER = _Server(env)
             atexit.register(_SERVER.kill)
-        server = _SERVER
-    return server.fork(cmd, env, takes_input)
+        return _SERVER
 
 
 def _read_line(conn: socket.socket) -> str:

@@ -69,6 +69,33 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
     return LaunchReport(output, launch.wait())
 
 
+def forked(device: str) -> bool:
+    """Whether a local stage on `device` is forked by the fork server: CPU stages. A process that
+    imported torch may fork before CUDA is initialised, but a GPU stage's process starts afresh."""
+    return device == "cpu"
+
+
+def worker_env() -> dict[str, str]:
+    """The environment every local worker starts in, before what each launch adds (its tokens)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # so that `python -m hpipe.runtime.worker` finds this checkout even when it is not installed
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def prestart_local(plan_path: str) -> None:
+    """Starts this process's fork server now where the plan has CPU stages, so that its imports
+    (~6 s of CPU) run while the launch prepares its job (the CLI's own imports, the tokenizer: ~9 s
+    for a tiny model here). A plan that does not load is left to the job's own checks."""
+    try:
+        devices = [s.device for s in formats.load_plan(plan_path).stages]
+    except Exception:  # noqa: BLE001 - `prepare` reports what is wrong with the plan, in one line
+        return
+    if any(forked(d) for d in devices):
+        forkserver.start(worker_env())
+
+
 def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, output: StageReports, log=None,
                 quiet: bool = False, threads: int | None = None, seat: GroupSeat | None = None) -> Launch:
     """Starts every stage as a local process; the returned Launch drives them. Serving
@@ -80,13 +107,10 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
     threads = [threads or t if s.device == "cpu" else t
                for s, t in zip(job.plan.stages, threads_per_stage([s.device for s in job.plan.stages]))]
     port = free_port()
-    env = dict(os.environ, HPIPE_JOB_TOKEN=secrets.token_hex(16), PYTHONUNBUFFERED="1")
+    env = dict(worker_env(), HPIPE_JOB_TOKEN=secrets.token_hex(16))
     env[PARENT_ENV] = str(os.getpid())       # the workers die with us (hpipe.lifeline)
     if seat is not None:
         env["HPIPE_GROUP_TOKEN"] = seat.token
-    # so that `python -m hpipe.runtime.worker` finds this checkout even when it is not installed
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     tmp = tempfile.mkdtemp(prefix="hpipe-local-")
     requests_path = None
     if not settings.serve:
@@ -106,7 +130,7 @@ def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, outp
                                  str(job.source.location), requests_path, settings, threads[rank],
                                  logits if rank == world - 1 else None, seat)
             workers.append(LocalWorker(cmd, env, rank, lines, takes_input=settings.serve and rank == 0,
-                                       fork=stage.device == "cpu"))
+                                       fork=forked(stage.device)))
     except BaseException:
         cleanup()
         raise

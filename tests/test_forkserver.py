@@ -124,3 +124,33 @@ def test_nothing_outlives_the_launching_process(tmp_path):
 
 def test_a_command_that_is_not_a_module_main_is_not_forked(tmp_path):
     assert forkserver.spawn(["/bin/true"], _env(tmp_path), takes_input=False) is None
+
+
+def test_local_launches_fork_their_stages_from_the_server_their_process_started_first(tiny_models, tmp_path,
+                                                                                      monkeypatch):
+    """`prestart_local` (what `hpipe launch --local` and `hpipe serve --local` call before preparing
+    the job) starts the server; both stages of two launches are forked by it, and the second
+    launch gives the first one's tokens."""
+    from hpipe.cli import main
+    from hpipe.launcher import local, prestart_local
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(tiny_models["llama"]), "--stages", "2", "-o", str(plan)]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": [5 + i, 6, 7, 8]}) + "\n" for i in range(3)))
+    prestart_local(str(plan))
+    server = forkserver._SERVER
+    assert server is not None and server.alive()
+    started = []
+    real = forkserver.spawn
+    monkeypatch.setattr(local.forkserver, "spawn", lambda *a, **k: started.append(real(*a, **k)) or started[-1])
+    outputs = []
+    for k in range(2):
+        out = tmp_path / f"o{k}.jsonl"
+        assert main(["launch", str(plan), "--local", "--prompts", str(prompts), "--out", str(out),
+                     "--max-new-tokens", "6", "--quiet"]) == 0
+        outputs.append(sorted((r["id"], r["output_ids"]) for r in map(json.loads, out.read_text().splitlines())))
+    assert len(started) == 4 and all(isinstance(w, forkserver.Forked) for w in started)
+    assert forkserver._SERVER is server
+    assert [w.poll() for w in started] == [0] * 4        # every worker ended, its exit code from the server
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 3
