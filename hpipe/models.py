@@ -14,6 +14,7 @@ re-implements attention or an MLP.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -162,15 +163,31 @@ def gguf_metadata(gguf: Path, progress=None) -> Path:
                  f"reading {gguf.name}'s config and tokenizer", progress)
 
 
+@contextlib.contextmanager
+def _without_progress_bars():
+    """TQDM_DISABLE (the GGUF reader's own progress bar) for one call: the process's environment is
+    what a launcher's workers start in, and the fork server serves one environment (a variable
+    changed mid-launch would start another)."""
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = before
+
+
 def _gguf_metadata_into(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own progress bar
     try:
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with _without_progress_bars():
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except Exception as e:  # transformers raises many kinds for a bad or unsupported file
         raise HpipeError(f"{gguf}: transformers could not read this GGUF file: {e}") from None
     if hasattr(config, "quantization_config"):
@@ -197,9 +214,9 @@ def _convert_gguf_into(gguf: Path, out: Path) -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader's own progress bar
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with _without_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many kinds for a bad or unsupported file
         raise HpipeError(f"{gguf}: transformers could not read this GGUF file: {e}") from None
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -54,6 +54,8 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.ll
            "hpipe.runtime.worker")
 PER_LAUNCH_ENV = ("HPIPE_JOB_TOKEN", "HPIPE_GROUP_TOKEN", PARENT_ENV)
 POLL_S = 0.25
+REPLY_S = 300.0          # the longest a launcher waits for a pid (the first waits for the imports)
+REQUEST_S = 10.0         # the longest the server waits for a request's bytes after its connection
 _HEADER = struct.Struct("!Q")        # the JSON's length, sent with the descriptors
 
 
@@ -97,18 +99,24 @@ class _Server:
     """The running server: its process, socket and the environment it serves."""
 
     def __init__(self, env: dict[str, str]):
+        """Raises OSError where the server cannot be set up (the caller starts workers itself)."""
         self.key = _env_key(env)
+        # a private directory (0700): only this user reaches the socket, and it forks as this user
         self.dir = tempfile.mkdtemp(prefix="hpipe-forkserver-")
         self.address = os.path.join(self.dir, "socket")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.address)
-        listener.listen(64)
-        # the listening socket is the server's from the start: requests queue while it imports
-        own_env = {k: v for k, v in env.items() if k not in PER_LAUNCH_ENV}
-        self.proc = subprocess.Popen([sys.executable, "-m", "hpipe.launcher.forkserver", str(listener.fileno())],
-                                     env=own_env, pass_fds=(listener.fileno(),), start_new_session=True,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        listener.close()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+                listener.bind(self.address)         # OSError for a path over 107 bytes (a long TMPDIR)
+                listener.listen(64)
+                # the listening socket is the server's from the start: requests queue while it imports
+                own_env = {k: v for k, v in env.items() if k not in PER_LAUNCH_ENV}
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "hpipe.launcher.forkserver", str(listener.fileno()), str(os.getpid())],
+                    env=own_env, pass_fds=(listener.fileno(),), start_new_session=True,
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -127,32 +135,52 @@ class _Server:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def fork(self, cmd: list[str], env: dict[str, str], takes_input: bool) -> Forked | None:
-        """Asks for one worker; None when the server cannot fork it (it failed to start or died)."""
+        """Asks for one worker; None when the server cannot fork it (it failed to start, died, or
+        did not answer within `REPLY_S`: it is then killed)."""
         module, argv = _module_argv(cmd)
         stdin_r, stdin_w = os.pipe() if takes_input else (os.open(os.devnull, os.O_RDONLY), None)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        ours = [fd for fd in (stdin_w, out_r, err_r) if fd is not None]
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = None
         try:
+            conn.settimeout(REPLY_S)      # the first request waits for the server's imports
             conn.connect(self.address)
             payload = json.dumps({"module": module, "argv": argv, "cmd": cmd, "env": env, "cwd": os.getcwd()}).encode()
             socket.send_fds(conn, [_HEADER.pack(len(payload))], [stdin_r, out_w, err_w])
             conn.sendall(payload)
-            reply = _read_line(conn)                    # the server answers once its imports are done
+            reply = _read_line(conn)
             pid = int(reply.split()[1]) if reply.startswith("pid ") else None
+            conn.settimeout(None)         # the exit line comes when the worker ends
+        except socket.timeout:
+            self.kill()
         except (OSError, ValueError):
-            pid = None
+            pass
+        except BaseException:             # interrupted (Ctrl-C): nothing of this worker stays behind
+            if pid is not None:
+                _kill_group(pid)
+            conn.close()
+            for fd in ours:
+                os.close(fd)
+            raise
         finally:
             for fd in (stdin_r, out_w, err_w):        # the child's ends: the child holds them now
                 os.close(fd)
         if pid is None:
             conn.close()
-            for fd in (stdin_w, out_r, err_r):
-                if fd is not None:
-                    os.close(fd)
+            for fd in ours:
+                os.close(fd)
             return None
         return Forked(conn, pid, cmd, open(stdin_w, "w", encoding="utf-8") if takes_input else None,
                       open(out_r, encoding="utf-8", errors="replace"), open(err_r, encoding="utf-8", errors="replace"))
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 _SERVER: _Server | None = None
@@ -184,7 +212,10 @@ def start(env: dict[str, str]) -> _Server | None:
             _SERVER = None
         _RETIRED[:] = [s for s in _RETIRED if s.alive()]      # reaped
         if _SERVER is None:
-            _SERVER = _Server(env)
+            try:
+                _SERVER = _Server(env)
+            except OSError:
+                return None
             atexit.register(_SERVER.kill)
         return _SERVER
 
@@ -213,8 +244,9 @@ def _module_argv(cmd: list[str]) -> tuple[str | None, list[str]]:
 
 
 # ------------------------------------------------------------------------------ the server's side
-def serve(listener_fd: int) -> None:
-    parent = os.getppid()
+def serve(listener_fd: int, launcher: int) -> None:
+    """launcher: the pid that started us, compared with our parent from the start (a launcher
+    killed while we were starting leaves us with another parent at once)."""
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(fileno=listener_fd)
@@ -228,10 +260,13 @@ def serve(listener_fd: int) -> None:
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     workers: dict[int, socket.socket] = {}       # pid -> the connection its exit code goes back on
-    while os.getppid() == parent and not (retiring and not workers):
+    while os.getppid() == launcher and not (retiring and not workers):
         for key, _ in selector.select(POLL_S):
             if key.fileobj is listener and not retiring:
-                conn, _ = listener.accept()
+                try:
+                    conn, _ = listener.accept()
+                except OSError:          # out of descriptors, say: the launcher's request times out
+                    continue
                 pid = _fork_one(conn, [listener.fileno(), wake_r, wake_w, *(c.fileno() for c in workers.values())])
                 if pid is None:
                     conn.close()
@@ -276,39 +311,53 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def _fork_one(conn: socket.socket, close_in_child: list[int]) -> int | None:
-    """Reads one request and forks its worker; the child's pid (answered on `conn`), or None."""
+    """Reads one request and forks its worker; the child's pid (answered on `conn`, once the child
+    leads a session of its own: the launcher may signal its group at once), or None. Nothing a
+    request or the fork raises ends the server (its workers would die with it)."""
+    fds: list[int] = []
     try:
+        conn.settimeout(REQUEST_S)
         header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
         if len(header) < _HEADER.size:
             header += _recv_exact(conn, _HEADER.size - len(header))
         request = json.loads(_recv_exact(conn, _HEADER.unpack(header)[0]))
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} descriptors, not 3")
-    except (OSError, ValueError, ConnectionError):
+        started_r, started_w = os.pipe()
+        pid = os.fork()
+    except Exception:  # noqa: BLE001 - a bad request, or no fork (EAGAIN, ENOMEM): the launcher starts it itself
+        for fd in fds:
+            os.close(fd)
         return None
-    pid = os.fork()
     if pid == 0:
-        _become_worker(request, fds, [conn.fileno(), *close_in_child])
+        os.close(started_r)
+        _become_worker(request, fds, [conn.fileno(), *close_in_child], started_w)
+    os.close(started_w)
     for fd in fds:
         os.close(fd)
+    os.read(started_r, 1)          # EOF: the child has its own session (or is gone)
+    os.close(started_r)
     try:
+        conn.settimeout(None)
         conn.sendall(f"pid {pid}\n".encode())
-    except OSError:
-        pass
+    except OSError:                # the launcher is gone: so is the worker
+        _kill_group(pid)
     return pid
 
 
-def _become_worker(request: dict, fds: list[int], close: list[int]) -> None:
-    """In the forked child: the worker's session, descriptors, environment and module; never returns."""
+def _become_worker(request: dict, fds: list[int], close: list[int], started: int) -> None:
+    """In the forked child: the worker's session, descriptors, environment and module; never returns.
+    started: closed once the child leads its own session (the server then answers the pid)."""
     code = 1
     try:
+        os.setsid()
+        os.close(started)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         server = os.getppid()
         for fd in close:
             os.close(fd)
-        os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -319,6 +368,8 @@ def _become_worker(request: dict, fds: list[int], close: list[int]) -> None:
                                       line_buffering=True, write_through=True)
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         os.chdir(request["cwd"])
+        if not sys.flags.safe_path:
+            sys.path[0] = os.getcwd()                  # as `python -m` sets it
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ[PARENT_ENV] = str(server)            # the worker ties itself to the server
@@ -366,4 +417,4 @@ def _show_command(cmd: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -58,6 +59,7 @@ def test_a_forked_worker_gets_the_launchs_session_environment_pipes_and_exit_cod
     monkeypatch.chdir(tmp_path)
     w = forkserver.spawn([sys.executable, "-m", "fs_probe", "run", "3"], env, takes_input=True)
     assert isinstance(w, forkserver.Forked)
+    assert os.getpgid(w.pid) == w.pid, "the pid comes once the worker leads its own process group"
     server = forkserver._SERVER.proc.pid
     w.stdin.write("hello\n")
     w.stdin.flush()
@@ -69,6 +71,13 @@ def test_a_forked_worker_gets_the_launchs_session_environment_pipes_and_exit_cod
 
     quick = forkserver.spawn([sys.executable, "-m", "fs_probe", "run", "4"], env, takes_input=False)
     assert quick.wait(timeout=30) == 4, "an exit right after the fork reports its code"
+
+    # a request that is not one (no descriptors, no JSON) is dropped; the server serves on
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as bad:
+        bad.connect(forkserver._SERVER.address)
+        bad.sendall(forkserver._HEADER.pack(8) + b"not json")
+        assert bad.recv(16) == b""
+    assert forkserver._SERVER.alive() and forkserver._SERVER.proc.pid == server
 
     # the same environment (less what each launch sets): the same server, no import paid again
     again = forkserver.spawn([sys.executable, "-m", "fs_probe", "sleep"], {**env, "HPIPE_JOB_TOKEN": "x"},
@@ -120,6 +129,16 @@ def test_nothing_outlives_the_launching_process(tmp_path):
         proc.kill()
         proc.wait()
     assert _gone(server) and _gone(worker)
+    # killed while its server still imports: the server goes too, once it looks
+    early = subprocess.Popen([sys.executable, "-c", "import sys\nfrom hpipe.launcher import forkserver\n"
+                              f"print(forkserver.start({env!r}).proc.pid, flush=True)\nsys.stdin.readline()"],
+                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(early.stdout.readline())
+    finally:
+        early.kill()
+        early.wait()
+    assert _gone(server, within_s=60)
 
 
 def test_a_command_that_is_not_a_module_main_is_not_forked(tmp_path):
