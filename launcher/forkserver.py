@@ -19,7 +19,7 @@ fresh process all the same) and lives as long as its launching process:
   environment starts a server of its own in place of the old one.
 
 One request per worker, on its own connection to the server's Unix socket: the worker's stdin,
-stdout and stderr (the launcher's pipe ends, as file descriptors), then its argv, environment and
+stdout and stderr (the launcher's pipe ends, as file descriptors), then its command, environment and
 working directory as JSON. The server forks; the child starts a session of its own, takes the
 descriptors and environment and calls the module's `main(argv)`. The server answers with the
 child's pid and, when it has reaped the child, its exit code as `subprocess` gives it (negative:
@@ -137,7 +137,6 @@ class _Server:
     def fork(self, cmd: list[str], env: dict[str, str], takes_input: bool) -> Forked | None:
         """Asks for one worker; None when the server cannot fork it (it failed to start, died, or
         did not answer within `REPLY_S`: it is then killed)."""
-        module, argv = _module_argv(cmd)
         stdin_r, stdin_w = os.pipe() if takes_input else (os.open(os.devnull, os.O_RDONLY), None)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -147,7 +146,7 @@ class _Server:
         try:
             conn.settimeout(REPLY_S)      # the first request waits for the server's imports
             conn.connect(self.address)
-            payload = json.dumps({"module": module, "argv": argv, "cmd": cmd, "env": env, "cwd": os.getcwd()}).encode()
+            payload = json.dumps({"cmd": cmd, "env": env, "cwd": os.getcwd()}).encode()
             socket.send_fds(conn, [_HEADER.pack(len(payload))], [stdin_r, out_w, err_w])
             conn.sendall(payload)
             reply = _read_line(conn)
@@ -375,13 +374,14 @@ def _become_worker(request: dict, fds: list[int], close: list[int], started: int
         os.environ[PARENT_ENV] = str(server)            # the worker ties itself to the server
         _show_command(request["cmd"])
         arm_parent_death_signal()
-        sys.argv = [request["module"], *request["argv"]]
+        name, argv = _module_argv(request["cmd"])      # the server runs the launcher's interpreter
+        sys.argv = [name, *argv]
         try:
-            module = importlib.import_module(request["module"])
+            module = importlib.import_module(name)
             # `__main__` as `python -m` makes it: processes the worker spawns (its sampler pool)
             # import the worker's module for theirs, not the server's
             sys.modules["__main__"] = module
-            module.main(request["argv"])
+            module.main(argv)
             code = 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
