@@ -249,6 +249,7 @@ def serve(listener_fd: int, launcher: int) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(fileno=listener_fd)
+    own_dir = os.path.dirname(listener.getsockname())
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -278,7 +279,9 @@ def serve(listener_fd: int, launcher: int) -> None:
             listener.close()
         _reap(workers)
     # retired with no worker left, or the launching process is gone: so are we (and our workers,
-    # by their parent-death signal)
+    # by their parent-death signal). A launcher killed outright removed nothing: the socket's
+    # directory goes with us.
+    shutil.rmtree(own_dir, ignore_errors=True)
     os._exit(0)
 
 

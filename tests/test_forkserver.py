@@ -111,34 +111,37 @@ def test_a_forked_worker_gets_the_launchs_session_environment_pipes_and_exit_cod
 
 def test_nothing_outlives_the_launching_process(tmp_path):
     """The launcher killed (SIGKILL: no cleanup of its own runs): its fork server and the worker it
-    forked end too."""
+    forked end too, and the server's socket directory is removed."""
     env = _env(tmp_path)
     launcher = textwrap.dedent(f"""
         import sys
         from hpipe.launcher import forkserver
         w = forkserver.spawn([sys.executable, "-m", "fs_probe", "sleep"], {env!r}, takes_input=False)
         assert w.stdout.readline().strip() == "ready"
-        print(forkserver._SERVER.proc.pid, w.pid, flush=True)
+        print(forkserver._SERVER.proc.pid, w.pid, forkserver._SERVER.dir, flush=True)
         sys.stdin.readline()
     """)
     proc = subprocess.Popen([sys.executable, "-c", launcher], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
-        server, worker = map(int, proc.stdout.readline().split())
+        server, worker, socket_dir = proc.stdout.readline().split()
     finally:
         proc.kill()
         proc.wait()
-    assert _gone(server) and _gone(worker)
+    assert _gone(int(server)) and _gone(int(worker))
+    assert not Path(socket_dir).exists(), "the server removes its socket's directory"
+
     # killed while its server still imports: the server goes too, once it looks
     early = subprocess.Popen([sys.executable, "-c", "import sys\nfrom hpipe.launcher import forkserver\n"
-                              f"print(forkserver.start({env!r}).proc.pid, flush=True)\nsys.stdin.readline()"],
+                              f"s = forkserver.start({env!r})\nprint(s.proc.pid, s.dir, flush=True)\nsys.stdin.readline()"],
                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        server = int(early.stdout.readline())
+        server, socket_dir = early.stdout.readline().split()
     finally:
         early.kill()
         early.wait()
-    assert _gone(server, within_s=60)
+    assert _gone(int(server), within_s=60)
+    assert not Path(socket_dir).exists()
 
 
 def test_a_command_that_is_not_a_module_main_is_not_forked(tmp_path):
