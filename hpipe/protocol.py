@@ -12,6 +12,7 @@ Out of every worker (report lines `@@hpipe {json}` on stdout, `hpipe.reports`' e
     Rejected   a request stage 0 cannot take (it does not fit the KV pool)
     Stats      queue, KV pages, preemptions and the recent micro-batches (serving, a few times a second)
     Error      the stage's one-line cause, before it exits non-zero
+    Notice     a line for the user even from a quiet launch (a server's stage compiling in the background)
     Timeline   the stage's measured intervals and figures, at its end
     Summary    stage 0's run figures and the config it ran with, at its end
 
@@ -31,7 +32,7 @@ from typing import ClassVar
 from hpipe.reports import emit, parse
 from hpipe.request import Request
 
-__all__ = ["Abort", "Add", "Close", "Error", "Ready", "Rejected", "Result", "Stats", "Summary", "Timeline",
+__all__ = ["Abort", "Add", "Close", "Error", "Notice", "Ready", "Rejected", "Result", "Stats", "Summary", "Timeline",
            "Tokens", "op_line", "read_op", "read_report", "send"]
 
 
@@ -151,6 +152,12 @@ class Error:
 
 
 @dataclass(frozen=True)
+class Notice:
+    KIND: ClassVar[str] = "notice"
+    text: str
+
+
+@dataclass(frozen=True)
 class Timeline:
     KIND: ClassVar[str] = "timeline"
     rank: int
@@ -189,7 +196,7 @@ class Summary:
     spec_accepted_tokens: int = 0
 
 
-REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Timeline, Summary)}
+REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Notice, Timeline, Summary)}
 
 
 def send(record) -> None:

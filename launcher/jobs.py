@@ -139,6 +139,7 @@ class StageReports:
     errors: dict[int, str] = field(default_factory=dict)
     peers_lost: set[int] = field(default_factory=set)     # stages that fell because a neighbour died
     events: list = field(default_factory=list)            # hosts lost and the plans that went on (launcher/elastic.py)
+    notices: list[tuple[int, str]] = field(default_factory=list)     # (rank, text) not yet shown
 
     def restart(self) -> None:
         """Another pipeline starts (a lost host's recovery): the last one's stage reports go."""
@@ -155,6 +156,8 @@ class StageReports:
             self.timelines[report.rank] = protocol.as_dict(report)
         elif isinstance(report, protocol.Summary):
             self.summary = protocol.as_dict(report)
+        elif isinstance(report, protocol.Notice):
+            self.notices.append((rank, report.text))
         elif isinstance(report, protocol.Error):
             self.errors[rank] = report.message
             if report.peer_lost:
@@ -420,6 +423,9 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
             logs.add(rank, line)
             if show and (not quiet or name == "err" and ("Error" in line or "Traceback" in line)):
                 log(f"[{plan.stages[rank].host}:{rank}] {line}")
+        while output.notices:        # shown quiet or not
+            r, text = output.notices.pop(0)
+            log(f"[{plan.stages[r].host}:{r}] {text}")
 
     while open_streams and failed is None:
         try:

@@ -105,7 +105,7 @@ def serve(tmp: Path, plan: Path, *extra: str) -> tuple[subprocess.Popen, openai.
     port = free_port()
     log = tmp / "serve.log"
     cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port), "--max-model-len",
-           "1024", "--max-batch", "4", "--log-dir", str(tmp / "stages"), *extra]
+           "1024", "--max-batch", "4", "--log-dir", str(tmp / "stages"), "--compile", "off", *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)

@@ -50,11 +50,14 @@ def request(base: str, method: str, path: str, body: bytes | None = None, key: s
     return out
 
 
-def start_server(tmp: Path, plan: Path, *extra: str, key: str | None = KEY) -> tuple[subprocess.Popen, str, Path]:
+def start_server(tmp: Path, plan: Path, *extra: str, key: str | None = KEY,
+                 compile: str = "off") -> tuple[subprocess.Popen, str, Path]:
+    """compile: --compile; "off" unless a test is about it (on a host no `hpipe warmup` ran on,
+    "auto" compiles in the background beside the server: tests/test_background_compile.py)."""
     port = free_port()
     log = tmp / f"serve-{port}.log"
     cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port), "--max-model-len",
-           "512", "--kv-pages", "80", "--max-batch", "8", *extra]
+           "512", "--kv-pages", "80", "--max-batch", "8", "--compile", compile, *extra]
     if key:
         cmd += ["--api-key", key]
     with open(log, "w") as f:

@@ -542,7 +542,7 @@ def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, p
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(two), "--cluster",
                              str(inventory), "--port", str(port), "--max-model-len", "512",
-                             "--kv-pages", "64"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             "--kv-pages", "64", "--compile", "off"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
@@ -589,7 +589,8 @@ class Served:
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(plan), "--cluster",
                                           str(cluster.inventory_path), "--port", str(self.port), "--max-model-len",
-                                          "512", "--kv-pages", "128", "--max-batch", "12", *extra],
+                                          "512", "--kv-pages", "128", "--max-batch", "12", "--compile", "off",
+                                          *extra],
                                          stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,

@@ -2,6 +2,7 @@
 
 - `stage`: a stage's units and the steps of a micro-batch (prepare inputs, forward), its
   compiled decode graphs and `warm_compile` (`hpipe warmup`);
+- `background_compile`: a server's stage on a cold host compiling its graphs beside it;
 - `pages`: a sequence's KV pages and a micro-batch's segments (no torch);
 - `kv`: the KV cache itself (torch);
 - `sequence`: one request's state on stage 0, its status enum (no torch);

@@ -153,7 +153,8 @@ class StageRunner:
         self.decode_halves = self.eager      # their fetches and sends are Python a graph does not hold
 
     # ---------------------------------------------------------------- step 1: input preparation
-    def prepare_inputs(self, segments: list[Segment]) -> StageInputs:
+    def prepare_inputs(self, segments: list[Segment], kv: KVStore | None = None) -> StageInputs:
+        """kv: the pool the micro-batch's cache reads and writes (default the stage's own)."""
         layout = layout_of(segments)
         dev = self.device
         end = max(s.end for s in segments)
@@ -189,7 +190,7 @@ class StageRunner:
         rows += [e - s.length + i for e, s in zip(ends, segments) if s.scored for i in range(s.length - s.sample)]
         sample_rows = torch.tensor(rows, dtype=torch.long, device=dev)
         shape = (len(segments), segments[0].length) if layout == "rows" else (1, ends[-1])
-        cache = BatchCache(self.kv, segments) if self.blocks else None
+        cache = BatchCache(kv or self.kv, segments) if self.blocks else None
         inputs = StageInputs(segments, layout, shape, positions, masks, rotary, cache, sample_rows)
         if self.deterministic and self.weights_quantized:
             from hpipe.runtime import invariant
@@ -207,12 +208,13 @@ class StageRunner:
 
     # ---------------------------------------------------------------- step 2: the forward
     @torch.inference_mode()
-    def forward(self, inputs: StageInputs, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: StageInputs, x: torch.Tensor, decode_halves: Halves | None = None) -> torch.Tensor:
         """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. Returns hidden
-        states [T, H], or on the last stage the logits [rows sampled + scored rows, V] (float32)."""
-        return self.compute(inputs, x)
+        states [T, H], or on the last stage the logits [rows sampled + scored rows, V] (float32).
+        decode_halves: how a decode step runs its blocks, if not the stage's `decode_halves`."""
+        return self.compute(inputs, x, decode_halves)
 
-    def compute(self, inputs: StageInputs, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, inputs: StageInputs, x: torch.Tensor, decode_halves: Halves | None = None) -> torch.Tensor:
         """`forward` without its inference mode: what torch.compile traces (it cannot trace
         inference tensors' version counters), called under `torch.no_grad`."""
         rows, per_row = inputs.shape
@@ -221,7 +223,7 @@ class StageRunner:
                                                         inputs.positions))
         h = x.to(self.device).view(rows, per_row) if self.first else \
             x.to(self.device, self.dtype).view(rows, per_row, self.hidden_size)
-        halves = self.decode_halves if inputs.decode else self.eager
+        halves = (decode_halves or self.decode_halves) if inputs.decode else self.eager
         if halves is not self.eager and torch.is_inference_mode_enabled() and not h.is_inference():
             h = h.clone()       # received hidden states: a graph made for inference tensors serves them too
         with quant.row_paths(inputs.paths):
@@ -453,20 +455,12 @@ def warm_up(runner, max_len: int, log) -> None:
     import time
 
     n = max(1, min(WARM_TOKENS, max_len))
-
-    @torch.inference_mode()      # as the run prepares and computes (a compiled graph tells the two apart)
-    def step(segments):
-        rows = sum(s.length for s in segments)
-        x = torch.zeros(rows, dtype=torch.long, device=runner.device) if runner.first else \
-            torch.zeros(rows, runner.hidden_size, dtype=runner.dtype, device=runner.device)
-        runner.forward(runner.prepare_inputs(segments), x)
-
-    step([Segment(0, 0, 0, n, True)])
+    warm_step(runner, [Segment(0, 0, 0, n, True)])
     if runner.decode_halves is not runner.eager and n > 3:
         t = time.time()
         try:
             for segments in decode_shapes(n, runner.kv.page_size):
-                step(segments)
+                warm_step(runner, segments)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor bug: the run goes on eagerly
             runner.decode_halves = runner.eager
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -477,6 +471,28 @@ def warm_up(runner, max_len: int, log) -> None:
                 f"({runner.decode_halves.graphs} graphs: runs of whole blocks, single ones, halves of cut ones)")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
+
+
+@torch.inference_mode()      # as the run prepares and computes (a compiled graph tells the two apart)
+def warm_step(runner, segments: list[Segment], halves: Halves | None = None, kv: KVStore | None = None) -> None:
+    """One step of zeros through the stage (its decode steps through `halves`, its cache in `kv`)."""
+    rows = sum(s.length for s in segments)
+    x = torch.zeros(rows, dtype=torch.long, device=runner.device) if runner.first else \
+        torch.zeros(rows, runner.hidden_size, dtype=runner.dtype, device=runner.device)
+    runner.forward(runner.prepare_inputs(segments, kv), x, halves)
+
+
+def compiled_beside(runner) -> CompiledHalves:
+    """A running stage's compiled halves, made without touching its KV pool or its `decode_halves`
+    (another thread may run steps meanwhile): the steps `warm_up` compiles, through a pool of their
+    own (`keep_page_shape_static`: the graphs then serve the run's pool as they are)."""
+    halves = CompiledHalves(runner)
+    kv = KVStore(runner.device, runner.dtype, runner.kv.page_size, pages=4)
+    kv.keep_page_shape_static()
+    warm_step(runner, [Segment(0, 0, 0, WARM_TOKENS, True)], kv=kv)        # the pool's layers (eager)
+    for segments in decode_shapes(WARM_TOKENS, kv.page_size):
+        warm_step(runner, segments, halves, kv)
+    return halves
 
 
 def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, threads: list[int]) -> int:
@@ -491,17 +507,18 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
         for count in threads:
             torch.set_num_threads(count)
             for units in (range(2), range(2, n), range(n)):      # a cut block's halves, then whole blocks
-                marks.update(_warm_layout(model, config, weights, dtype, log, units))
+                marks.update(warm_layout(model, config, weights, dtype, log, units))
     finally:
         torch.set_num_threads(before)
     return len(marks)
 
 
-def _warm_layout(model: models.ModelSource, config, weights, dtype: str, log, units: range) -> list[Path]:
+def warm_layout(model: models.ModelSource, config, weights, dtype: str, log, units: range,
+                page_size: int = DEFAULTS.page_size, attn: str = DEFAULTS.attn) -> list[Path]:
     """Compiles the graphs of one stage layout not yet warm, and marks them."""
     from hpipe.errors import HpipeError
 
-    runner = StageRunner(model, config, units, "cpu", dtype, weights=weights, compile="on")
+    runner = StageRunner(model, config, units, "cpu", dtype, attn, page_size, weights=weights, compile="on")
     if runner.compile_refused is not None:
         raise HpipeError(f"{model.name}: decode steps are not compiled ({runner.compile_refused}); its runs "
                          f"need no warmup")

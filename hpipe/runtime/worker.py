@@ -38,6 +38,7 @@ from hpipe.grammar import GrammarVocabulary
 from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm, invariant
+from hpipe.runtime.background_compile import BackgroundCompile
 from hpipe.runtime.draft import proposer_for
 from hpipe.runtime.pages import pages_needed
 from hpipe.runtime.pipeline import (Driver, Executors, LogprobReports, Modes, PoolSampling, Sampling, ThreadSampling,
@@ -363,6 +364,10 @@ class StageWorker:
                                os.environ.get("HPIPE_GROUP_TOKEN", "local"), config.rendezvous_timeout_s,
                                self.ex.errors) if self.grouped else None
         self.keep = KeepLogits(args.logits_out) if args.logits_out and self.last else KeepNothing()
+        # a server outlives the minute its graphs take: a cold host compiles them beside it
+        self.background = BackgroundCompile(
+            runner, args.model or plan.model.name, self.stage_plan.weights, plan.dtype, config.page_size, config.attn,
+            f"stage {self.rank}") if args.serve and runner.compile_cold and not self.grouped else None
         # the draft model (if any) beside stage 0, loaded before the clock as the stage's own weights are
         self.proposer = proposer_for(self.speculation, int(self.model_config.vocab_size), self.stage_plan.device,
                                      plan.dtype, self.pages, config.page_size) if self.first else None
@@ -437,6 +442,8 @@ class StageWorker:
     def run(self) -> None:
         dist.barrier(group=self.groups.ctrl)
         t_start = time.time()
+        if self.background is not None:
+            self.background.start()
         summary = None
         sampling = None
         try:
