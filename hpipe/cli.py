@@ -563,7 +563,8 @@ def serve(
         raise HpipeError(f"--heartbeat-timeout must be > 0, got {host_timeout}")
     _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
     inventory = formats.load_inventory(cluster) if cluster else None
-    settings = launcher.LaunchSettings(runtime=runtime, serve=True, log_dir=_log_dir(log_dir))
+    settings = launcher.LaunchSettings(runtime=runtime, serve=True, background_compile=True,
+                                       log_dir=_log_dir(log_dir))
     if local:
         launcher.prestart_local(plan_path)
     job = launcher.prepare_model(plan_path, settings, model=model, progress=_note)

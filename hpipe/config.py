@@ -135,8 +135,8 @@ class RuntimeConfig:
                            "or 5 blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
                            "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
                            "(about a minute the first time on a host, ~7 s a stage later); auto: where `hpipe warmup` has compiled the model's graphs on "
-                           "this host, else eagerly (a server compiles them in the background meanwhile, at the lowest "
-                           "CPU priority, and then runs them); off: eagerly. A failed compile leaves the run eager",
+                           "this host, else eagerly (a server serves from its start and gets them beside it: loaded, or "
+                           "compiled first at the lowest CPU priority on a cold host); off: eagerly. A failed compile leaves the run eager",
                            choices=("auto", "on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "
                                   "previous micro-batch computes; auto: on CUDA stages (a CPU stage's forward "

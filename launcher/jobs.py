@@ -36,6 +36,9 @@ class LaunchSettings:
     logits_out: str | None = None
     resume: bool = False
     serve: bool = False              # requests come on stage 0's stdin (hpipe serve), not in a file
+    # CPU stages get their compiled decode graphs beside them, not before the first step (hpipe
+    # serve: a server outlives the minute; hpipe.runtime.background_compile)
+    background_compile: bool = False
     log_dir: str | None = None       # every stage's log lines, whole, in LOG_DIR/stage-R.log
 
 
@@ -365,6 +368,8 @@ def worker_command(python: str, plan_path: str, rank: int, world: int, addr: str
            "--world-size", str(world), "--master-addr", addr, "--master-port", str(port), "--model", model,
            "--config", settings.runtime.to_json(), "--threads", str(threads)]
     cmd += ["--serve"] if requests_path is None else ["--requests", requests_path]
+    if settings.background_compile:
+        cmd += ["--background-compile"]
     if logits_out:
         cmd += ["--logits-out", logits_out]
     if seat is not None:

@@ -1,6 +1,7 @@
-"""`hpipe serve` with --compile auto (the default) on a host no `hpipe warmup` ran on: the stages
-serve at once, eagerly, while a child of each compiles its graphs at the lowest CPU priority; the
-stages then run them (hpipe.runtime.background_compile)."""
+"""`hpipe serve` with --compile auto (the default) gets its decode graphs beside it
+(hpipe.runtime.background_compile): the stages serve at once, eagerly, while a child of each
+compiles the graphs at the lowest CPU priority (a cold host) and a thread loads them; the stages
+then run them."""
 
 from __future__ import annotations
 
@@ -41,52 +42,84 @@ def descendants(pid: int) -> dict[int, str]:
     return out
 
 
-def test_a_cold_server_compiles_its_graphs_beside_it_and_then_runs_them(talking_model, tmp_path, monkeypatch):
-    """Two stages with a block cut between them (whole blocks and halves both compile). At start each
-    stage says, in a quiet server's log, that it decodes eagerly while its graphs compile; a child
-    process per stage compiles them at nice 19, below its stage in the process tree; each stage then
-    says it runs them. Greedy answers before and after are transformers' (the graphs' sums are not
-    eager's bit for bit: near-ties aside). The graphs are marked warm for the next start, and
-    nothing is left running after the server stops."""
+def test_a_server_gets_its_graphs_beside_it_compiled_on_a_cold_host_loaded_on_a_warm_one(talking_model, tmp_path,
+                                                                                       monkeypatch):
+    """Two stages with a block cut between them (whole blocks and halves both compile).
+    - A cold host: at start each stage says, in a quiet server's log, that it decodes eagerly while
+      its graphs compile; a child process per stage compiles them at nice 19, below its stage in
+      the process tree; each stage then says it runs them, and no child is left.
+    - The graphs are marked warm: a second server on the host compiles nothing (no child) and says
+      its stages loaded them beside it.
+    Greedy answers before and after each switch are transformers' (the graphs' sums are not eager's
+    bit for bit: near-ties aside)."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))     # a host that never compiled
     plan = tmp_path / "plan.json"
     assert main(["plan", "--model", str(talking_model), "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0
-    proc, base, log = start_server(tmp_path, plan, key=None, compile="auto")
     reference = AutoModelForCausalLM.from_pretrained(talking_model).eval()
-    c = client(base, key=None)
-    model = c.models.list().data[0].id
     prompt = list(range(40, 75))
-
-    def greedy() -> list[int]:
-        done = c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
-                                    extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
-        return [int(t.removeprefix("token_id:")) for t in done.choices[0].logprobs.tokens]
-
-    try:
-        eager = greedy()
-        started = [line for line in log.read_text().splitlines() if "compile in the background" in line]
-        assert len(started) == 2 and all("decode runs eagerly" in line for line in started), log.read_text()
-        compiling = [pid for pid, cmd in descendants(proc.pid).items() if CHILD in cmd]
-        assert len(compiling) == 2 and all(os.getpriority(os.PRIO_PROCESS, pid) == 19 for pid in compiling), \
-            descendants(proc.pid)
-        deadline = time.time() + 400
-        while time.time() < deadline:
-            text = log.read_text()
-            if text.count("decode compiled in the background") == 2 or "failed" in text:
-                break
-            time.sleep(1)
-        assert text.count("decode compiled in the background") == 2, text
-        compiled = greedy()
-        assert not [cmd for cmd in descendants(proc.pid).values() if CHILD in cmd]
-    finally:
-        stop_server(proc)
-    assert proc.returncode in (0, 130), log.read_text()
-    assert len(list((tmp_path / "inductor" / "hpipe-warm").iterdir())) >= 2     # the next start runs them
-    ids = list(prompt)
+    expected = list(prompt)
     with torch.no_grad():
         for _ in range(12):
-            ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
-    for tokens in (eager, compiled):
-        assert_greedy_equal(reference, prompt, tokens, ids[len(prompt):])
+            expected.append(int(reference(torch.tensor([expected])).logits[0, -1].argmax()))
+
+    def serve(check_start) -> str:
+        proc, base, log = start_server(tmp_path, plan, key=None, compile="auto")
+        c = client(base, key=None)
+        model = c.models.list().data[0].id
+
+        def greedy() -> list[int]:
+            done = c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=1,
+                                        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+            return [int(t.removeprefix("token_id:")) for t in done.choices[0].logprobs.tokens]
+
+        try:
+            answers = [greedy()]
+            check_start(proc, log.read_text())
+            deadline = time.time() + 400
+            while time.time() < deadline:
+                text = log.read_text()
+                if text.count("steps run them from now") == 2 or "decode stays eager" in text:
+                    break
+                time.sleep(1)
+            assert text.count("steps run them from now") == 2, text
+            assert len(graphs_mapped(proc)) == 2, "a stage said it runs graphs it has not loaded"
+            answers.append(greedy())
+            assert not [cmd for cmd in descendants(proc.pid).values() if CHILD in cmd]
+        finally:
+            stop_server(proc)
+        assert proc.returncode in (0, 130), log.read_text()
+        for tokens in answers:
+            assert_greedy_equal(reference, prompt, tokens, expected[len(prompt):])
+        return text
+
+    def graphs_mapped(proc) -> list[int]:
+        """The stage workers that have inductor's compiled graphs (this host's cache) mapped."""
+        cache = str(tmp_path / "inductor")
+        return [pid for pid, cmd in descendants(proc.pid).items() if "hpipe.runtime.worker" in cmd
+                and cache in Path(f"/proc/{pid}/maps").read_text()]
+
+    def compiling(proc, text: str) -> None:
+        started = [line for line in text.splitlines() if "compile in the background" in line]
+        assert len(started) == 2 and all("decode runs eagerly" in line for line in started), text
+        assert not graphs_mapped(proc)
+        deadline = time.time() + 30       # each child past its exec and its priority call
+        while time.time() < deadline:
+            children = [pid for pid, cmd in descendants(proc.pid).items() if CHILD in cmd]
+            if len(children) == 2 and all(os.getpriority(os.PRIO_PROCESS, pid) == 19 for pid in children):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no 2 children at nice 19 below the server: {descendants(proc.pid)}")
+
+    text = serve(compiling)
+    assert text.count("compiled in the background") == 2, text
+    assert len(list((tmp_path / "inductor" / "hpipe-warm").iterdir())) >= 2     # the next start runs them
+
+    def loading(proc, text: str) -> None:
+        assert "compile in the background" not in text, text
+        assert not [cmd for cmd in descendants(proc.pid).values() if CHILD in cmd]
+
+    text = serve(loading)
+    assert text.count("decode graphs loaded in") == 2 and "compiled in the background" not in text, text

@@ -2,7 +2,8 @@
 
 - `stage`: a stage's units and the steps of a micro-batch (prepare inputs, forward), its
   compiled decode graphs and `warm_compile` (`hpipe warmup`);
-- `background_compile`: a server's stage on a cold host compiling its graphs beside it;
+- `background_compile`: a server's stage getting its compiled graphs beside it (compiled on a
+  cold host, loaded on a warm one);
 - `pages`: a sequence's KV pages and a micro-batch's segments (no torch);
 - `kv`: the KV cache itself (torch);
 - `sequence`: one request's state on stage 0, its status enum (no torch);

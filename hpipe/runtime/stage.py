@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import threading
+import time
 import types
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -127,6 +129,10 @@ class StageRunner:
         self.eager = Halves(self.cache_argument)
         self.compile_refused = compiled_halves_refused(self, compile)
         self.decode_halves = CompiledHalves(self) if self.compile_refused is None else self.eager
+        # held for each forward: what changes the stage between steps (graphs loaded beside a
+        # server, hpipe.runtime.background_compile) holds it instead, and the next step waits
+        self.stepping = threading.RLock()
+        self.last_step = time.monotonic()       # when the last forward ended
 
     @property
     def compile_cold(self) -> bool:
@@ -212,7 +218,10 @@ class StageRunner:
         """x: token ids [T] on the first stage, hidden states [T, H] elsewhere. Returns hidden
         states [T, H], or on the last stage the logits [rows sampled + scored rows, V] (float32).
         decode_halves: how a decode step runs its blocks, if not the stage's `decode_halves`."""
-        return self.compute(inputs, x, decode_halves)
+        with self.stepping:
+            out = self.compute(inputs, x, decode_halves)
+        self.last_step = time.monotonic()
+        return out
 
     def compute(self, inputs: StageInputs, x: torch.Tensor, decode_halves: Halves | None = None) -> torch.Tensor:
         """`forward` without its inference mode: what torch.compile traces (it cannot trace
@@ -452,8 +461,6 @@ def warm_up(runner, max_len: int, log) -> None:
     (kernel selection, thread pools, first-touch allocations); with compiled halves, the decode
     steps that compile every graph a run calls (`decode_shapes`). A compile that fails (no C++
     compiler, an inductor bug) leaves the stage eager, said in one line."""
-    import time
-
     n = max(1, min(WARM_TOKENS, max_len))
     warm_step(runner, [Segment(0, 0, 0, n, True)])
     if runner.decode_halves is not runner.eager and n > 3:

@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--requests",
                    help="JSONL of hpipe.request.Request (written by the launcher): ids, sampling parameters, limits")
     p.add_argument("--serve", action="store_true", help="take requests on stage 0's stdin until it closes")
+    p.add_argument("--background-compile", action="store_true",
+                   help="--compile auto: get the decode graphs beside the run (hpipe.runtime.background_compile)")
     p.add_argument("--logits-out", help="last stage: write an .npz of logits per request id")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--replica", type=int, help="a SiDP plan: the stage (replica) this worker runs, as a one-stage "
@@ -347,6 +349,10 @@ class StageWorker:
                                 config.rendezvous_timeout_s)
         self.pages = self._agree_kv_pages()
         runner.kv.allocate(self.pages)
+        # a server's compiled graphs come beside it: it answers without waiting for them
+        self.background = BackgroundCompile.for_server(
+            runner, args.model or plan.model.name, self.stage_plan.weights, plan.dtype, config,
+            f"stage {self.rank}") if args.background_compile and not self.grouped else None
         warm_up(runner, self.requests.max_len, log)
         static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs,
                                      self.requests.max_len) if static else None
@@ -364,10 +370,6 @@ class StageWorker:
                                os.environ.get("HPIPE_GROUP_TOKEN", "local"), config.rendezvous_timeout_s,
                                self.ex.errors) if self.grouped else None
         self.keep = KeepLogits(args.logits_out) if args.logits_out and self.last else KeepNothing()
-        # a server outlives the minute its graphs take: a cold host compiles them beside it
-        self.background = BackgroundCompile(
-            runner, args.model or plan.model.name, self.stage_plan.weights, plan.dtype, config.page_size, config.attn,
-            f"stage {self.rank}") if args.serve and runner.compile_cold and not self.grouped else None
         # the draft model (if any) beside stage 0, loaded before the clock as the stage's own weights are
         self.proposer = proposer_for(self.speculation, int(self.model_config.vocab_size), self.stage_plan.device,
                                      plan.dtype, self.pages, config.page_size) if self.first else None
