@@ -21,10 +21,11 @@ while dynamo traced the graphs again. Now, in two steps:
 
 A compile that fails leaves the stage eager, said in one line (a `protocol.Notice`, which a quiet
 server shows too). A server busy without a pause compiles slowly (nice 19 gets next to no CPU)
-and then loads at its next step after `IDLE_WAIT_S`. The child's OOM score is the highest (its copy of the weights and the compiler's memory come after the KV pool was sized): if
-memory runs short, the kernel ends it, not the stage. `--compile on` still compiles before the first step; a batch job (`hpipe
-launch`) keeps its clock free of it: warm graphs load before the job starts, cold ones are left
-to `hpipe warmup`, which its report names.
+and then loads at its next step after `IDLE_WAIT_S`. The child's OOM score is the highest (its
+copy of the weights and the compiler's memory come after the KV pool was sized): if memory runs
+short, the kernel ends it, not the stage. `--compile on` still compiles before the first step; a
+batch job (`hpipe launch`) keeps its clock free of it: warm graphs load before the job starts,
+cold ones are left to `hpipe warmup`, which its report names.
 
     python -m hpipe.runtime.background_compile MODEL FIRST_UNIT END_UNIT WEIGHTS DTYPE THREADS PAGE_SIZE ATTN
 """
@@ -62,7 +63,7 @@ class BackgroundCompile:
         """What a server's stage does about its graphs under `config.compile`, decided before its
         warm-up: None where the warm-up compiles them (`--compile on`) or nothing will (off,
         refused); else a BackgroundCompile, and the stage decodes eagerly until it has run."""
-        if config.compile != "auto" or not (runner.compile_cold or runner.decode_halves is not runner.eager):
+        if config.compile != "auto" or not (runner.compile_refused is None or runner.compile_cold):
             return None
         import torch
 

@@ -491,8 +491,9 @@ def warm_step(runner, segments: list[Segment], halves: Halves | None = None, kv:
 
 def compiled_beside(runner) -> CompiledHalves:
     """A running stage's compiled halves, made without touching its KV pool or its `decode_halves`
-    (another thread may run steps meanwhile): the steps `warm_up` compiles, through a pool of their
-    own (`keep_page_shape_static`: the graphs then serve the run's pool as they are)."""
+    (hpipe.runtime.background_compile, with the stage's steps held): the steps `warm_up` compiles,
+    through a pool of their own (`keep_page_shape_static`: the graphs then serve the run's pool as
+    they are)."""
     halves = CompiledHalves(runner)
     kv = KVStore(runner.device, runner.dtype, runner.kv.page_size, pages=4)
     kv.keep_page_shape_static()
