@@ -34,9 +34,21 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+# Mixtures of experts: llama-like blocks whose MLP half is a sparse MoE block (`mlp`: router `gate`,
+# routed `experts` as 3D tensors, qwen2_moe's `shared_expert` and its gate), as transformers 5 builds them
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+LLAMA_LIKE = DENSE_LLAMA_LIKE + MOE_FAMILIES
 GPT2_LIKE = ("gpt2",)
 SUPPORTED_FAMILIES = LLAMA_LIKE + GPT2_LIKE
+# families transformers loads that hpipe does not run yet, and why (one line each)
+REFUSED_FAMILIES = {
+    "granitemoe": "its experts are one `input_linear`/`output_linear` pair with multipliers, not gate/up/down",
+    "granitemoeshared": "its experts are one `input_linear`/`output_linear` pair with multipliers, not gate/up/down",
+    "gpt_oss": "its experts carry biases, a clamped SwiGLU and attention sinks that hpipe's kernels do not run",
+    "deepseek_v2": "its multi-head latent attention and grouped routing are not supported",
+    "deepseek_v3": "its multi-head latent attention and grouped routing are not supported",
+}
 CONVERTED_MARKER = "hpipe-converted.json"
 
 
@@ -271,10 +283,39 @@ def load_config(path: Path):
     except Exception as e:
         raise HpipeError(f"{path}: could not read config.json: {e}") from None
     family = config.model_type
+    if family in REFUSED_FAMILIES:
+        raise HpipeError(f"{path}: model family {family!r} is not supported: {REFUSED_FAMILIES[family]}; "
+                         f"hpipe runs {', '.join(SUPPORTED_FAMILIES)}")
     if family not in SUPPORTED_FAMILIES:
         raise HpipeError(f"{path}: model family {family!r} is not supported; "
                          f"hpipe runs {', '.join(SUPPORTED_FAMILIES)}")
     return config
+
+
+def is_moe(config) -> bool:
+    return config.model_type in MOE_FAMILIES
+
+
+def num_experts(config) -> int:
+    """Routed experts per MoE block (0 for a dense model)."""
+    if not is_moe(config):
+        return 0
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts"))
+
+
+def experts_per_token(config) -> int:
+    return int(config.num_experts_per_tok) if is_moe(config) else 0
+
+
+def moe_block(config, b: int) -> bool:
+    """Whether block b's MLP half is a sparse MoE block (Qwen's `mlp_only_layers` and
+    `decoder_sparse_step` leave some blocks dense)."""
+    if not is_moe(config):
+        return False
+    if b in (getattr(config, "mlp_only_layers", None) or []):
+        return False
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return (b + 1) % step == 0
 
 
 def num_blocks(config) -> int:
@@ -290,6 +331,8 @@ _FINGERPRINT_KEYS = (
     "num_key_value_heads", "intermediate_size", "head_dim", "max_position_embeddings",
     "rope_parameters", "rms_norm_eps", "layer_norm_epsilon", "tie_word_embeddings", "sliding_window",
     "layer_types", "hidden_act", "activation_function", "n_inner", "attention_bias", "mlp_bias",
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
 )
 
 
@@ -376,6 +419,8 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none") -> dict:
     n = num_units(config)
 
     def param_bytes(module, p) -> int:
+        if fmt.quantized and p.dim() == 3:     # routed experts: [E, N, K], each expert's matrix packed
+            return p.shape[0] * quant.packed_bytes(p.shape[1], p.shape[2], fmt)
         if fmt.quantized and p.dim() == 2 and isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             rows = isinstance(module, torch.nn.Embedding) or p is getattr(model.get_input_embeddings(), "weight")
             return quant.packed_bytes(*p.shape, fmt, int8_rows=rows)
@@ -442,7 +487,34 @@ def _checkpoint_key(name: str, index: dict[str, Path], config) -> str | None:
     for c in list(candidates):
         if c.startswith("transformer.") and c[len("transformer."):] in index:
             candidates.append(c[len("transformer."):])
+    if ".mlp." in name and config.model_type == "mixtral":   # Mixtral's checkpoints: `block_sparse_moe`
+        candidates.append(name.replace(".mlp.", ".block_sparse_moe.", 1))
     return next((c for c in candidates if c in index), None)
+
+
+# A routed expert's matrices as checkpoints keep them, one tensor per expert: transformers' merged 3D
+# parameter -> the names of its parts, stacked by rows in this order (gate before up, as transformers'
+# own conversion merges them). Qwen and OLMoE name them as a dense MLP does, Mixtral w1 (gate), w3 (up), w2.
+EXPERT_PARTS = {"gate_up_proj": (("gate_proj", "w1"), ("up_proj", "w3")), "down_proj": (("down_proj", "w2"),)}
+
+
+def expert_keys(full: str, index, config) -> list[list[str]] | None:
+    """Checkpoint keys of a merged expert parameter (`model.layers.3.mlp.experts.gate_up_proj`), per
+    expert and part; None when it is not one, or the checkpoint keeps it merged under its own name."""
+    owner, _, param = full.rpartition(".")
+    if param not in EXPERT_PARTS or not owner.endswith(".experts") or full in index:
+        return None
+    owners = [owner] + ([owner.replace(".mlp.", ".block_sparse_moe.", 1)] if ".mlp." in owner else [])
+    out = []
+    for e in range(num_experts(config)):
+        parts = []
+        for names in EXPERT_PARTS[param]:
+            key = next((k for o in owners for n in names for k in [f"{o}.{e}.{n}.weight"] if k in index), None)
+            if key is None:
+                return None
+            parts.append(key)
+        out.append(parts)
+    return out
 
 
 def files_for_units(model: "ModelSource | Path", config, units: range) -> list[Path]:
@@ -468,6 +540,8 @@ def files_for_units(model: "ModelSource | Path", config, units: range) -> list[P
                 key = _checkpoint_key(f"{mod_path}.{pname}", index, config)
                 if key is not None:
                     shards.add(index[key])
+                for parts in expert_keys(f"{mod_path}.{pname}", index, config) or []:
+                    shards.update(index[k] for k in parts)
     small = [f for f in sorted(path.iterdir()) if f.is_file() and f.suffix != ".safetensors"
              and (f.suffix in (".json", ".txt", ".model", ".jinja") or f.name.startswith("tokenizer"))]
     return small + sorted(shards)
@@ -521,6 +595,7 @@ def build_model_units(model_source: "ModelSource | Path", config, units: range, 
         _load_quantized(model, source, config, units, device, tdtype, weights)
     else:
         _load_dense(model, source.dense_path(), config, units, device, tdtype)
+        _route_float_experts(model, config, units)
     for u in units:
         for mod_path in unit_modules(config, u):
             for bname, buf in model.get_submodule(mod_path).named_buffers():
@@ -528,6 +603,18 @@ def build_model_units(model_source: "ModelSource | Path", config, units: range, 
                     raise HpipeError(f"unit {unit_name(config, u)}: buffer {bname!r} has no stored value; "
                                      f"this model family needs support in hpipe.models")
     return model
+
+
+def _route_float_experts(model, config, units: range) -> None:
+    """Each float experts module of `units` runs routed (`hpipe.experts`) over views of its weights."""
+    from hpipe import experts
+
+    for u in units:
+        for mod_path in unit_modules(config, u):
+            for name, sub in list(model.get_submodule(mod_path).named_modules()):
+                if experts.is_experts(sub):
+                    parent, _, child = f"{mod_path}.{name}".rpartition(".")
+                    setattr(model.get_submodule(parent), child, experts.float_experts(sub))
 
 
 def _load_dense(model, path: Path, config, units: range, device: str, tdtype) -> None:
@@ -541,11 +628,16 @@ def _load_dense(model, path: Path, config, units: range, device: str, tdtype) ->
             module = model.get_submodule(mod_path)
             for pname, _ in module.named_parameters(recurse=True):
                 full = f"{mod_path}.{pname}"
+                owner_path, _, attr = pname.rpartition(".")
+                owner = module.get_submodule(owner_path) if owner_path else module
+                experts = expert_keys(full, index, config)
+                if experts is not None:      # one tensor per expert and part: merged as transformers merges them
+                    owner._parameters[attr] = torch.nn.Parameter(
+                        _read_experts(experts, index, tdtype).to(device), requires_grad=False)
+                    continue
                 key = _checkpoint_key(full, index, config)
                 if key is None:
                     raise HpipeError(f"{path}: the checkpoint has no tensor {full!r} (unit {unit_name(config, u)})")
-                owner_path, _, attr = pname.rpartition(".")
-                owner = module.get_submodule(owner_path) if owner_path else module
                 wanted.setdefault(str(index[key]), []).append((owner, attr, key))
     loaded: dict[str, torch.nn.Parameter] = {}
     for file, items in wanted.items():
@@ -557,6 +649,21 @@ def _load_dense(model, path: Path, config, units: range, device: str, tdtype) ->
                 owner._parameters[attr] = loaded[key]
 
 
+def _read_experts(keys: list[list[str]], index: dict[str, Path], tdtype):
+    """[E, rows, K]: each expert's parts stacked by rows, the experts stacked (`expert_keys`)."""
+    import torch
+    from safetensors import safe_open
+
+    handles = {}
+    with contextlib.ExitStack() as stack:
+        def get(k):
+            f = str(index[k])
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(f, framework="pt", device="cpu"))
+            return handles[f].get_tensor(k).to(dtype=tdtype)
+        return torch.stack([torch.cat([get(k) for k in parts]) for parts in keys])
+
+
 class _SafetensorsTensors:
     """A float checkpoint's tensors by transformers' parameter names, as float32 arrays."""
 
@@ -566,6 +673,24 @@ class _SafetensorsTensors:
     def name(self, hf_name: str) -> str | None:
         key = _checkpoint_key(hf_name, self.index, self.config)
         return None if key is None or (key != hf_name and hf_name == "lm_head.weight") else key
+
+    def read_experts(self, block: int) -> tuple[list, list, list]:
+        """Block `block`'s routed experts: per expert, its gate, up and down matrices (float32)."""
+        owner = f"model.layers.{block}.mlp.experts"
+        tdtype = torch_dtype("float32")
+        keys = {p: expert_keys(f"{owner}.{p}", self.index, self.config) for p in EXPERT_PARTS}
+        merged = {p: (_read_experts(k, self.index, tdtype) if k is not None else self.read_merged(f"{owner}.{p}"))
+                  for p, k in keys.items()}
+        gate_up, down = merged["gate_up_proj"].numpy(), merged["down_proj"].numpy()
+        half = gate_up.shape[1] // 2
+        return list(gate_up[:, :half]), list(gate_up[:, half:]), list(down)
+
+    def read_merged(self, hf_name: str):
+        if hf_name not in self.index:
+            raise HpipeError(f"the checkpoint has no tensor {hf_name!r} nor one per expert")
+        import torch
+
+        return torch.from_numpy(self.read(hf_name))
 
     def read(self, hf_name: str):
         from safetensors import safe_open
@@ -594,7 +719,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
     import numpy as np
     import torch
 
-    from hpipe import quant
+    from hpipe import experts, quant
 
     if config.model_type not in LLAMA_LIKE:
         raise HpipeError(f"quantized weights run {', '.join(LLAMA_LIKE)} models; {config.model_type} runs "
@@ -624,6 +749,11 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
     def pack_unit(u: int) -> dict:
         out = {}
         for mod_path in unit_modules(config, u):
+            for name, sub in model.get_submodule(mod_path).named_modules():
+                if experts.is_experts(sub):    # all of a block's experts in one set of stacked tensors
+                    gate, up, down = reader().read_experts((u - 1) // 2)
+                    out.update({f"{mod_path}.{name}.{k}": v for k, v in
+                                experts.pack_experts(gate, up, down, weights, device_type).items()})
             stacked = set()
             for path, names in quant.stacked_groups(model.get_submodule(mod_path)):
                 owner = f"{mod_path}.{path}" if path else mod_path
@@ -634,6 +764,8 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                     stacked.update(f"{owner}.{n}.weight" for n in names)
             for name, sub in model.get_submodule(mod_path).named_modules():
                 full = f"{mod_path}.{name}" if name else mod_path
+                if experts.is_experts(sub):
+                    continue                            # packed above
                 for pname, _ in sub.named_parameters(recurse=False):
                     key = f"{full}.{pname}"
                     if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)) and pname == "weight":
@@ -674,7 +806,10 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
             for name, sub in list(model.get_submodule(mod_path).named_modules()):
                 full = f"{mod_path}.{name}" if name else mod_path
                 parent_path, _, child = full.rpartition(".")
-                if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+                if experts.is_experts(sub):
+                    setattr(model.get_submodule(parent_path), child,
+                            experts.quantized_experts(parts_of(tensors, full), sub.act_fn, sub.hidden_dim, device))
+                elif isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
                     parts = parts_of(tensors, full)
                     if not parts and f"{full}.weight" == "lm_head.weight":
                         # a tied head's unit holds none of its own (pack_unit skipped them): the

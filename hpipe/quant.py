@@ -543,6 +543,7 @@ def read_gguf_tensor(tensor) -> Affine | np.ndarray:
     types without a reader here, through the gguf package's own dequantization, re-quantized later)."""
     ttype = int(tensor.tensor_type)
     data = np.asarray(tensor.data)
+    data = data.reshape(-1, data.shape[-1])        # a 3D tensor (a block's experts): their rows one after another
     if ttype in _FLOATS:
         if ttype == 30:
             bits = np.ascontiguousarray(data).view(np.uint16)          # stored as bytes or as uint16
@@ -973,6 +974,7 @@ class GGUFTensors:
         from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                               get_gguf_hf_weights_map)
 
+        self.path = path
         self.reader = gguf.GGUFReader(str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch = str(bytes(self.reader.fields["general.architecture"].parts[-1]), "utf-8")
@@ -982,6 +984,21 @@ class GGUFTensors:
     def name(self, hf_name: str) -> str | None:
         g = self.to_gguf.get(hf_name)
         return g if g in self.tensors else None
+
+    def read_experts(self, block: int) -> tuple[list, list, list]:
+        """Block `block`'s routed experts as the file keeps them (`ffn_{gate,up,down}_exps`: one tensor
+        of all experts each): per expert, its gate, up and down matrices."""
+        out = []
+        for part in ("gate", "up", "down"):
+            tensor = self.tensors.get(f"blk.{block}.ffn_{part}_exps.weight")
+            if tensor is None:
+                raise HpipeError(f"{self.path}: no tensor blk.{block}.ffn_{part}_exps.weight for block {block}'s experts")
+            whole = read_gguf_tensor(tensor)
+            n_experts = int(tensor.shape[-1])
+            rows = (whole.codes if isinstance(whole, Affine) else whole).shape[0] // n_experts
+            out.append([whole.rows(np.arange(e * rows, (e + 1) * rows)) if isinstance(whole, Affine)
+                        else whole[e * rows:(e + 1) * rows] for e in range(n_experts)])
+        return tuple(out)
 
     def read(self, hf_name: str):
         g = self.name(hf_name)

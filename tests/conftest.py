@@ -21,6 +21,7 @@ atexit.register(shutil.rmtree, _INDUCTOR, True)
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -63,6 +64,19 @@ def tiny_config(family: str):
         return Qwen2Config(**common)
     if family == "mistral":
         return MistralConfig(**common, sliding_window=24)  # short window: prompts cross it
+    if family in MOE_FAMILIES:     # 8 experts, 2 a token: rows of a batch meet on some experts and part on others
+        moe = dict(common, intermediate_size=48, num_experts_per_tok=2)
+        if family == "mixtral":
+            from transformers import MixtralConfig
+
+            return MixtralConfig(**moe, num_local_experts=8)
+        from transformers import AutoConfig
+
+        extra = {"qwen3_moe": dict(head_dim=16, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[2]),
+                 "qwen2_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=40,
+                                   decoder_sparse_step=1, mlp_only_layers=[]),
+                 "olmoe": dict()}[family]
+        return AutoConfig.for_model(family, **moe, num_experts=8, **extra)
     if family == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=512,
                           bos_token_id=1, eos_token_id=2)
@@ -85,7 +99,8 @@ def save_random_model(config, directory: Path, seed: int, std: float = 0.08, max
 
 
 def build_tiny_model(family: str, directory: Path, sharded: bool = False) -> Path:
-    return save_random_model(tiny_config(family), directory, {"llama": 1, "qwen2": 2, "mistral": 3, "gpt2": 4}[family],
+    seeds = {"llama": 1, "qwen2": 2, "mistral": 3, "gpt2": 4, "qwen3_moe": 5, "qwen2_moe": 6, "mixtral": 7, "olmoe": 8}
+    return save_random_model(tiny_config(family), directory, seeds[family],
                              max_shard_size="200KB" if sharded else "5GB")
 
 

@@ -62,6 +62,9 @@ def refused(config) -> str | None:
     if config.model_type not in models.LLAMA_LIKE:
         return f"it runs llama-like models (their attention goes through transformers' interface), not " \
                f"{config.model_type}: leave it off for this model"
+    if models.is_moe(config):
+        return f"a mixture of experts ({config.model_type}) runs each expert over the rows routed to it, " \
+               f"so a row's bits depend on the others: leave it off for this model"
     return None
 
 

@@ -381,6 +381,8 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
         return f"{runner.device.type} stages replay CUDA graphs of the static step instead"
     if runner.config.model_type not in models.LLAMA_LIKE:
         return f"{runner.config.model_type} blocks are not compiled (llama-like models are)"
+    if models.is_moe(runner.config):
+        return "a mixture of experts' blocks run eagerly (which experts run is known only from the router's output)"
     if not runner.blocks:
         return "the stage holds no block"
     if mode == "auto" and not warm_graphs(runner):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpipe import models
 from hpipe.runtime.kv import KVStore, LayerKV, flat_positions
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, pages_needed
 from hpipe.runtime.stage import StageInputs
@@ -90,6 +91,8 @@ def unsupported(runner) -> str | None:
     rope = getattr(runner.rotary, "rope_type", "default") if runner.rotary is not None else "default"
     if rope in ("dynamic", "longrope"):
         return f"its {rope} RoPE reads positions back to the host"
+    if runner.device.type == "cuda" and models.is_moe(runner.config):
+        return "a mixture of experts' work depends on the router's picks, which a replayed CUDA graph cannot follow"
     if runner.attn_implementation != "sdpa":
         return f"attention {runner.attn_implementation!r} (the static path uses sdpa's boolean masks)"
     return None

@@ -1,0 +1,135 @@
+"""Routed experts: the arithmetic of a mixture-of-experts block's `experts` module, in its place
+inside transformers' own MoE block (router, shared expert and the block's sum stay transformers').
+
+A step's rows are grouped by the experts the router picked (a stable sort of the (row, slot)
+pairs by expert), each picked expert runs once over its rows as one product (gate and up stacked,
+then down), and an expert nobody picked is never read: a one-token decode reads its top-k experts'
+bytes only, a 512-token prefill runs each expert once over its hundreds of rows.
+
+An expert's matrices are float views of transformers' 3D parameters ([E, 2I, H] and [E, H, I], no
+copy), or quantized linears (`hpipe.quant`'s Int4Linear / Int8Linear) over one expert's slice of
+tensors packed for all experts of the block at once (`pack_experts`): the cache maps one file per
+unit, and each expert's module holds views into it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["RoutedExperts", "is_experts", "pack_experts", "quantized_experts", "float_experts"]
+
+
+def is_experts(module: nn.Module) -> bool:
+    """transformers' 3D-tensor experts module (gate and up merged, `use_experts_implementation`)."""
+    p = getattr(module, "gate_up_proj", None)
+    return isinstance(p, torch.Tensor) and p.dim() == 3 and getattr(module, "down_proj", None) is not None
+
+
+class FloatExpert(nn.Module):
+    """One expert of a float block: views of the block's merged parameters."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down      # plain attributes: views, owned by the block's tensors
+
+    def project_in(self, x):
+        return F.linear(x, self.gate_up)
+
+    def project_out(self, h):
+        return F.linear(h, self.down)
+
+
+class QuantizedExpert(nn.Module):
+    """One expert of a quantized block: gate and up as one linear (or two, where the file keeps them
+    in different types), down as another."""
+
+    def __init__(self, gate_up: list[nn.Module], down: nn.Module):
+        super().__init__()
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = down
+
+    def project_in(self, x):
+        return self.gate_up[0](x) if len(self.gate_up) == 1 else torch.cat([m(x) for m in self.gate_up], -1)
+
+    def project_out(self, h):
+        return self.down(h)
+
+
+class RoutedExperts(nn.Module):
+    """Takes the place of transformers' experts module: forward(hidden [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H], the weighted sum of each row's picked experts."""
+
+    def __init__(self, experts: list[nn.Module], act_fn, hidden: int, keep: tuple = ()):
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+        self.num_experts = len(experts)
+        self.act_fn = act_fn
+        self.hidden = hidden
+        self._keep = keep               # the tensors the experts' views point into
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)               # (row, slot) pairs grouped by expert
+        rows = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()      # one read-back a block
+        x = hidden_states.index_select(0, rows)
+        out = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                expert = self.experts[e]
+                gate, up = expert.project_in(x[start:start + n]).to(x.dtype).chunk(2, dim=-1)
+                out[start:start + n] = expert.project_out(self.act_fn(gate) * up).to(x.dtype)
+                start += n
+        out.mul_(top_k_weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
+        return torch.zeros_like(hidden_states).index_add_(0, rows, out)
+
+
+def float_experts(module: nn.Module) -> RoutedExperts:
+    """transformers' float experts module -> the routed form over views of its own parameters."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    experts = [FloatExpert(gate_up[e], down[e]) for e in range(gate_up.shape[0])]
+    return RoutedExperts(experts, module.act_fn, gate_up.shape[-1], keep=(gate_up, down))
+
+
+# Packed names: a block's experts stacked on a leading dimension, each part's tensors under
+# `<part>.<tensor>` (`gate_up` when gate and up pack alike, else `gate` and `up`; then `down`)
+PARTS = ("gate_up", "gate", "up", "down")
+
+
+def pack_experts(gate: list, up: list, down: list, fmt, device_type: str) -> dict[str, torch.Tensor]:
+    """Each expert's matrices (`quant.Affine` codes as the file keeps them, or float arrays) -> the
+    packed tensors of all experts stacked: {'gate_up.int4': [E, ...], ...}."""
+    from hpipe import quant
+
+    stacked = [quant.stack_rows([g, u]) for g, u in zip(gate, up)]
+    parts = {"gate_up": stacked} if all(s is not None for s in stacked) else {"gate": gate, "up": up}
+    parts["down"] = down
+    out = {}
+    for name, mats in parts.items():
+        packed = [quant.pack(m, fmt, device_type) for m in mats]
+        for key in packed[0]:
+            out[f"{name}.{key}"] = torch.stack([p[key] for p in packed])
+    return out
+
+
+def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, hidden: int, device) -> RoutedExperts:
+    """The routed experts over `pack_experts`' tensors (moved to `device` once, then viewed per expert)."""
+    from hpipe import quant
+
+    parts = {}
+    for key, t in tensors.items():
+        name, _, field = key.partition(".")
+        parts.setdefault(name, {})[field] = t.to(device)
+    n = next(iter(parts["down"].values())).shape[0]
+
+    def linear(name: str, e: int):
+        return quant.linear_module({f: t[e] for f, t in parts[name].items()}, device)
+
+    experts = [QuantizedExpert([linear(p, e) for p in ("gate_up", "gate", "up") if p in parts], linear("down", e))
+               for e in range(n)]
+    return RoutedExperts(experts, act_fn, hidden, keep=tuple(t for p in parts.values() for t in p.values()))

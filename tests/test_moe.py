@@ -1,0 +1,125 @@
+"""Mixtures of experts (qwen3_moe, qwen2_moe with its shared expert, mixtral, olmoe): the pipeline's
+numbers are transformers' numbers on random plans of 1-3 stages, cuts at every kind of unit
+boundary; the routed experts run each picked expert once over its rows and never read the others;
+weights quantized at load run the same routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import MOE_FAMILIES, VOCAB, build_tiny_model
+from hpipe import experts, models, quant
+from hpipe.errors import HpipeError
+from hpipe.formats import Slicing
+from test_exactness import check_against_reference
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("moe")
+    paths = {f: build_tiny_model(f, root / f) for f in MOE_FAMILIES}
+    return {f: (p, AutoModelForCausalLM.from_pretrained(p).eval()) for f, p in paths.items()}
+
+
+@st.composite
+def moe_plans(draw, n_units: int):
+    """1-3 stages; the cuts drawn among every kind of boundary (after the embedding, between a
+    block's attention and MoE halves, between blocks, before the head)."""
+    n_stages = draw(st.integers(1, 3))
+    cuts = sorted(draw(st.sets(st.integers(1, n_units - 1), min_size=n_stages - 1, max_size=n_stages - 1)))
+    slicing = Slicing(lengths=tuple(draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))))
+    prompts = draw(st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=60), min_size=1, max_size=4))
+    return [0, *cuts, n_units], slicing, prompts, draw(st.integers(1, 4))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_plans_match_transformers(family, moe_models, data):
+    path, reference = moe_models[family]
+    bounds, slicing, prompts, max_batch = data.draw(moe_plans(models.num_units(models.load_config(path))))
+    check_against_reference(path, reference, bounds, slicing, prompts, max_batch)
+
+
+def test_every_kind_of_cut(moe_models):
+    """Cuts after the embedding, inside block 0 (attention | MoE half), between blocks 1 and 2, and
+    before the head, on the family with a shared expert and a dense block (`mlp_only_layers`)."""
+    path, reference = moe_models["qwen3_moe"]
+    n = models.num_units(models.load_config(path))
+    check_against_reference(path, reference, [0, 1, 2, 5, n - 1, n], Slicing(lengths=(9,)),
+                            [list(range(3, 50)), [7, 8, 9], list(range(200, 230))], max_batch=3)
+
+
+def reference_experts(module, hidden, index, weights):
+    """transformers' own eager loop over the experts (the module's original forward)."""
+    return type(module).forward.__wrapped__(module, hidden, index, weights)
+
+
+def test_rows_meet_on_shared_experts_part_on_others_and_unpicked_experts_are_never_read(moe_models):
+    path, reference = moe_models["mixtral"]
+    module = reference.model.layers[0].mlp.experts
+    routed = experts.float_experts(module)
+    torch.manual_seed(0)
+    hidden = torch.randn(6, module.hidden_dim)
+    # rows 0-1 share expert 3, rows 2-3 share nothing with them, rows 4-5 pick the same pair; 6 and 7 unpicked
+    index = torch.tensor([[3, 0], [3, 1], [2, 4], [5, 2], [1, 0], [0, 1]])
+    weights = torch.softmax(torch.randn(6, 2), -1)
+    want = reference_experts(module, hidden, index, weights)
+    with torch.no_grad():
+        got = routed(hidden, index, weights)
+        assert float((got - want).abs().max()) < 1e-5
+        saved = module.gate_up_proj[6:].clone()
+        module.gate_up_proj[6:] = float("nan")       # an unpicked expert read would make the output NaN
+        try:
+            assert torch.isfinite(routed(hidden, index, weights)).all()
+        finally:
+            module.gate_up_proj[6:] = saved
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4:32"])
+def test_weights_quantized_at_load_route_as_the_float_model(moe_models, fmt):
+    """`--quantize` of a float MoE checkpoint: every expert packed, routing unchanged (the router
+    stays float) and the logits near the float model's: KL per token below what the format's own
+    rounding of every matrix gives at these tiny, wide-spread weights (int8 1e-2, int4 0.1; an
+    expert swapped or mis-sliced gives KL of order 1)."""
+    path, reference = moe_models["qwen2_moe"]
+    config = models.load_config(path)
+    weights = quant.WeightFormat.parse(fmt)
+    model = models.build_full_model(path, config, weights=weights)
+    block = model.model.layers[0].mlp
+    assert isinstance(block.experts, experts.RoutedExperts)
+    assert all(isinstance(m, quant.classes()[:2]) for e in block.experts.experts for m in (*e.gate_up, e.down))
+    ids = torch.tensor([list(range(3, 60))])
+    with torch.no_grad():
+        ours, theirs = model(ids).logits[0].float(), reference(ids).logits[0]
+    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), theirs.log_softmax(-1), log_target=True,
+                                    reduction="none").sum(-1)
+    assert float(kl.max()) < (1e-2 if fmt == "int8" else 0.1), float(kl.max())
+
+
+def test_memory_counts_every_expert(moe_models):
+    path, _ = moe_models["qwen3_moe"]
+    config = models.load_config(path)
+    sizes = models.unit_bytes(config)["weights_per_unit"]
+    e, i, h = models.num_experts(config), config.moe_intermediate_size, config.hidden_size
+    routed = e * 3 * i * h * 4
+    assert sizes[2] == routed + e * h * 4 + h * 4                           # experts, router, norm (block 0: MoE)
+    assert sizes[6] == 3 * config.intermediate_size * h * 4 + h * 4         # block 2 is dense (`mlp_only_layers`)
+    packed = models.unit_bytes(config, weights="int4:32")["weights_per_unit"]
+    assert packed[2] < sizes[2] / 5
+
+
+@pytest.mark.parametrize("family,why", [("granitemoe", "input_linear"), ("gpt_oss", "sinks")])
+def test_a_family_hpipe_cannot_run_is_refused_in_one_line(tmp_path, family, why):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(family).save_pretrained(tmp_path)
+    with pytest.raises(HpipeError) as e:
+        models.load_config(tmp_path)
+    assert family in str(e.value) and why in str(e.value) and "\n" not in str(e.value)
