@@ -196,6 +196,7 @@ def _gguf_metadata_into(gguf: Path, out: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    experts = _gguf_experts(gguf)
     try:
         with _without_progress_bars():
             config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -204,9 +205,42 @@ def _gguf_metadata_into(gguf: Path, out: Path) -> None:
         raise HpipeError(f"{gguf}: transformers could not read this GGUF file: {e}") from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config = _with_gguf_experts(config, experts)
     config.save_pretrained(str(out))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe", "olmoe")
+
+
+def _gguf_experts(path: Path) -> dict[str, int]:
+    """A GGUF file's experts fields (empty for a dense model), read before transformers reads the
+    file: a file of a dense architecture with experts (llama.cpp writes Mixtral as llama) is refused
+    in one line."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    fields = {}
+    for name in ("expert_count", "expert_used_count", "expert_feed_forward_length",
+                 "expert_shared_feed_forward_length"):
+        f = reader.fields.get(f"{arch}.{name}")
+        if f is not None:
+            fields[name] = int(f.contents())
+    if fields.get("expert_count") and arch not in GGUF_MOE_ARCHITECTURES:
+        raise HpipeError(f"{path}: a {arch} file with {fields['expert_count']} experts a block (Mixtral's GGUF "
+                         f"layout) is not read yet; give its Hugging Face directory instead")
+    return fields
+
+
+def _with_gguf_experts(config, fields: dict[str, int]):
+    """The experts' widths transformers' GGUF reader leaves at their defaults (routed and shared)."""
+    if fields.get("expert_feed_forward_length") and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = fields["expert_feed_forward_length"]
+    if fields.get("expert_shared_feed_forward_length") and hasattr(config, "shared_expert_intermediate_size"):
+        config.shared_expert_intermediate_size = fields["expert_shared_feed_forward_length"]
+    return config
 
 
 def convert_gguf(gguf: Path, progress=None) -> Path:
@@ -228,7 +262,8 @@ def _convert_gguf_into(gguf: Path, out: Path) -> None:
     hf_logging.disable_progress_bar()
     try:
         with _without_progress_bars():
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                         config=load_config(_gguf_dir(gguf)))
     except Exception as e:  # transformers raises many kinds for a bad or unsupported file
         raise HpipeError(f"{gguf}: transformers could not read this GGUF file: {e}") from None
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -165,3 +165,89 @@ def assert_greedy_equal(model, prompt: list[int], ours: list[int], theirs: list[
     gap = float(top2[0] - top2[1])
     assert gap < tie, f"greedy tokens differ at step {k} where the reference is not a tie (gap {gap}): " \
                        f"{ours} vs {theirs}"
+
+
+def write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe", seed: int = 0, hidden: int = 256,
+                   experts: int = 8, used: int = 2, ff: int = 256, heads: int = 4,
+                   kv_heads: int = 2, head_dim: int = 64) -> Path:
+    """A small mixture-of-experts GGUF file as llama.cpp lays one out (merged `ffn_*_exps` tensors
+    of every expert per block, the router `ffn_gate_inp`), written with the gguf package's own
+    writer and quantizer (random blocks for the K-quants it cannot write, as tests/test_quant.py
+    does): `arch` qwen3moe, or llama with experts (how llama.cpp writes Mixtral). The default
+    model's tokenizer; embedding and head in float16. `expert_types`: per block, the ggml types of its
+    gate, up and down."""
+    import gguf
+    import numpy as np
+
+    from hpipe import models
+    from test_quant import file_blocks
+
+    T = gguf.GGMLQuantizationType
+    source = gguf.GGUFReader(str(models.smollm2_gguf_path()))
+    vocab = int(source.fields["llama.vocab_size"].parts[-1][0])
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"random tiny {arch} with experts")
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    blocks = len(expert_types)
+    w.add_block_count(blocks)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(used)
+    w.add_expert_feed_forward_length(ff)
+    w.add_vocab_size(vocab)
+    for key, field in source.fields.items():                # SmolLM2's tokenizer, as it is
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
+            else:
+                w.add_key_value(key, field.contents(), kind)
+    rng = np.random.default_rng(seed)
+
+    def mat(*shape, std=0.05):
+        return rng.standard_normal(shape, dtype=np.float32) * std
+
+    def add(name, values, qtype=T.Q8_0):
+        if qtype in (None, T.F16):
+            w.add_tensor(name, values.astype(np.float32 if qtype is None else np.float16))
+        elif values.ndim == 3:
+            # K-quant blocks drawn with weights of the floats' size (super-block d small), and Q6_K's
+            # group scales as a quantizer of normal weights leaves them (all near the largest, 80-127)
+            raw = np.stack([file_blocks(v, qtype, rng, d=(1e-4, 2e-4)) for v in values])
+            if qtype == T.Q6_K:
+                blocks_ = raw.reshape(*raw.shape[:2], -1, 210)
+                blocks_[..., 192:208] = rng.integers(80, 128, blocks_[..., 192:208].shape, dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, file_blocks(values, qtype, rng), raw_dtype=qtype)
+
+    add("token_embd.weight", mat(vocab, hidden), T.F16)
+    for b in range(blocks):
+        add(f"blk.{b}.attn_norm.weight", 1 + mat(hidden), None)
+        add(f"blk.{b}.attn_q.weight", mat(heads * head_dim, hidden))
+        add(f"blk.{b}.attn_k.weight", mat(kv_heads * head_dim, hidden))
+        add(f"blk.{b}.attn_v.weight", mat(kv_heads * head_dim, hidden))
+        add(f"blk.{b}.attn_output.weight", mat(hidden, heads * head_dim))
+        if arch == "qwen3moe":
+            add(f"blk.{b}.attn_q_norm.weight", 1 + mat(head_dim), None)
+            add(f"blk.{b}.attn_k_norm.weight", 1 + mat(head_dim), None)
+        add(f"blk.{b}.ffn_norm.weight", 1 + mat(hidden), None)
+        add(f"blk.{b}.ffn_gate_inp.weight", mat(experts, hidden, std=0.5), None)   # routes spread out
+        for part, shape, qtype in zip(("gate", "up", "down"), ((ff, hidden), (ff, hidden), (hidden, ff)),
+                                      expert_types[b]):
+            add(f"blk.{b}.ffn_{part}_exps.weight", mat(experts, *shape), T[qtype])
+    add("output_norm.weight", 1 + mat(hidden), None)
+    add("output.weight", mat(vocab, hidden), T.F16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

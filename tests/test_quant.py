@@ -31,12 +31,14 @@ ROWS, COLS = 32, 512   # a weight [N, K]: two K-quant super-blocks per row, N a 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
 
 
-def random_blocks(qtype, rng: np.random.Generator, rows: int = ROWS, cols: int = COLS) -> np.ndarray:
+def random_blocks(qtype, rng: np.random.Generator, rows: int = ROWS, cols: int = COLS,
+                  d: tuple[float, float] = (1e-3, 2e-2)) -> np.ndarray:
     """Raw bytes of [rows, cols] weights of a K-quant type (gguf cannot quantize to these): random
-    codes and scales, with sane f16 super-block scales (d, dmin) so that no value is inf or nan."""
+    codes and scales, with sane f16 super-block scales (d, dmin, drawn from `d`) so that no value is
+    inf or nan."""
     elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
-    f16 = lambda n: rng.uniform(1e-3, 2e-2, (rows, cols // elems, n)).astype(np.float16).view(np.uint8)
+    f16 = lambda n: rng.uniform(*d, (rows, cols // elems, n)).astype(np.float16).view(np.uint8)
     if qtype == T.Q4_K:
         raw[..., 0:4] = f16(2)                     # d, dmin
     else:                                          # Q6_K: d is the last field
@@ -44,10 +46,10 @@ def random_blocks(qtype, rng: np.random.Generator, rows: int = ROWS, cols: int =
     return raw.reshape(rows, -1)
 
 
-def file_blocks(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
+def file_blocks(values: np.ndarray, qtype, rng: np.random.Generator, d: tuple[float, float] = (1e-3, 2e-2)) -> np.ndarray:
     """Raw bytes of `values` [N, K] in a GGUF block type: the gguf package's own quantizer, or random
-    blocks of that shape for the K-quants it cannot write."""
-    return random_blocks(qtype, rng, *values.shape) if qtype in (T.Q4_K, T.Q6_K) else \
+    blocks of that shape for the K-quants it cannot write (super-block scales from `d`)."""
+    return random_blocks(qtype, rng, *values.shape, d=d) if qtype in (T.Q4_K, T.Q6_K) else \
         gguf.quants.quantize(values, qtype)
 
 
