@@ -402,6 +402,12 @@ def _print_plan(p, out: str, result=None) -> None:
                f"pipeline fill/drain {g['fill_drain_s']:.3f} s, busiest stage above balance {g['imbalance_s']:.3f} s "
                f"(whole units {g['granularity_s']:.3f} s, traded for fill/drain, links or memory "
                f"{g['balance_traded_s']:.3f} s)")
+    if "memory_binding" in pr:
+        m, gib = pr["memory_binding"], 2 ** 30
+        typer.echo(f"memory: {m['device']} cannot hold units {m['units'][0]}-{m['units'][1] - 1} "
+                   f"({m['need_bytes'] / gib:.2f} GiB needed, {m['free_bytes'] / gib:.2f} GiB free after the margin), "
+                   f"the faster cuts {m['unlimited_cuts'][1:-1]} ({m['unlimited_value_s']:.3f} s) would give it: "
+                   f"this plan fits, at {m['value_s']:.3f} s")
     for line in pr.get("assumptions", []):
         typer.echo(f"assumed: {line}")
     if "decode" in pr:

@@ -71,6 +71,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[0] == 1:
+            return self._one_row(hidden_states, top_k_index, top_k_weights)
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)               # (row, slot) pairs grouped by expert
@@ -87,6 +89,18 @@ class RoutedExperts(nn.Module):
                 start += n
         out.mul_(top_k_weights.reshape(-1).index_select(0, order).to(out.dtype)[:, None])
         return torch.zeros_like(hidden_states).index_add_(0, rows, out)
+
+    def _one_row(self, x, top_k_index, top_k_weights):
+        """A one-token decode step: its k experts in the router's order, no sorting or gathering
+        (they cost ~0.3 ms a block here, a quarter of the experts' own time)."""
+        weights = top_k_weights.to(x.dtype)
+        out = None
+        for slot, e in enumerate(top_k_index[0].tolist()):
+            expert = self.experts[e]
+            gate, up = expert.project_in(x).to(x.dtype).chunk(2, dim=-1)
+            y = expert.project_out(self.act_fn(gate) * up).to(x.dtype) * weights[:, slot:slot + 1]
+            out = y if out is None else out.add_(y)
+        return out
 
 
 def float_experts(module: nn.Module) -> RoutedExperts:

@@ -297,6 +297,17 @@ ARCHITECTURES = {
                         num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                         tie_word_embeddings=False),
+    # mixtures of experts (their published configs)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          tie_word_embeddings=False),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                         rope_theta=1000000.0, tie_word_embeddings=False),
 }
 
 
@@ -340,6 +351,13 @@ def num_experts(config) -> int:
 
 def experts_per_token(config) -> int:
     return int(config.num_experts_per_tok) if is_moe(config) else 0
+
+
+def expected_experts(config, tokens):
+    """How many distinct experts `tokens` rows touch in a MoE block, each picking k of E (uniform
+    picks: E (1 - (1 - k/E)^tokens)): k for one row, all E for hundreds (numpy-friendly)."""
+    e, k = num_experts(config), experts_per_token(config)
+    return e * (1 - (1 - k / e) ** tokens)
 
 
 def moe_block(config, b: int) -> bool:

@@ -426,6 +426,26 @@ def assumptions(cost: CostModel, sharing: Sharing) -> list[str]:
     return out
 
 
+def memory_binding(cost, found, slices, batch, unit_mem, capacity, objective, seq_len, new_tokens, kv_tokens,
+                   names, starts) -> dict | None:
+    """Where memory moved the cuts: the cuts the same search finds with memory unlimited, if they
+    are predicted faster, and the first of their stages whose device cannot hold it (a MoE block's
+    experts are most of its bytes). None where memory did not bind."""
+    unlimited = search_cuts(cut_costs(cost, slices, batch, unit_mem, np.full(len(capacity), np.inf), objective,
+                                      seq_len, new_tokens), [found.cuts, *starts])
+    if unlimited.value >= found.value * (1 - 1e-9):
+        return None
+    cuts = unlimited.cuts
+    need = [memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), kv_tokens,
+                                memory.microbatch_tokens(slices)).total for j in range(len(capacity))]
+    j = next((j for j in range(len(capacity)) if need[j] > capacity[j]), None)
+    if j is None:
+        return None
+    return {"device": names[j], "units": [int(cuts[j]), int(cuts[j + 1])], "need_bytes": int(need[j]),
+            "free_bytes": int(max(capacity[j], 0)), "unlimited_cuts": [int(c) for c in cuts],
+            "unlimited_value_s": float(unlimited.value), "value_s": float(found.value)}
+
+
 def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
                       margin: float = MARGIN, dtype: str | None = None, granularity: int = 16,
@@ -540,6 +560,11 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "gap": gap(timeline.makespan, busy.tolist(), bound, contiguous),
         "assumptions": assumptions(cost, sharing),
     }
+    if objective != "mixed":
+        binding = memory_binding(cost, found, slices, batch, unit_mem, device_mem(slices), objective, seq_len,
+                                 new_tokens, kv_tokens, names, [uniform])
+        if binding:
+            predicted["memory_binding"] = binding
     if all(e.get("decode") for e in cost.entries):
         predicted["decode"] = decode_prediction(cost, cuts, batch, seq_len, new_tokens)
     if not fixed:     # every shorter prompt gets its own Algorithm 2 slicing too (serving: any length comes)

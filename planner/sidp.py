@@ -244,6 +244,9 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
     from hpipe.memory import activation_bytes
     from hpipe.planner.profiled import CostModel, check_profile_matches
 
+    if models.is_moe(config):
+        raise HpipeError(f"--mode sidp: {name} is a mixture of experts ({config.model_type}), whose FFN weights are "
+                         f"routed experts, which SiDP's shared replicas do not hold yet; plan it with --mode pipeline")
     check_profile_matches(profile, config, name, profile_path)
     cost = CostModel(profile, config, devices, profile_path)
     unit_bytes = models.unit_bytes(config, dtype, weights)

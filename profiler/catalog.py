@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hpipe import models
 from hpipe.errors import HpipeError
 
 
@@ -71,6 +72,10 @@ def _dims(config):
     return hidden, heads, head_dim, kv_heads, inter, mlp_mats, int(config.vocab_size)
 
 
+def _expert_width(config) -> int:
+    return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+
+
 def unit_cost(config, kind: str, s, c, elem: int, welem: float | None = None):
     """(flops, bytes moved) of one unit of `kind` for s tokens after c tokens of context (numpy-friendly);
     `welem`: bytes per weight when they differ from the activations' (quantized)."""
@@ -83,6 +88,14 @@ def unit_cost(config, kind: str, s, c, elem: int, welem: float | None = None):
         qkv = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
         flops = 2 * s * qkv + 4 * s * heads * head_dim * (c + (s + 1) / 2)
         return flops, qkv * welem + (c + s) * 2 * kv_heads * head_dim * elem + act
+    if kind == "mlp" and models.is_moe(config):
+        # the router on every row, each row through its k experts (and a shared expert where the family
+        # has one), and the weights of every distinct expert the s rows touch read once
+        e, k, width = models.num_experts(config), models.experts_per_token(config), _expert_width(config)
+        shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        flops = 2 * s * hidden * (e + 3 * k * width + 3 * shared)
+        weights = (models.expected_experts(config, s) * 3 * width + 3 * shared) * hidden * welem + e * hidden * elem
+        return flops, weights + act
     if kind == "mlp":
         return 2 * s * mlp_mats * hidden * inter, mlp_mats * hidden * inter * welem + act
     if kind == "head":  # the final norm on all rows, the LM head on the sampled row

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import MOE_FAMILIES, VOCAB, build_tiny_model
-from hpipe import experts, models, quant
+from hpipe import experts, formats, models, quant
 from hpipe.errors import HpipeError
 from hpipe.formats import Slicing
 from test_exactness import check_against_reference
@@ -198,3 +198,60 @@ def test_a_mixtral_gguf_file_is_refused_in_one_line(tmp_path):
     with pytest.raises(HpipeError) as e:
         models.resolve_model(str(path))
     assert "Mixtral" in str(e.value) and "Hugging Face directory" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_compiled_decode_runs_attention_halves_through_graphs_and_experts_eagerly(moe_models):
+    """`--compile on` with a MoE model: each block's halves a call apiece, the attention halves (and
+    the dense block's MLP half) through compiled graphs, the MoE halves eager; transformers' logits."""
+    from conftest import reference_greedy, reference_logits, assert_greedy_equal
+    from hpipe.request import Request
+    from hpipe.runtime import stage as stage_module
+    from hpipe.runtime.inprocess import run_inprocess
+    from hpipe.runtime.stage import StageRunner
+
+    path, reference = moe_models["qwen3_moe"]
+    config = models.load_config(path)
+    n = models.num_units(config)
+    runners = [StageRunner(path, config, r, compile="on") for r in (range(0, 4), range(4, n))]
+    assert runners[0].calls == [(0,), (1,), (2,), (3,)]
+    # block 0's MoE half and block 2's dense MLP half (`mlp_only_layers`): one graph per kind
+    assert sorted(stage_module.graph_plan(runners[0])) == [1, 3]
+    assert sorted(stage_module.graph_plan(runners[1])) == [5, 6, 7]
+    for runner in runners:
+        runner.kv.allocate(40)
+        stage_module.warm_up(runner, 16, print)
+    prompts = [list(range(3, 30)), [9, 8, 7], list(range(100, 117))]
+    requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=8, eos_ids=frozenset()) for i, p in enumerate(prompts)]
+    results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
+                            pages=40)
+    for r in requests:
+        out = results[r.id]["output_ids"]
+        assert float((results[r.id]["logits"] - reference_logits(reference, list(r.input_ids), out)).abs().max()) < 1e-4
+        assert_greedy_equal(reference, list(r.input_ids), out, reference_greedy(reference, list(r.input_ids), 8, None))
+
+
+def test_a_plan_keeps_each_device_within_its_memory_and_says_where_memory_moved_the_cuts(tmp_path, capsys):
+    """Qwen3-30B-A3B's shape (by name: its published config, no weights) in int8 on a 24 GB GPU and
+    a CPU: by speed the GPU would take every block, whose experts make 28 of its 30 GB; the plan
+    gives the CPU what the GPU cannot hold, and one line says so."""
+    from hpipe.cli import main
+
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('version = 1\n'
+                       '[[hosts]]\nname = "gpu-box"\naddress = "192.0.2.30"\npython = "/usr/bin/python3"\n'
+                       'devices = ["cuda:0"]\ndevice_types = ["RTX3090"]\n'
+                       '[[hosts]]\nname = "cpu-box"\naddress = "192.0.2.31"\npython = "/usr/bin/python3"\n'
+                       'devices = ["cpu"]\ndevice_types = ["CPU"]\n'
+                       '[[links]]\nhosts = ["gpu-box", "cpu-box"]\nbandwidth_gbps = 1\nlatency_ms = 0.3\n')
+    profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    assert main(["profile", "--estimate", "--cluster", str(cluster), "--model", "qwen3-30b-a3b", "--dtype", "float16",
+                 "--quantize", "int8", "-o", str(profile)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--cluster", str(cluster), "--profile", str(profile),
+                 "--seq-len", "512", "--num-slices", "4", "-o", str(plan)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:")]
+    p = formats.load_plan(plan)
+    need, free = p.predicted["memory_bytes_per_stage"], p.predicted["memory_free_bytes"]
+    assert all(n <= f for n, f in zip(need, free))
+    assert 0 < p.stages[0].units[1] < models.num_units(models.config_for("qwen3-30b-a3b")) - 1
+    assert len(said) == 1 and "gpu-box/cuda:0 cannot hold" in said[0] and "this plan fits" in said[0]

@@ -124,7 +124,9 @@ class StageRunner:
         self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
         attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
         self.cache_argument = models.cache_argument(attention)
-        self.calls = stage_calls(units, self.n_units, joined=not self.gpt2)
+        # a MoE block's halves go a call each: its attention half compiles, its MoE half (which
+        # experts run is known only from the router's output) runs eagerly
+        self.calls = stage_calls(units, self.n_units, joined=not self.gpt2 and not models.is_moe(config))
         self._blocks = self._gather_blocks()
         self.eager = Halves(self.cache_argument)
         self.compile_refused = compiled_halves_refused(self, compile)
@@ -381,8 +383,6 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
         return f"{runner.device.type} stages replay CUDA graphs of the static step instead"
     if runner.config.model_type not in models.LLAMA_LIKE:
         return f"{runner.config.model_type} blocks are not compiled (llama-like models are)"
-    if models.is_moe(runner.config):
-        return "a mixture of experts' blocks run eagerly (which experts run is known only from the router's output)"
     if not runner.blocks:
         return "the stage holds no block"
     if mode == "auto" and not warm_graphs(runner):
@@ -399,6 +399,8 @@ def graph_plan(runner) -> dict[int, tuple]:
     plan = {}
     for call in runner.calls:
         u = call[0]
+        if len(call) == 1 and u % 2 == 0 and models.moe_block(runner.config, (u - 1) // 2):
+            continue                # a MoE half: eager (`StageRunner.calls`)
         if 0 < u < runner.n_units - 1:
             fn = whole_blocks if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
             plan[u] = (fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v]))))
@@ -583,7 +585,8 @@ class CompiledHalves(Halves):
         return self.fns[u](norm, module, h, rotary, mask, {self.cache_argument: cache.layer(block)})
 
     def mlp(self, u, norm, module, h):
-        return self.fns[u](norm, module, h)
+        fn = self.fns.get(u)
+        return super().mlp(u, norm, module, h) if fn is None else fn(norm, module, h)
 
 
 # Dynamo's settings for hpipe's graphs (process-wide: a stage compiles no other graphs). A module's

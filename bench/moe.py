@@ -1,0 +1,195 @@
+"""A mixture of experts against llama.cpp on the same GGUF file, the same threads, in one run.
+
+The model: Qwen3-30B-A3B's architecture scaled down (`SHAPES`; 64 small experts a block, 8 active,
+norm_topk_prob, SmolLM2's tokenizer and vocabulary), random weights N(0, 0.02) from torch's seed 0,
+saved by transformers as bf16 safetensors, written to an F16 GGUF by llama.cpp's own
+`convert_hf_to_gguf.py` and quantized by its `llama-quantize` to Q4_K_M (Q4_K experts, Q6_K for some
+blocks' down and the head, as users' files are). Made once under ~/.cache/hpipe/bench-models/.
+
+Measured, each the best of --repeats, alternated:
+- llama.cpp (`llama-bench -t THREADS`): decode (tg64) and prefill of 512 tokens (pp512);
+- hpipe in one process (one stage holding every unit, the file's own blocks, `--compile off` and
+  `on`): decode ms/token after a 16-token prompt (64 greedy tokens through the runtime's scheduler,
+  the one-token step less), and the 512-token prefill;
+- KL (transformers' float32 forward of the gguf package's dequantization of the same file || hpipe)
+  per token over 256 tokens, and top-1 agreement;
+- resident bytes: the tensors a stage holds against the file's size.
+
+    python bench/moe.py [--threads 2] [--repeats 2] [--out bench/results/moe.json]
+
+llama.cpp's binaries and source: $LLAMA_CPP_BIN (default /opt/llama.cpp/build/bin) and
+$LLAMA_CPP_SRC (default /opt/llama.cpp); ../shared/notes/peers.md says how to build them here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import cpu_name, kernels_line  # noqa: E402
+from bench.shapes import llama_cpp_bin, models_dir  # noqa: E402
+
+SEED = 0
+# Qwen3-30B-A3B: hidden 2048, 48 blocks, 32/4 heads of 128, 128 experts of 768, 8 active.
+SHAPES = {"qwen3moe-0.5b": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                                head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
+                                intermediate_size=3072)}
+
+
+def model_file(name: str) -> Path:
+    """The shape's Q4_K_M file, made once (HF directory -> llama.cpp's converter -> its quantizer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpipe import models
+
+    out = models_dir() / f"{name}-Q4_K_M.gguf"
+    if out.exists():
+        return out
+    hf = models_dir() / f"{name}-hf"
+    if not (hf / "config.json").exists():
+        tokenizer = models.resolve_model("smollm2").path
+        config = AutoConfig.for_model("qwen3_moe", vocab_size=49152, max_position_embeddings=4096, norm_topk_prob=True,
+                                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **SHAPES[name])
+        torch.manual_seed(SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.02)
+        model.save_pretrained(hf)
+        for f in Path(tokenizer).iterdir():
+            if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+                shutil.copy(f, hf / f.name)
+    src = Path(os.environ.get("LLAMA_CPP_SRC", "/opt/llama.cpp"))
+    f16 = models_dir() / f"{name}-F16.gguf"
+    env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"))
+    subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf), "--outtype", "f16", "--outfile", str(f16)],
+                   check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run([str(llama_cpp_bin("llama-quantize")), str(f16), str(out) + ".part", "Q4_K_M"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    os.replace(str(out) + ".part", out)
+    return out
+
+
+def llama_cpp(path: Path, threads: int) -> dict:
+    """llama-bench's decode (tg64) and 512-token prefill, ms/token and s."""
+    done = subprocess.run([str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", str(threads), "-p", "512",
+                           "-n", "64", "-r", "2", "-o", "json"], check=True, capture_output=True, text=True)
+    rows = json.loads(done.stdout)
+    tg = next(r for r in rows if r["n_gen"] > 0)
+    pp = next(r for r in rows if r["n_prompt"] > 0)
+    return {"decode_ms": 1000 / tg["avg_ts"], "prefill_512_s": 512 / pp["avg_ts"]}
+
+
+def hpipe_numbers(path: Path, threads: int, compile_mode: str) -> dict:
+    """One stage holding every unit of the file (its own blocks): decode and 512-token prefill."""
+    import torch
+
+    from hpipe import models, quant
+    from hpipe.formats import Slicing
+    from hpipe.request import Request
+    from hpipe.runtime.inprocess import run_inprocess
+    from hpipe.runtime.stage import StageRunner, warm_up
+
+    torch.set_num_threads(threads)
+    source = models.resolve_model(str(path))
+    config = models.load_config(source.path)
+    runner = StageRunner(source, config, range(models.num_units(config)), weights=quant.WeightFormat("gguf"),
+                         compile=compile_mode)
+    runner.kv.allocate(64)
+    warm_up(runner, 16, lambda *_: None)
+
+    def run(new: int, length: int) -> float:
+        request = Request(0, "p", tuple(range(100, 100 + length)), max_new_tokens=new, eos_ids=frozenset())
+        t = time.perf_counter()
+        run_inprocess([runner], [request], Slicing(lengths=(512,)).slices_for, max_batch=1, pages=64)
+        return time.perf_counter() - t
+
+    run(4, 16)
+    decode = min((run(65, 16) - run(1, 16)) / 64 for _ in range(2))
+    prefill = min(run(1, 512) for _ in range(2))
+    held = sum(t.numel() * t.element_size() for t in {id(t): t for m in runner.model.modules()
+                                                      for t in [*m.parameters(False), *m.buffers(False)]
+                                                      if not t.is_meta}.values())
+    experts = [m for m in runner.model.modules() if type(m).__name__ == "RoutedExperts"]
+    for e in experts:
+        held += sum(t.numel() * t.element_size() for t in e._keep)
+    return {"decode_ms": 1000 * decode, "prefill_512_s": prefill, "held_bytes": held,
+            "compile": compile_mode, "compile_refused": runner.compile_refused}
+
+
+def quality(path: Path, tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpipe import models, quant
+
+    source = models.resolve_model(str(path))
+    config = models.load_config(source.path)
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
+                                                     dtype=torch.float32).eval()
+    ours = models.build_full_model(source, config, weights=quant.WeightFormat("gguf"))
+    ids = torch.tensor([[(i * 7919) % 49000 + 100 for i in range(tokens)]])
+    with torch.no_grad():
+        a, b = ours(ids).logits[0].float(), reference(ids).logits[0]
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    return {"tokens": tokens, "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "top1": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="qwen3moe-0.5b", choices=list(SHAPES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quality-tokens", type=int, default=256)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
+    args = ap.parse_args()
+    path = model_file(args.shape)
+    if args.child:          # one hpipe variant in a process of its own (its threads, its memory)
+        print(json.dumps(hpipe_numbers(path, args.threads, args.child)))
+        return
+
+    def child(mode: str) -> dict:
+        done = subprocess.run([sys.executable, __file__, "--shape", args.shape, "--threads", str(args.threads),
+                               "--child", mode], check=True, capture_output=True, text=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    runs = {"llama.cpp": [], "hpipe compile off": [], "hpipe compile on": []}
+    for _ in range(args.repeats):
+        runs["llama.cpp"].append(llama_cpp(path, args.threads))
+        runs["hpipe compile off"].append(child("off"))
+        runs["hpipe compile on"].append(child("on"))
+    best = {k: {m: min(r[m] for r in v) for m in ("decode_ms", "prefill_512_s")} for k, v in runs.items()}
+    ref = best["llama.cpp"]
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": args.threads, "kernels": kernels_line(),
+        "cpu_flags": sorted(f for f in Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+                            if re.match(r"avx|amx|f16c|fma", f)),
+        "model": {"shape": args.shape, **SHAPES[args.shape], "file": path.name, "file_bytes": path.stat().st_size,
+                  "seed": SEED, "made_by": "transformers (random N(0, 0.02)) -> convert_hf_to_gguf.py -> llama-quantize Q4_K_M"},
+        "runs": runs, "best": best,
+        "ratio_to_llama_cpp": {k: {m: v[m] / ref[m] for m in v} for k, v in best.items() if k != "llama.cpp"},
+        "held_over_file": runs["hpipe compile off"][0]["held_bytes"] / path.stat().st_size,
+        "quality": quality(path, args.quality_tokens),
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({"best": best, "ratio": report["ratio_to_llama_cpp"], "quality": report["quality"],
+                      "held_over_file": report["held_over_file"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
