@@ -120,12 +120,10 @@ def hpipe_numbers(path: Path, threads: int, compile_mode: str) -> dict:
     run(4, 16)
     decode = min((run(65, 16) - run(1, 16)) / 64 for _ in range(2))
     prefill = min(run(1, 512) for _ in range(2))
-    held = sum(t.numel() * t.element_size() for t in {id(t): t for m in runner.model.modules()
-                                                      for t in [*m.parameters(False), *m.buffers(False)]
-                                                      if not t.is_meta}.values())
-    experts = [m for m in runner.model.modules() if type(m).__name__ == "RoutedExperts"]
-    for e in experts:
-        held += sum(t.numel() * t.element_size() for t in e._keep)
+    tensors = [t for m in runner.model.modules() for t in [*m.parameters(False), *m.buffers(False),
+                                                           *getattr(m, "_keep", ())] if not t.is_meta]
+    # each storage once: an expert's modules hold views of its block's stacked tensors
+    held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
     return {"decode_ms": 1000 * decode, "prefill_512_s": prefill, "held_bytes": held,
             "compile": compile_mode, "compile_refused": runner.compile_refused}
 

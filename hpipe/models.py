@@ -581,7 +581,7 @@ def files_for_units(model: "ModelSource | Path", config, units: range) -> list[P
     path = source.path
     if source.gguf is not None:
         return [f for f in sorted(path.iterdir()) if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja")
-                and not f.name.startswith("hpipe-")] + [source.gguf]
+                and not f.name.startswith("hpipe-")] + [stage_gguf(source.gguf, config, units)]
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -598,6 +598,66 @@ def files_for_units(model: "ModelSource | Path", config, units: range) -> list[P
     small = [f for f in sorted(path.iterdir()) if f.is_file() and f.suffix != ".safetensors"
              and (f.suffix in (".json", ".txt", ".model", ".jinja") or f.name.startswith("tokenizer"))]
     return small + sorted(shards)
+
+
+def gguf_tensor_unit(name: str, n_units: int) -> int | None:
+    """The unit a GGUF tensor belongs to, by llama.cpp's names: `token_embd` the embedding,
+    `blk.B.attn_*` block B's attention half, `blk.B.ffn_*` (experts, router and shared expert
+    included) its MLP half, `output` and `output_norm` the head; None for any other (kept by every
+    stage's file)."""
+    if name.startswith("token_embd."):
+        return 0
+    if name.startswith(("output.", "output_norm.")):
+        return n_units - 1
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        b = int(parts[1])
+        if parts[2].startswith("attn_"):
+            return 1 + 2 * b
+        if parts[2].startswith("ffn_"):
+            return 2 + 2 * b
+    return None
+
+
+def stage_gguf(gguf_path: Path, config, units: range) -> Path:
+    """A GGUF file of only `units`' tensors (every metadata field of the file as it is, each tensor's
+    blocks as they are), written once with the gguf package: what `--push-model` sends a host, a
+    third of a 3-host model's file rather than all of it. The whole file where `units` are all of them.
+    A head tied to the embedding (no `output` tensor) keeps `token_embd` with the head's stage."""
+    import gguf
+    import numpy as np
+
+    n = num_units(config)
+    if units.start == 0 and units.stop >= n:
+        return Path(gguf_path)
+    gguf_path = Path(gguf_path).resolve()
+    target = cache_dir() / "stage-ggufs" / f"{gguf_path.stem}-{_file_key(gguf_path)}-units{units.start}-{units.stop - 1}"
+
+    def write(out: Path) -> None:
+        reader = gguf.GGUFReader(str(gguf_path))
+        names = {t.name for t in reader.tensors}
+        tied = "output.weight" not in names
+        arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+        writer = gguf.GGUFWriter(str(out / gguf_path.name), arch)
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
+            else:
+                writer.add_key_value(key, field.contents(), kind)
+        for t in reader.tensors:
+            u = gguf_tensor_unit(t.name, n)
+            if u is None or u in units or (tied and u == 0 and n - 1 in units):
+                writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)   # blocks: bytes as they are
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    _once(target, "hpipe-stage-gguf.json", write, f"writing units {units.start}-{units.stop - 1} of {gguf_path.name}")
+    return target / gguf_path.name
 
 
 def check_model_available(spec: str) -> tuple[bool, str]:

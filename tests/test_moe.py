@@ -5,6 +5,8 @@ weights quantized at load run the same routing."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -181,7 +183,7 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
     assert float(kl.median()) < 1e-3, float(kl.median())
     # two stages cut between block 1's attention and MoE halves: the same logits as one
     n = models.num_units(config)
-    stages = [StageRunner(source, config, r, weights=weights) for r in (range(0, 3), range(3, n))]
+    stages = [StageRunner(source, config, r, weights=weights) for r in (range(0, 4), range(4, n))]
     from hpipe.runtime.inprocess import run_inprocess
     from hpipe.request import Request
 
@@ -189,6 +191,29 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
     split = run_inprocess(stages, [request], Slicing(lengths=(32,)).slices_for, max_batch=1, keep_logits=True)
     first = split["p"]["logits"][0]
     assert float((first - ours[-1]).abs().max()) < 1e-3 * float(ours[-1].abs().max())
+    # what --push-model sends the second stage's host: a GGUF of its units' tensors alone, blocks as
+    # they are, which runs those units to the same numbers as the whole file
+    import gguf
+
+    part = models.stage_gguf(source.gguf, config, range(4, n))
+    whole = {t.name: t for t in gguf.GGUFReader(str(source.gguf)).tensors}
+    kept = {t.name: t for t in gguf.GGUFReader(str(part)).tensors}
+    assert "token_embd.weight" not in kept and "blk.0.ffn_gate_exps.weight" not in kept
+    assert "blk.1.attn_q.weight" not in kept and "blk.1.ffn_down_exps.weight" in kept and "output.weight" in kept
+    assert all(bytes(kept[k].data) == bytes(whole[k].data) and kept[k].tensor_type == whole[k].tensor_type
+               for k in kept)
+    assert part.stat().st_size < 0.6 * source.gguf.stat().st_size
+    hidden = torch.randn(1, 5, config.hidden_size)
+    from hpipe.runtime.pages import Segment
+
+    outs = []
+    # the part's config and tokenizer are the whole file's (its metadata is copied as it is)
+    for src in (source, models.ModelSource(str(part), source.path, part)):
+        runner = StageRunner(src, config, range(4, n), weights=weights)
+        segments = [Segment(0, 0, 0, 5, True)]
+        runner.kv.allocate(4)
+        outs.append(runner.forward(runner.prepare_inputs(segments), hidden.reshape(5, -1)))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_a_mixtral_gguf_file_is_refused_in_one_line(tmp_path):
@@ -255,3 +280,53 @@ def test_a_plan_keeps_each_device_within_its_memory_and_says_where_memory_moved_
     assert all(n <= f for n, f in zip(need, free))
     assert 0 < p.stages[0].units[1] < models.num_units(models.config_for("qwen3-30b-a3b")) - 1
     assert len(said) == 1 and "gpu-box/cuda:0 cannot hold" in said[0] and "this plan fits" in said[0]
+
+
+def test_a_served_moe_model_answers_with_its_own_tokens_logprobs_n_and_cached_prefixes(tmp_path):
+    """`hpipe serve` of a float MoE model (qwen2_moe: shared expert) on 2 stages cut inside a block,
+    through the real `openai` client: greedy tokens and log-probabilities are transformers' own, `n`
+    answers each get the prompt's cached pages, and a second question on the same document starts
+    after its cached pages."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import save_random_model, tiny_config
+    from hpipe.cli import main
+    from test_openai_fields import reference_logprobs
+    from test_serve import client, metric, start_server, stop_server
+
+    source = models.resolve_model("smollm2").path
+    config = tiny_config("qwen2_moe")
+    config.vocab_size = int(models.load_config(source).vocab_size)
+    path = save_random_model(config, tmp_path / "talking-moe", seed=9)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", str(path), "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    proc, base, log = start_server(tmp_path, plan, key=None)
+    try:
+        c = client(base, key=None)
+        model = c.models.list().data[0].id
+        document = "Mixtures of experts route each token to a few of many feed-forward networks. " * 6
+        prompt = tokenizer(document + "Question one:")["input_ids"]
+        done = c.completions.create(model=model, prompt=document + "Question one:", max_tokens=8, temperature=0,
+                                    logprobs=3, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+        output = [int(t.removeprefix("token_id:")) for t in done.choices[0].logprobs.tokens]
+        ref = reference_logprobs(reference, prompt, output)
+        assert output == ref.argmax(-1).tolist()
+        assert done.choices[0].logprobs.token_logprobs == pytest.approx([float(ref[i, t]) for i, t in enumerate(output)],
+                                                                        abs=1e-4)
+        two = c.completions.create(model=model, prompt=document + "Question two:", max_tokens=4, temperature=0.8,
+                                   n=2, seed=3)
+        assert len(two.choices) == 2
+        deadline = time.time() + 30           # the stages' counters reach the server with their next report
+        while metric(base, "hpipe_prefix_cache_hit_tokens_total") == 0 and time.time() < deadline:
+            time.sleep(0.2)
+        assert metric(base, "hpipe_prefix_cache_hit_tokens_total") > 0
+    finally:
+        stop_server(proc)
+    assert proc.returncode in (0, 130), log.read_text()
