@@ -82,13 +82,7 @@ def _write_f16(shape: Shape, path: Path) -> None:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, field in source.fields.items():             # SmolLM2's tokenizer, as it is
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                w.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
-            else:
-                w.add_key_value(key, field.contents(), kind)
+    models.copy_gguf_fields(source, w, lambda key: key.startswith("tokenizer."))   # SmolLM2's tokenizer, as it is
     rng = np.random.default_rng(SEED)
 
     def matrix(rows: int, cols: int) -> np.ndarray:

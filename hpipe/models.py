@@ -619,6 +619,19 @@ def gguf_tensor_unit(name: str, n_units: int) -> int | None:
     return None
 
 
+def copy_gguf_fields(reader, writer, keep) -> None:
+    """Metadata fields of a `gguf.GGUFReader` whose key `keep` takes, into a `gguf.GGUFWriter`, as they are."""
+    import gguf
+
+    for key, field in reader.fields.items():
+        if keep(key):
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
+            else:
+                writer.add_key_value(key, field.contents(), kind)
+
+
 def stage_gguf(gguf_path: Path, config, units: range) -> Path:
     """A GGUF file of only `units`' tensors (every metadata field of the file as it is, each tensor's
     blocks as they are), written once with the gguf package: what `--push-model` sends a host, a
@@ -639,14 +652,7 @@ def stage_gguf(gguf_path: Path, config, units: range) -> Path:
         tied = "output.weight" not in names
         arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
         writer = gguf.GGUFWriter(str(out / gguf_path.name), arch)
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            kind = field.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
-            else:
-                writer.add_key_value(key, field.contents(), kind)
+        copy_gguf_fields(reader, writer, lambda key: not key.startswith("GGUF.") and key != "general.architecture")
         for t in reader.tensors:
             u = gguf_tensor_unit(t.name, n)
             if u is None or u in units or (tied and u == 0 and n - 1 in units):

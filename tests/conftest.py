@@ -203,13 +203,7 @@ def write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe"
     w.add_expert_used_count(used)
     w.add_expert_feed_forward_length(ff)
     w.add_vocab_size(vocab)
-    for key, field in source.fields.items():                # SmolLM2's tokenizer, as it is
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                w.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])
-            else:
-                w.add_key_value(key, field.contents(), kind)
+    models.copy_gguf_fields(source, w, lambda key: key.startswith("tokenizer."))   # SmolLM2's tokenizer, as it is
     rng = np.random.default_rng(seed)
 
     def mat(*shape, std=0.05):
