@@ -39,7 +39,8 @@ from pathlib import Path
 
 from hpipe.config import cache_dir
 
-__all__ = ["Variant", "VARIANTS", "variant_here", "cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm", "int4_dequant", "int8_dequant", "ops",
+__all__ = ["Variant", "VARIANTS", "variant_here", "cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm",
+           "int4_mm_experts", "int8_mm_experts", "int4_dequant", "int8_dequant", "ops",
            "ops_route", "OPS_SOURCE"]
 
 
@@ -122,6 +123,9 @@ def kernels() -> tuple[object | None, str]:
     lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, i32]
     lib.hpipe_int8_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, p, i32]
     lib.hpipe_int4_mm.restype = lib.hpipe_int8_mm.restype = i32
+    lib.hpipe_int4_mm_experts.argtypes = [p, i32, i32, i64, p, i64, p, i64, i32, i64, i64, p, i64, p, i32]
+    lib.hpipe_int8_mm_experts.argtypes = [p, i32, i32, i64, p, i64, p, i64, i32, i64, p, i64, p, i32]
+    lib.hpipe_int4_mm_experts.restype = lib.hpipe_int8_mm_experts.restype = i32
     lib.hpipe_int4_dequant.argtypes = [p, p, i32, i64, i64, i64, i64, p, i32]
     lib.hpipe_int8_dequant.argtypes = [p, p, i32, i64, i64, i64, p, i32]
     return lib, f"int4/int8 codes x 16-bit activations per block of 32 ({variant.name})"
@@ -180,6 +184,43 @@ def int8_mm(x, weight, scales):
     if m and kernels()[0].hpipe_int8_mm(x.data_ptr(), x.dtype == torch.bfloat16, m, k, weight.data_ptr(),
                                         scales.data_ptr(), scales.dim() == 2, n, y.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"int8 kernel: no memory for {m} x {k} activations")
+    return y
+
+
+def int4_mm_experts(x, packed, scales_zeros, group: int, ids, shared: bool):
+    """A decode step's picked experts in one call: row i of the result [len(ids), N] float32 is
+    x's row i (row 0 for all when `shared`) @ W[ids[i]]^T, W the block's stacked int4 weights
+    (`packed` [E, N / 64, K, 32], `scales_zeros` [E, ...] in one of `int4_form`'s forms)."""
+    import torch
+
+    x = _rows(x)
+    k = x.shape[1]
+    n = scales_zeros.shape[1] * 64
+    ids = ids.to(torch.int64).contiguous()
+    y = torch.empty(ids.shape[0], n, dtype=torch.float32)
+    if kernels()[0].hpipe_int4_mm_experts(x.data_ptr(), x.dtype == torch.bfloat16, shared, k, packed.data_ptr(),
+                                          packed[0].numel() * packed.element_size(), scales_zeros.data_ptr(),
+                                          scales_zeros[0].numel() * scales_zeros.element_size(),
+                                          int4_form(scales_zeros[0]), n, group, ids.data_ptr(), ids.shape[0],
+                                          y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"int4 kernel: no memory for {k} activations")
+    return y
+
+
+def int8_mm_experts(x, weight, scales, ids, shared: bool):
+    """`int4_mm_experts` for int8 weights `weight` [E, N, K] with `scales` [E, N] (bf16, per row) or
+    [E, N, K / 32] (float16, per block: Q8_0)."""
+    import torch
+
+    x = _rows(x)
+    k = x.shape[1]
+    n = weight.shape[1]
+    ids = ids.to(torch.int64).contiguous()
+    y = torch.empty(ids.shape[0], n, dtype=torch.float32)
+    if kernels()[0].hpipe_int8_mm_experts(x.data_ptr(), x.dtype == torch.bfloat16, shared, k, weight.data_ptr(),
+                                          weight[0].numel(), scales.data_ptr(), scales[0].numel(), scales.dim() == 3,
+                                          n, ids.data_ptr(), ids.shape[0], y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"int8 kernel: no memory for {k} activations")
     return y
 
 

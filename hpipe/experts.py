@@ -68,6 +68,7 @@ class RoutedExperts(nn.Module):
         self.act_fn = act_fn
         self.hidden = hidden
         self._keep = keep               # the tensors the experts' views point into
+        self.fused: Fused | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -92,14 +93,22 @@ class RoutedExperts(nn.Module):
 
     def _one_row(self, x, top_k_index, top_k_weights):
         """A one-token decode step: its k experts in the router's order, no sorting or gathering
-        (they cost ~0.3 ms a block here, a quarter of the experts' own time)."""
+        (they cost ~0.3 ms a block here, a quarter of the experts' own time); where the experts run
+        hpipe's CPU kernels on the block's stacked tensors, all k in one call per matrix (`Fused`)."""
         weights = top_k_weights.to(x.dtype)
-        out = None
-        for slot, e in enumerate(top_k_index[0].tolist()):
-            expert = self.experts[e]
-            gate, up = expert.project_in(x).to(x.dtype).chunk(2, dim=-1)
-            y = expert.project_out(self.act_fn(gate) * up).to(x.dtype) * weights[:, slot:slot + 1]
-            out = y if out is None else out.add_(y)
+        if self.fused is not None:
+            gate, up = self.fused.project_in(x, top_k_index[0]).to(x.dtype).chunk(2, dim=-1)
+            ys = self.fused.project_out(self.act_fn(gate) * up, top_k_index[0]).to(x.dtype)
+            rows = [ys[slot:slot + 1] * weights[:, slot:slot + 1] for slot in range(ys.shape[0])]
+        else:
+            rows = []
+            for slot, e in enumerate(top_k_index[0].tolist()):
+                expert = self.experts[e]
+                gate, up = expert.project_in(x).to(x.dtype).chunk(2, dim=-1)
+                rows.append(expert.project_out(self.act_fn(gate) * up).to(x.dtype) * weights[:, slot:slot + 1])
+        out = rows[0]
+        for y in rows[1:]:          # the slots in order, as the loop above sums them: the same bits
+            out = out.add_(y)
         return out
 
 
@@ -146,4 +155,56 @@ def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, hidden: int, dev
 
     experts = [QuantizedExpert([linear(p, e) for p in ("gate_up", "gate", "up") if p in parts], linear("down", e))
                for e in range(n)]
-    return RoutedExperts(experts, act_fn, hidden, keep=tuple(t for p in parts.values() for t in p.values()))
+    routed = RoutedExperts(experts, act_fn, hidden, keep=tuple(t for p in parts.values() for t in p.values()))
+    routed.fused = Fused.of(parts, experts)
+    return routed
+
+
+class Fused:
+    """A block's experts through hpipe's CPU kernels, all of a step's picks in one call per matrix
+    (`cpu_kernels.int4_mm_experts` / `int8_mm_experts`): one parallel region where a call per expert
+    made k. Only where every expert's module runs those kernels on its slice of the stacked tensors
+    in place (`of`)."""
+
+    def __init__(self, calls: dict):
+        self.calls = calls              # part -> function(x, ids, shared) -> float32 [len(ids), N]
+
+    @classmethod
+    def of(cls, parts: dict, experts: list[QuantizedExpert]) -> "Fused | None":
+        from hpipe import cpu_kernels, quant
+
+        Int4Linear, Int8Linear = quant.classes()[:2]
+        if cpu_kernels.kernels()[0] is None:
+            return None
+        modules = {"down": [e.down for e in experts]}
+        for i, name in enumerate(p for p in ("gate_up", "gate", "up") if p in parts):
+            modules[name] = [e.gate_up[i] for e in experts]
+        calls = {}
+        for name, mods in modules.items():
+            m = mods[0]
+            if getattr(m, "mm", None) != getattr(m, "_vnni_mm", None) or m.bias is not None:
+                return None
+            tensors = (m.packed, m.scales_zeros) if isinstance(m, Int4Linear) else (m.weight, m.scales)
+            stacked = [t.as_strided((len(mods), *t.shape), (t.numel(), *t.stride())) for t in tensors]
+            fields = ("packed", "scales_zeros") if isinstance(m, Int4Linear) else ("weight", "scales")
+            in_place = all(getattr(mod, f).data_ptr() == s[e].data_ptr() and getattr(mod, f).is_contiguous()
+                           for e, mod in enumerate(mods) for f, s in zip(fields, stacked))
+            if not in_place:
+                return None
+            if isinstance(m, Int4Linear):
+                calls[name] = (lambda x, ids, shared, t=stacked, g=m.group:
+                               cpu_kernels.int4_mm_experts(x, t[0], t[1], g, ids, shared))
+            elif isinstance(m, Int8Linear):
+                calls[name] = (lambda x, ids, shared, t=stacked:
+                               cpu_kernels.int8_mm_experts(x, t[0], t[1], ids, shared))
+            else:
+                return None
+        return cls(calls)
+
+    def project_in(self, x, ids):
+        if "gate_up" in self.calls:
+            return self.calls["gate_up"](x, ids, True)
+        return torch.cat([self.calls["gate"](x, ids, True), self.calls["up"](x, ids, True)], -1)
+
+    def project_out(self, h, ids):
+        return self.calls["down"](h, ids, False)

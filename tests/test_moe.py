@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import MOE_FAMILIES, VOCAB, build_tiny_model
-from hpipe import experts, formats, models, quant
+from hpipe import cpu_kernels, experts, formats, models, quant
 from hpipe.errors import HpipeError
 from hpipe.formats import Slicing
 from test_exactness import check_against_reference
@@ -172,6 +172,19 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
             got = model.model.layers[b].mlp.experts(x, picked, routing)
             rel = float((got - want).abs().max() / want.abs().max())
             assert rel < (2e-2 if down == "Q6_K" else 1e-3), (b, rel)
+        # a one-token step's picks in one kernel call per matrix (`experts.Fused`, where hpipe's CPU
+        # kernels run): the same bits as a call per expert
+        for b in range(len(BLOCK_TYPES)):
+            routed = model.model.layers[b].mlp.experts
+            _, routing, picked = reference.model.layers[b].mlp.gate(x[:1])
+            fused = routed.fused
+            assert (fused is not None) == (cpu_kernels.kernels()[0] is not None)
+            together = routed(x[:1], picked, routing)
+            routed.fused = None
+            try:
+                assert torch.equal(together, routed(x[:1], picked, routing))
+            finally:
+                routed.fused = fused
     ids = torch.tensor([list(range(300, 380))])
     with torch.no_grad():
         ours, theirs = model(ids).logits[0].float(), reference(ids).logits[0]

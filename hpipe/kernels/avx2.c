@@ -249,6 +249,7 @@ static inline __attribute__((always_inline)) void int8_row_pair(
 }
 
 #include "int8_mm.h"
+#include "experts.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Dequantizing, as vnni.c's: rounded once to bf16 (to nearest, ties to even). */

@@ -263,6 +263,7 @@ static inline __attribute__((always_inline)) void int8_row_pair(
 }
 
 #include "int8_mm.h"
+#include "experts.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Dequantizing for the dense path (many rows: prefill slices): weights to bf16 a chunk at a time,
