@@ -61,12 +61,11 @@ class RoutedExperts(nn.Module):
     """Takes the place of transformers' experts module: forward(hidden [T, H], top_k_index [T, k],
     top_k_weights [T, k]) -> [T, H], the weighted sum of each row's picked experts."""
 
-    def __init__(self, experts: list[nn.Module], act_fn, hidden: int, keep: tuple = ()):
+    def __init__(self, experts: list[nn.Module], act_fn, keep: tuple = ()):
         super().__init__()
         self.experts = nn.ModuleList(experts)
         self.num_experts = len(experts)
         self.act_fn = act_fn
-        self.hidden = hidden
         self._keep = keep               # the tensors the experts' views point into
         self.fused: Fused | None = None
 
@@ -116,17 +115,13 @@ def float_experts(module: nn.Module) -> RoutedExperts:
     """transformers' float experts module -> the routed form over views of its own parameters."""
     gate_up, down = module.gate_up_proj, module.down_proj
     experts = [FloatExpert(gate_up[e], down[e]) for e in range(gate_up.shape[0])]
-    return RoutedExperts(experts, module.act_fn, gate_up.shape[-1], keep=(gate_up, down))
-
-
-# Packed names: a block's experts stacked on a leading dimension, each part's tensors under
-# `<part>.<tensor>` (`gate_up` when gate and up pack alike, else `gate` and `up`; then `down`)
-PARTS = ("gate_up", "gate", "up", "down")
+    return RoutedExperts(experts, module.act_fn, keep=(gate_up, down))
 
 
 def pack_experts(gate: list, up: list, down: list, fmt, device_type: str) -> dict[str, torch.Tensor]:
     """Each expert's matrices (`quant.Affine` codes as the file keeps them, or float arrays) -> the
-    packed tensors of all experts stacked: {'gate_up.int4': [E, ...], ...}."""
+    packed tensors of all experts stacked on a leading dimension, under `<part>.<tensor>`:
+    {'gate_up.int4': [E, ...], ...}, `gate_up` where gate and up pack alike, else `gate` and `up`."""
     from hpipe import quant
 
     stacked = [quant.stack_rows([g, u]) for g, u in zip(gate, up)]
@@ -140,7 +135,7 @@ def pack_experts(gate: list, up: list, down: list, fmt, device_type: str) -> dic
     return out
 
 
-def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, hidden: int, device) -> RoutedExperts:
+def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, device) -> RoutedExperts:
     """The routed experts over `pack_experts`' tensors (moved to `device` once, then viewed per expert)."""
     from hpipe import quant
 
@@ -155,7 +150,7 @@ def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, hidden: int, dev
 
     experts = [QuantizedExpert([linear(p, e) for p in ("gate_up", "gate", "up") if p in parts], linear("down", e))
                for e in range(n)]
-    routed = RoutedExperts(experts, act_fn, hidden, keep=tuple(t for p in parts.values() for t in p.values()))
+    routed = RoutedExperts(experts, act_fn, keep=tuple(t for p in parts.values() for t in p.values()))
     routed.fused = Fused.of(parts, experts)
     return routed
 

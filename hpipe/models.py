@@ -220,8 +220,10 @@ def _gguf_experts(path: Path) -> dict[str, int]:
     in one line."""
     import gguf
 
+    from hpipe import quant
+
     reader = gguf.GGUFReader(str(path))
-    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    arch = quant.gguf_architecture(reader)
     fields = {}
     for name in ("expert_count", "expert_used_count", "expert_feed_forward_length",
                  "expert_shared_feed_forward_length"):
@@ -640,6 +642,8 @@ def stage_gguf(gguf_path: Path, config, units: range) -> Path:
     import gguf
     import numpy as np
 
+    from hpipe import quant
+
     n = num_units(config)
     if units.start == 0 and units.stop >= n:
         return Path(gguf_path)
@@ -650,7 +654,7 @@ def stage_gguf(gguf_path: Path, config, units: range) -> Path:
         reader = gguf.GGUFReader(str(gguf_path))
         names = {t.name for t in reader.tensors}
         tied = "output.weight" not in names
-        arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+        arch = quant.gguf_architecture(reader)
         writer = gguf.GGUFWriter(str(out / gguf_path.name), arch)
         copy_gguf_fields(reader, writer, lambda key: not key.startswith("GGUF.") and key != "general.architecture")
         for t in reader.tensors:
@@ -927,7 +931,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                 parent_path, _, child = full.rpartition(".")
                 if experts.is_experts(sub):
                     setattr(model.get_submodule(parent_path), child,
-                            experts.quantized_experts(parts_of(tensors, full), sub.act_fn, sub.hidden_dim, device))
+                            experts.quantized_experts(parts_of(tensors, full), sub.act_fn, device))
                 elif isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
                     parts = parts_of(tensors, full)
                     if not parts and f"{full}.weight" == "lm_head.weight":

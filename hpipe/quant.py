@@ -965,6 +965,11 @@ def embedding_module(tensors: dict, device, dtype):
 # Where the weights come from: a GGUF file's tensors by transformers' parameter names
 
 
+def gguf_architecture(reader) -> str:
+    """A `gguf.GGUFReader`'s `general.architecture` (llama.cpp's name: `llama`, `qwen3moe`, ...)."""
+    return str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+
 class GGUFTensors:
     """A GGUF file's tensors under transformers' parameter names (the mapping is transformers' own,
     `get_gguf_hf_weights_map`, and so is the reordering of Llama's q/k rows)."""
@@ -977,7 +982,7 @@ class GGUFTensors:
         self.path = path
         self.reader = gguf.GGUFReader(str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
-        arch = str(bytes(self.reader.fields["general.architecture"].parts[-1]), "utf-8")
+        arch = gguf_architecture(self.reader)
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
         self.to_gguf = {hf: g for g, hf in get_gguf_hf_weights_map(model, self.processor).items()}
 

@@ -431,6 +431,8 @@ def memory_binding(cost, found, slices, batch, unit_mem, capacity, objective, se
     """Where memory moved the cuts: the cuts the same search finds with memory unlimited, if they
     are predicted faster, and the first of their stages whose device cannot hold it (a MoE block's
     experts are most of its bytes). None where memory did not bind."""
+    if float(np.sum(unit_mem)) <= float(np.min(capacity)):
+        return None                 # every device holds the whole model: memory cannot bind (no second search)
     unlimited = search_cuts(cut_costs(cost, slices, batch, unit_mem, np.full(len(capacity), np.inf), objective,
                                       seq_len, new_tokens), [found.cuts, *starts])
     if unlimited.value >= found.value * (1 - 1e-9):

@@ -399,9 +399,8 @@ def graph_plan(runner) -> dict[int, tuple]:
     plan = {}
     for call in runner.calls:
         u = call[0]
-        if len(call) == 1 and u % 2 == 0 and models.moe_block(runner.config, (u - 1) // 2):
-            continue                # a MoE half: eager (`StageRunner.calls`)
-        if 0 < u < runner.n_units - 1:
+        moe_half = len(call) == 1 and u % 2 == 0 and models.moe_block(runner.config, (u - 1) // 2)
+        if 0 < u < runner.n_units - 1 and not moe_half:     # a MoE half runs eagerly (`StageRunner.calls`)
             fn = whole_blocks if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
             plan[u] = (fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v]))))
     return plan
