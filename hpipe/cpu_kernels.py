@@ -123,9 +123,9 @@ def kernels() -> tuple[object | None, str]:
     lib.hpipe_int4_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, i64, p, i32]
     lib.hpipe_int8_mm.argtypes = [p, i32, i64, i64, p, p, i32, i64, p, i32]
     lib.hpipe_int4_mm.restype = lib.hpipe_int8_mm.restype = i32
-    lib.hpipe_int4_mm_experts.argtypes = [p, i32, i32, i64, p, i64, p, i64, i32, i64, i64, p, i64, p, i32]
-    lib.hpipe_int8_mm_experts.argtypes = [p, i32, i32, i64, p, i64, p, i64, i32, i64, p, i64, p, i32]
-    lib.hpipe_int4_mm_experts.restype = lib.hpipe_int8_mm_experts.restype = i32
+    lib.hpipe_int4_mm_routed.argtypes = [p, i32, i64, i64, p, i64, p, i64, i32, i64, i64, p, i64, i64, p, i32]
+    lib.hpipe_int8_mm_routed.argtypes = [p, i32, i64, i64, p, i64, p, i64, i32, i64, p, i64, i64, p, i32]
+    lib.hpipe_int4_mm_routed.restype = lib.hpipe_int8_mm_routed.restype = i32
     lib.hpipe_int4_dequant.argtypes = [p, p, i32, i64, i64, i64, i64, p, i32]
     lib.hpipe_int8_dequant.argtypes = [p, p, i32, i64, i64, i64, p, i32]
     return lib, f"int4/int8 codes x 16-bit activations per block of 32 ({variant.name})"
@@ -187,40 +187,60 @@ def int8_mm(x, weight, scales):
     return y
 
 
-def int4_mm_experts(x, packed, scales_zeros, group: int, ids, shared: bool):
-    """A decode step's picked experts in one call: row i of the result [len(ids), N] float32 is
-    x's row i (row 0 for all when `shared`) @ W[ids[i]]^T, W the block's stacked int4 weights
-    (`packed` [E, N / 64, K, 32], `scales_zeros` [E, ...] in one of `int4_form`'s forms)."""
+def _pairs(x, ids):
+    """`ids` as the routed kernels read them (int64, contiguous), checked against x's rows."""
     import torch
 
-    x = _rows(x)
-    k = x.shape[1]
-    n = scales_zeros.shape[1] * 64
-    ids = ids.to(torch.int64).contiguous()
-    y = torch.empty(ids.shape[0], n, dtype=torch.float32)
-    if kernels()[0].hpipe_int4_mm_experts(x.data_ptr(), x.dtype == torch.bfloat16, shared, k, packed.data_ptr(),
-                                          packed[0].numel() * packed.element_size(), scales_zeros.data_ptr(),
-                                          scales_zeros[0].numel() * scales_zeros.element_size(),
-                                          int4_form(scales_zeros[0]), n, group, ids.data_ptr(), ids.shape[0],
-                                          y.data_ptr(), torch.get_num_threads()):
-        raise MemoryError(f"int4 kernel: no memory for {k} activations")
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if x.shape[0] and ids.numel() % x.shape[0]:
+        raise ValueError(f"{ids.numel()} routed pairs over {x.shape[0]} rows: each row must have as many")
+    return ids
+
+
+def _routed_failed(rc: int, k: int, n_experts: int):
+    if rc == -2:
+        raise IndexError(f"an expert id outside [0, {n_experts})")
+    raise MemoryError(f"routed experts kernel: no memory for {k} activations")
+
+
+def int4_mm_experts(x, packed, scales_zeros, group: int, ids):
+    """A step's routed experts in one call (kernels/experts.h): row i of the result [len(ids), N]
+    float32 is x's row i // (len(ids) / len(x)) @ W[ids[i]]^T, W the block's stacked int4 weights
+    (`packed` [E, N / 64, K, 32], `scales_zeros` [E, ...] in one of `int4_form`'s forms); each
+    picked expert read once for all of its pairs."""
+    import torch
+
+    x, ids = _rows(x), _pairs(x, ids)
+    m, k = x.shape
+    n, e = scales_zeros.shape[1] * 64, packed.shape[0]
+    y = torch.empty(ids.numel(), n, dtype=torch.float32)
+    if m and ids.numel():
+        rc = kernels()[0].hpipe_int4_mm_routed(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(),
+                                               packed.stride(0) * packed.element_size(), scales_zeros.data_ptr(),
+                                               scales_zeros.stride(0) * scales_zeros.element_size(),
+                                               int4_form(scales_zeros[0]), n, group, ids.data_ptr(), ids.numel(), e,
+                                               y.data_ptr(), torch.get_num_threads())
+        if rc:
+            _routed_failed(rc, k, e)
     return y
 
 
-def int8_mm_experts(x, weight, scales, ids, shared: bool):
+def int8_mm_experts(x, weight, scales, ids):
     """`int4_mm_experts` for int8 weights `weight` [E, N, K] with `scales` [E, N] (bf16, per row) or
     [E, N, K / 32] (float16, per block: Q8_0)."""
     import torch
 
-    x = _rows(x)
-    k = x.shape[1]
-    n = weight.shape[1]
-    ids = ids.to(torch.int64).contiguous()
-    y = torch.empty(ids.shape[0], n, dtype=torch.float32)
-    if kernels()[0].hpipe_int8_mm_experts(x.data_ptr(), x.dtype == torch.bfloat16, shared, k, weight.data_ptr(),
-                                          weight[0].numel(), scales.data_ptr(), scales[0].numel(), scales.dim() == 3,
-                                          n, ids.data_ptr(), ids.shape[0], y.data_ptr(), torch.get_num_threads()):
-        raise MemoryError(f"int8 kernel: no memory for {k} activations")
+    x, ids = _rows(x), _pairs(x, ids)
+    m, k = x.shape
+    n, e = weight.shape[1], weight.shape[0]
+    y = torch.empty(ids.numel(), n, dtype=torch.float32)
+    if m and ids.numel():
+        rc = kernels()[0].hpipe_int8_mm_routed(x.data_ptr(), x.dtype == torch.bfloat16, m, k, weight.data_ptr(),
+                                               weight.stride(0), scales.data_ptr(), scales.stride(0),
+                                               scales.dim() == 3, n, ids.data_ptr(), ids.numel(), e, y.data_ptr(),
+                                               torch.get_num_threads())
+        if rc:
+            _routed_failed(rc, k, e)
     return y
 
 
@@ -278,10 +298,14 @@ def ops():
     lib = torch.library.Library("hpipe", "DEF")
     lib.define("int4_mm(Tensor x, Tensor packed, Tensor scales_zeros, int group) -> Tensor")
     lib.define("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor")
+    lib.define("int4_mm_experts(Tensor x, Tensor packed, Tensor scales_zeros, int group, Tensor ids) -> Tensor")
+    lib.define("int8_mm_experts(Tensor x, Tensor weight, Tensor scales, Tensor ids) -> Tensor")
     why = f"{OPS_ENV}=python" if os.environ.get(OPS_ENV, "").lower() == "python" else _cpp_ops()
     if why is not None:
         lib.impl("int4_mm", int4_mm, "CPU")
         lib.impl("int8_mm", int8_mm, "CPU")
+        lib.impl("int4_mm_experts", int4_mm_experts, "CPU")
+        lib.impl("int8_mm_experts", int8_mm_experts, "CPU")
 
     @torch.library.register_fake("hpipe::int4_mm", lib=lib)
     def _(x, packed, scales_zeros, group):
@@ -290,6 +314,14 @@ def ops():
     @torch.library.register_fake("hpipe::int8_mm", lib=lib)
     def _(x, weight, scales):
         return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("hpipe::int4_mm_experts", lib=lib)
+    def _(x, packed, scales_zeros, group, ids):
+        return x.new_empty(ids.numel(), scales_zeros.shape[1] * 64, dtype=torch.float32)
+
+    @torch.library.register_fake("hpipe::int8_mm_experts", lib=lib)
+    def _(x, weight, scales, ids):
+        return x.new_empty(ids.numel(), weight.shape[1], dtype=torch.float32)
 
     return lib, why
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["RoutedExperts", "is_experts", "pack_experts", "quantized_experts", "float_experts"]
+__all__ = ["RoutedExperts", "StackedInt4", "StackedInt8", "stacked", "in_graphs", "is_experts", "pack_experts",
+           "quantized_experts", "float_experts"]
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -59,20 +60,44 @@ class QuantizedExpert(nn.Module):
 
 class RoutedExperts(nn.Module):
     """Takes the place of transformers' experts module: forward(hidden [T, H], top_k_index [T, k],
-    top_k_weights [T, k]) -> [T, H], the weighted sum of each row's picked experts."""
+    top_k_weights [T, k]) -> [T, H], the weighted sum of each row's picked experts.
 
-    def __init__(self, experts: list[nn.Module], act_fn, keep: tuple = ()):
+    Where the block's experts are stacked for hpipe's routed kernels (`stacked`), a step of fewer
+    rows than the experts' dense path starts at (`stacked_rows`: no expert then gets enough rows for
+    it) is one kernel call per matrix for all of its (row, slot) pairs, grouped by expert inside
+    the kernel: no read-back of the router's picks, so a compiled decode step holds the whole MoE
+    half in its graph. Other steps group the pairs here and call each picked expert's modules."""
+
+    def __init__(self, experts: list[nn.Module], act_fn, keep: tuple = (), stacked: dict | None = None,
+                 stacked_rows: float = 0):
         super().__init__()
         self.experts = nn.ModuleList(experts)
         self.num_experts = len(experts)
         self.act_fn = act_fn
         self._keep = keep               # the tensors the experts' views point into
-        self.fused: Fused | None = None
+        self.stacked = nn.ModuleDict(stacked) if stacked else None
+        self.stacked_rows = stacked_rows
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        if hidden_states.shape[0] == 1:
+        rows = hidden_states.shape[0]
+        if self.stacked is not None and rows < self.stacked_rows:
+            return self._stacked(hidden_states, top_k_index, top_k_weights)
+        if rows == 1:
             return self._one_row(hidden_states, top_k_index, top_k_weights)
+        return self._grouped(hidden_states, top_k_index, top_k_weights)
+
+    def _stacked(self, x, top_k_index, top_k_weights):
+        ids = top_k_index.reshape(-1)
+        if "gate_up" in self.stacked:
+            gate_up = self.stacked["gate_up"](x, ids)
+        else:
+            gate_up = torch.cat([self.stacked["gate"](x, ids), self.stacked["up"](x, ids)], -1)
+        gate, up = gate_up.to(x.dtype).chunk(2, dim=-1)
+        y = self.stacked["down"](self.act_fn(gate) * up, ids).to(x.dtype)          # [T k, H]
+        return (y.view(*top_k_index.shape, -1) * top_k_weights.to(x.dtype).unsqueeze(-1)).sum(1)
+
+    def _grouped(self, hidden_states, top_k_index, top_k_weights):
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)               # (row, slot) pairs grouped by expert
@@ -91,24 +116,25 @@ class RoutedExperts(nn.Module):
         return torch.zeros_like(hidden_states).index_add_(0, rows, out)
 
     def _one_row(self, x, top_k_index, top_k_weights):
-        """A one-token decode step: its k experts in the router's order, no sorting or gathering
-        (they cost ~0.3 ms a block here, a quarter of the experts' own time); where the experts run
-        hpipe's CPU kernels on the block's stacked tensors, all k in one call per matrix (`Fused`)."""
+        """A one-token decode step of experts not stacked for the routed kernels: its k experts in
+        the router's order, no sorting or gathering (they cost ~0.3 ms a block here, a quarter of
+        the experts' own time)."""
         weights = top_k_weights.to(x.dtype)
-        if self.fused is not None:
-            gate, up = self.fused.project_in(x, top_k_index[0]).to(x.dtype).chunk(2, dim=-1)
-            ys = self.fused.project_out(self.act_fn(gate) * up, top_k_index[0]).to(x.dtype)
-            rows = [ys[slot:slot + 1] * weights[:, slot:slot + 1] for slot in range(ys.shape[0])]
-        else:
-            rows = []
-            for slot, e in enumerate(top_k_index[0].tolist()):
-                expert = self.experts[e]
-                gate, up = expert.project_in(x).to(x.dtype).chunk(2, dim=-1)
-                rows.append(expert.project_out(self.act_fn(gate) * up).to(x.dtype) * weights[:, slot:slot + 1])
-        out = rows[0]
-        for y in rows[1:]:          # the slots in order, as the loop above sums them: the same bits
-            out = out.add_(y)
+        out = None
+        for slot, e in enumerate(top_k_index[0].tolist()):
+            expert = self.experts[e]
+            gate, up = expert.project_in(x).to(x.dtype).chunk(2, dim=-1)
+            y = expert.project_out(self.act_fn(gate) * up).to(x.dtype) * weights[:, slot:slot + 1]
+            out = y if out is None else out.add_(y)
         return out
+
+
+def in_graphs(mlp: nn.Module) -> bool:
+    """Whether a block's MLP module runs inside a compiled decode graph: any but a MoE block whose
+    experts are not stacked for the routed kernels (those read the router's picks back to choose
+    modules, which a graph cannot follow)."""
+    routed = getattr(mlp, "experts", None)
+    return not isinstance(routed, RoutedExperts) or routed.stacked is not None
 
 
 def float_experts(module: nn.Module) -> RoutedExperts:
@@ -136,7 +162,8 @@ def pack_experts(gate: list, up: list, down: list, fmt, device_type: str) -> dic
 
 
 def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, device) -> RoutedExperts:
-    """The routed experts over `pack_experts`' tensors (moved to `device` once, then viewed per expert)."""
+    """The routed experts over `pack_experts`' tensors (moved to `device` once, then viewed per expert,
+    and stacked for the routed kernels where the experts run hpipe's CPU kernels: `stacked`)."""
     from hpipe import quant
 
     parts = {}
@@ -150,56 +177,63 @@ def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, device) -> Route
 
     experts = [QuantizedExpert([linear(p, e) for p in ("gate_up", "gate", "up") if p in parts], linear("down", e))
                for e in range(n)]
-    routed = RoutedExperts(experts, act_fn, keep=tuple(t for p in parts.values() for t in p.values()))
-    routed.fused = Fused.of(parts, experts)
-    return routed
+    modules = {"down": [e.down for e in experts]}
+    for i, name in enumerate(p for p in ("gate_up", "gate", "up") if p in parts):
+        modules[name] = [e.gate_up[i] for e in experts]
+    together = {name: stacked(mods) for name, mods in modules.items()}
+    if any(m is None for m in together.values()):
+        together = {}
+    rows = min((m.dense_from for mods in modules.values() for m in mods[:1]), default=0)
+    return RoutedExperts(experts, act_fn, keep=tuple(t for p in parts.values() for t in p.values()),
+                         stacked=together, stacked_rows=rows if together else 0)
 
 
-class Fused:
-    """A block's experts through hpipe's CPU kernels, all of a step's picks in one call per matrix
-    (`cpu_kernels.int4_mm_experts` / `int8_mm_experts`): one parallel region where a call per expert
-    made k. Only where every expert's module runs those kernels on its slice of the stacked tensors
-    in place (`of`)."""
+class StackedInt4(nn.Module):
+    """One matrix of all of a block's experts in int4 (`Int4Linear`'s tensors of each, stacked on a
+    leading dimension), multiplied by the routed kernel for a step's (row, slot) pairs at once."""
 
-    def __init__(self, calls: dict):
-        self.calls = calls              # part -> function(x, ids, shared) -> float32 [len(ids), N]
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int):
+        super().__init__()
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_zeros", scales_zeros, persistent=False)
+        self.group = group
 
-    @classmethod
-    def of(cls, parts: dict, experts: list[QuantizedExpert]) -> "Fused | None":
-        from hpipe import cpu_kernels, quant
+    def forward(self, x, ids):
+        return torch.ops.hpipe.int4_mm_experts(x, self.packed, self.scales_zeros, self.group, ids)
 
-        Int4Linear, Int8Linear = quant.classes()[:2]
-        if cpu_kernels.kernels()[0] is None:
-            return None
-        modules = {"down": [e.down for e in experts]}
-        for i, name in enumerate(p for p in ("gate_up", "gate", "up") if p in parts):
-            modules[name] = [e.gate_up[i] for e in experts]
-        calls = {}
-        for name, mods in modules.items():
-            m = mods[0]
-            if getattr(m, "mm", None) != getattr(m, "_vnni_mm", None) or m.bias is not None:
-                return None
-            tensors = (m.packed, m.scales_zeros) if isinstance(m, Int4Linear) else (m.weight, m.scales)
-            stacked = [t.as_strided((len(mods), *t.shape), (t.numel(), *t.stride())) for t in tensors]
-            fields = ("packed", "scales_zeros") if isinstance(m, Int4Linear) else ("weight", "scales")
-            in_place = all(getattr(mod, f).data_ptr() == s[e].data_ptr() and getattr(mod, f).is_contiguous()
-                           for e, mod in enumerate(mods) for f, s in zip(fields, stacked))
-            if not in_place:
-                return None
-            if isinstance(m, Int4Linear):
-                calls[name] = (lambda x, ids, shared, t=stacked, g=m.group:
-                               cpu_kernels.int4_mm_experts(x, t[0], t[1], g, ids, shared))
-            elif isinstance(m, Int8Linear):
-                calls[name] = (lambda x, ids, shared, t=stacked:
-                               cpu_kernels.int8_mm_experts(x, t[0], t[1], ids, shared))
-            else:
-                return None
-        return cls(calls)
 
-    def project_in(self, x, ids):
-        if "gate_up" in self.calls:
-            return self.calls["gate_up"](x, ids, True)
-        return torch.cat([self.calls["gate"](x, ids, True), self.calls["up"](x, ids, True)], -1)
+class StackedInt8(nn.Module):
+    """`StackedInt4` for int8 experts (`Int8Linear`'s weight and scales, per row or per block)."""
 
-    def project_out(self, h, ids):
-        return self.calls["down"](h, ids, False)
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def forward(self, x, ids):
+        return torch.ops.hpipe.int8_mm_experts(x, self.weight, self.scales, ids)
+
+
+def stacked(modules: list[nn.Module]) -> nn.Module | None:
+    """The experts' modules of one matrix as one stacked module for the routed kernels, or None where
+    they do not all run hpipe's CPU kernels, without a bias, on their slices of one stacked tensor
+    in place (each expert's module a view of expert e of it: the stacking is no copy)."""
+    from hpipe import quant
+
+    Int4Linear, Int8Linear = quant.classes()[:2]
+    m = modules[0]
+    if getattr(m, "mm", None) != getattr(m, "_vnni_mm", None) or m.bias is not None:
+        return None
+    if isinstance(m, Int4Linear):
+        cls, fields = StackedInt4, ("packed", "scales_zeros")
+    elif isinstance(m, Int8Linear):
+        cls, fields = StackedInt8, ("weight", "scales")
+    else:
+        return None
+    tensors = [getattr(m, f) for f in fields]
+    together = [t.as_strided((len(modules), *t.shape), (t.numel(), *t.stride())) for t in tensors]
+    if not all(type(mod) is type(m) and getattr(mod, f).data_ptr() == s[e].data_ptr()
+               and getattr(mod, f).is_contiguous() and getattr(mod, f).shape == t.shape
+               for e, mod in enumerate(modules) for f, s, t in zip(fields, together, tensors)):
+        return None
+    return StackedInt4(*together, m.group) if cls is StackedInt4 else StackedInt8(*together)

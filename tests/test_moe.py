@@ -172,19 +172,28 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
             got = model.model.layers[b].mlp.experts(x, picked, routing)
             rel = float((got - want).abs().max() / want.abs().max())
             assert rel < (2e-2 if down == "Q6_K" else 1e-3), (b, rel)
-        # a one-token step's picks in one kernel call per matrix (`experts.Fused`, where hpipe's CPU
-        # kernels run): the same bits as a call per expert
+        # a decode step's (row, slot) pairs in one routed kernel call per matrix, grouped by expert
+        # inside it (`RoutedExperts.stacked`, where hpipe's CPU kernels run): each pair's row gets the
+        # bits its expert's own module gives it, and the block's sum that of the grouped path
         for b in range(len(BLOCK_TYPES)):
             routed = model.model.layers[b].mlp.experts
-            _, routing, picked = reference.model.layers[b].mlp.gate(x[:1])
-            fused = routed.fused
-            assert (fused is not None) == (cpu_kernels.kernels()[0] is not None)
-            together = routed(x[:1], picked, routing)
-            routed.fused = None
-            try:
-                assert torch.equal(together, routed(x[:1], picked, routing))
-            finally:
-                routed.fused = fused
+            assert (routed.stacked is not None) == (cpu_kernels.kernels()[0] is not None)
+            if routed.stacked is None:
+                continue
+            for rows in (1, 3, 12):
+                _, routing, picked = reference.model.layers[b].mlp.gate(x[:rows])
+                assert rows < routed.stacked_rows
+                ids, k = picked.reshape(-1), picked.shape[-1]
+                for j, part in enumerate(p for p in ("gate_up", "gate", "up") if p in routed.stacked):
+                    together = routed.stacked[part](x[:rows], ids)
+                    for i, e in enumerate(ids.tolist()):
+                        assert torch.equal(together[i], routed.experts[e].gate_up[j](x[i // k: i // k + 1])[0])
+                h = torch.randn(len(ids), config.moe_intermediate_size)
+                down = routed.stacked["down"](h, ids)
+                for i, e in enumerate(ids.tolist()):
+                    assert torch.equal(down[i], routed.experts[e].down(h[i:i + 1])[0])
+                grouped = routed._grouped(x[:rows], picked, routing)
+                assert torch.allclose(routed(x[:rows], picked, routing), grouped, rtol=1e-5, atol=1e-6)
     ids = torch.tensor([list(range(300, 380))])
     with torch.no_grad():
         ours, theirs = model(ids).logits[0].float(), reference(ids).logits[0]
@@ -266,6 +275,43 @@ def test_compiled_decode_runs_attention_halves_through_graphs_and_experts_eagerl
         out = results[r.id]["output_ids"]
         assert float((results[r.id]["logits"] - reference_logits(reference, list(r.input_ids), out)).abs().max()) < 1e-4
         assert_greedy_equal(reference, list(r.input_ids), out, reference_greedy(reference, list(r.input_ids), 8, None))
+
+
+@pytest.mark.skipif(cpu_kernels.kernels()[0] is None, reason="hpipe's CPU kernels do not run here")
+def test_compiled_decode_holds_whole_moe_blocks_where_the_experts_run_the_routed_kernels(tmp_path):
+    """A GGUF MoE file under `--compile on`: its experts stacked for the routed kernels, each block is
+    one unit of a compiled graph (router, routed experts, the sum), as a dense block is; batches of
+    requests take the eager stage's tokens and its logits to the graph's float rounding (which the
+    kernels' 16-bit activations, a step of 2^-16 of a block's largest value, carry on: 1.4e-4 of the
+    largest logit here)."""
+    from conftest import write_moe_gguf
+    from hpipe.request import Request
+    from hpipe.runtime import stage as stage_module
+    from hpipe.runtime.inprocess import run_inprocess
+    from hpipe.runtime.stage import StageRunner
+
+    path = write_moe_gguf(tmp_path / "moe.gguf", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_K")])
+    source = models.resolve_model(str(path))
+    config = models.load_config(source.path)
+    n = models.num_units(config)
+    weights = quant.WeightFormat("gguf")
+    runs = {}
+    for mode in ("off", "on"):
+        runner = StageRunner(source, config, range(n), weights=weights, compile=mode)
+        if mode == "on":
+            assert runner.compile_refused is None and runner.calls == [(0,), (1, 2), (3, 4), (5,)]
+            assert sorted(stage_module.graph_plan(runner)) == [1, 3]
+        runner.kv.allocate(40)
+        stage_module.warm_up(runner, 16, print)
+        requests = [Request(i, f"p{i}", tuple(range(300 + i, 320 + 3 * i)), max_new_tokens=6, eos_ids=frozenset())
+                    for i in range(3)]
+        runs[mode] = run_inprocess([runner], requests, Slicing(lengths=(16,)).slices_for, max_batch=3,
+                                   keep_logits=True, pages=40)
+    for key, eager in runs["off"].items():
+        compiled = runs["on"][key]
+        assert compiled["output_ids"] == eager["output_ids"]
+        scale = float(eager["logits"].abs().max())
+        assert float((compiled["logits"] - eager["logits"]).abs().max()) < 1e-3 * scale
 
 
 def test_a_plan_keeps_each_device_within_its_memory_and_says_where_memory_moved_the_cuts(tmp_path, capsys):

@@ -249,6 +249,18 @@ static inline __attribute__((always_inline)) void int8_row_pair(
 }
 
 #include "int8_mm.h"
+
+/* One row of x against one block of 64 outputs (experts.h's unit of work), the form a constant. */
+static void int4_block_row(int form, const uint8_t *codes, const uint8_t *sz, int64_t k, int64_t group,
+                           const int16_t *q, const float *d, const float *dsum, float *y) {
+    if (form == PAIRS)
+        block_row(PAIRS, codes, sz, 0, k, group, q, d, dsum, y);
+    else if (form == SCALES)
+        block_row(SCALES, codes, sz, 0, k, group, q, d, dsum, y);
+    else
+        block_row(SUPER, codes, sz, 0, k, group, q, d, dsum, y);
+}
+
 #include "experts.h"
 
 /* ---------------------------------------------------------------------------------------------

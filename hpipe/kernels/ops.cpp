@@ -1,5 +1,5 @@
-// torch.ops.hpipe.int4_mm and int8_mm as C++ kernels of torch's dispatcher, calling vnni.c's
-// functions (loaded beside it, their symbols global). A compiled decode step's C++ wrapper then
+// torch.ops.hpipe.int4_mm, int8_mm and their routed experts' forms (experts.h) as C++ kernels of
+// torch's dispatcher, calling vnni.c's functions (loaded beside it, their symbols global). A compiled decode step's C++ wrapper then
 // calls them without Python: through the Python registration each call re-took the GIL and boxed
 // its tensors into Python objects, ~4 us of a 5 us call at one row here, 40 calls in a SmolLM2
 // stage's step. Same arithmetic, same kernels: `hpipe.cpu_kernels.int4_mm` is the Python twin.
@@ -13,6 +13,12 @@ int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
                   int form, int64_t n, int64_t group, float *y, int threads);
 int hpipe_int8_mm(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, const uint16_t *scales,
                   int blocks_scaled, int64_t n, float *y, int threads);
+int hpipe_int4_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *packed, int64_t stride,
+                         const uint8_t *sz, int64_t sz_stride, int form, int64_t n, int64_t group,
+                         const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads);
+int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, int64_t stride,
+                         const uint16_t *scales, int64_t sc_stride, int blocks_scaled, int64_t n,
+                         const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads);
 }
 
 namespace {
@@ -54,9 +60,56 @@ at::Tensor int8_mm(const at::Tensor &x, const at::Tensor &weight, const at::Tens
     return y;
 }
 
+// a step's (row, slot) pairs' experts as experts.h reads them, each row of x with as many pairs
+at::Tensor pairs_of(const at::Tensor &x, const at::Tensor &ids) {
+    auto p = ids.reshape({-1}).to(at::kLong).contiguous();
+    TORCH_CHECK(!x.size(0) || p.numel() % x.size(0) == 0, p.numel(), " routed pairs over ", x.size(0),
+                " rows: each row must have as many");
+    return p;
+}
+
+void routed_check(int rc, int64_t k, int64_t n_experts) {
+    TORCH_CHECK_INDEX(rc != -2, "an expert id outside [0, ", n_experts, ")");
+    TORCH_CHECK(rc == 0, "routed experts kernel: no memory for ", k, " activations");
+}
+
+at::Tensor int4_mm_experts(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &scales_zeros,
+                           int64_t group, const at::Tensor &ids) {
+    auto a = rows_of(x);
+    auto p = pairs_of(a, ids);
+    const int64_t m = a.size(0), k = a.size(1), n = scales_zeros.size(1) * 64, e = packed.size(0);
+    auto y = at::empty({p.numel(), n}, a.options().dtype(at::kFloat));
+    if (m && p.numel())
+        routed_check(hpipe_int4_mm_routed(a.data_ptr(), a.scalar_type() == at::kBFloat16, m, k,
+                                          static_cast<const uint8_t *>(packed.data_ptr()),
+                                          packed.stride(0) * packed.element_size(),
+                                          static_cast<const uint8_t *>(scales_zeros.data_ptr()),
+                                          scales_zeros.stride(0) * scales_zeros.element_size(),
+                                          int4_form(scales_zeros), n, group, p.data_ptr<int64_t>(), p.numel(), e,
+                                          y.data_ptr<float>(), at::get_num_threads()), k, e);
+    return y;
+}
+
+at::Tensor int8_mm_experts(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scales,
+                           const at::Tensor &ids) {
+    auto a = rows_of(x);
+    auto p = pairs_of(a, ids);
+    const int64_t m = a.size(0), k = a.size(1), n = weight.size(1), e = weight.size(0);
+    auto y = at::empty({p.numel(), n}, a.options().dtype(at::kFloat));
+    if (m && p.numel())
+        routed_check(hpipe_int8_mm_routed(a.data_ptr(), a.scalar_type() == at::kBFloat16, m, k,
+                                          static_cast<const int8_t *>(weight.data_ptr()), weight.stride(0),
+                                          static_cast<const uint16_t *>(scales.data_ptr()), scales.stride(0),
+                                          scales.dim() == 3, n, p.data_ptr<int64_t>(), p.numel(), e,
+                                          y.data_ptr<float>(), at::get_num_threads()), k, e);
+    return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hpipe, CPU, m) {
     m.impl("int4_mm", int4_mm);
     m.impl("int8_mm", int8_mm);
+    m.impl("int4_mm_experts", int4_mm_experts);
+    m.impl("int8_mm_experts", int8_mm_experts);
 }

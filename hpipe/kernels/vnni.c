@@ -263,6 +263,19 @@ static inline __attribute__((always_inline)) void int8_row_pair(
 }
 
 #include "int8_mm.h"
+
+/* One row of x against one block of 64 outputs (experts.h's unit of work), the form a constant. */
+static void int4_block_row(int form, const uint8_t *codes, const uint8_t *sz, int64_t k, int64_t group,
+                           const int16_t *q, const float *d, const float *dsum, float *y) {
+    const __m512i idx[4] = {lanes_index(0, 0), lanes_index(0, 1), lanes_index(1, 0), lanes_index(1, 1)};
+    if (form == PAIRS)
+        block_tile(1, PAIRS, codes, sz, 0, 0, k, group, q, d, dsum, y, idx);
+    else if (form == SCALES)
+        block_tile(1, SCALES, codes, sz, 0, 0, k, group, q, d, dsum, y, idx);
+    else
+        block_tile(1, SUPER, codes, sz, 0, 0, k, group, q, d, dsum, y, idx);
+}
+
 #include "experts.h"
 
 /* ---------------------------------------------------------------------------------------------

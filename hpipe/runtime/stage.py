@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hpipe import heap, models, quant
+from hpipe import experts, heap, models, quant
 from hpipe.config import DEFAULTS
 from hpipe.runtime.kv import BatchCache, KVStore
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
@@ -124,9 +124,10 @@ class StageRunner:
         self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
         attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
         self.cache_argument = models.cache_argument(attention)
-        # a MoE block's halves go a call each: its attention half compiles, its MoE half (which
-        # experts run is known only from the router's output) runs eagerly
-        self.calls = stage_calls(units, self.n_units, joined=not self.gpt2 and not models.is_moe(config))
+        # a MoE block whose experts run the routed kernels is a block like any other (its graph
+        # holds the router and the kernels' calls); other MoE blocks go a half a call, the MoE half
+        # eager (which of its experts' modules run is known only from the router's output)
+        self.calls = stage_calls(units, self.n_units, joined=not self.gpt2 and self.moe_in_graphs)
         self._blocks = self._gather_blocks()
         self.eager = Halves(self.cache_argument)
         self.compile_refused = compiled_halves_refused(self, compile)
@@ -135,6 +136,11 @@ class StageRunner:
         # server, hpipe.runtime.background_compile) holds it instead, and the next step waits
         self.stepping = threading.RLock()
         self.last_step = time.monotonic()       # when the last forward ended
+
+    @property
+    def moe_in_graphs(self) -> bool:
+        """Every MoE block the stage holds can run inside a compiled graph (`experts.in_graphs`)."""
+        return all(experts.in_graphs(m) for m in self.mlp_modules().values())
 
     @property
     def compile_cold(self) -> bool:
@@ -399,10 +405,12 @@ def graph_plan(runner) -> dict[int, tuple]:
     plan = {}
     for call in runner.calls:
         u = call[0]
-        moe_half = len(call) == 1 and u % 2 == 0 and models.moe_block(runner.config, (u - 1) // 2)
-        if 0 < u < runner.n_units - 1 and not moe_half:     # a MoE half runs eagerly (`StageRunner.calls`)
-            fn = whole_blocks if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
-            plan[u] = (fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v]))))
+        if not 0 < u < runner.n_units - 1:
+            continue
+        if len(call) == 1 and u % 2 == 0 and not experts.in_graphs(runner._mods[u][1]):
+            continue        # such a MoE half runs eagerly (`StageRunner.calls`)
+        fn = whole_blocks if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
+        plan[u] = (fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v]))))
     return plan
 
 
