@@ -314,6 +314,36 @@ def test_compiled_decode_holds_whole_moe_blocks_where_the_experts_run_the_routed
         assert float((compiled["logits"] - eager["logits"]).abs().max()) < 1e-3 * scale
 
 
+def test_speculative_steps_route_each_proposed_row_to_its_own_experts(moe_models):
+    """Prompt lookup on a MoE model (qwen2_moe, its shared expert too) over 2 stages cut between a
+    block's halves: a step's proposed rows are routed one by one as the model routes them; every
+    emitted token's logits within 1e-4 of one transformers forward, greedy tokens `generate`'s."""
+    import random
+
+    from conftest import assert_greedy_equal, reference_greedy, reference_logits
+    from hpipe.config import Speculation
+    from hpipe.request import Request
+    from hpipe.runtime.inprocess import run_inprocess
+    from hpipe.runtime.stage import StageRunner
+    from test_speculative import repetitive_prompts
+
+    path, reference = moe_models["qwen2_moe"]
+    config = models.load_config(path)
+    n = models.num_units(config)
+    runners = [StageRunner(path, config, r) for r in (range(0, 4), range(4, n))]
+    requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=16, eos_ids=frozenset())
+                for i, p in enumerate(repetitive_prompts(random.Random(5), 3))]
+    results = run_inprocess(runners, requests, Slicing(count=2).slices_for, max_batch=2, keep_logits=True,
+                            page_size=4, speculation=Speculation("ngram", 4))
+    for r in requests:
+        got = results[r.id]
+        ref = reference_logits(reference, list(r.input_ids), got["output_ids"])
+        assert float((got["logits"] - ref).abs().max()) < 1e-4
+        assert_greedy_equal(reference, list(r.input_ids), got["output_ids"],
+                            reference_greedy(reference, list(r.input_ids), 16, None))
+    assert sum(r["accepted"] for r in results.values()) > 0      # steps of several rows ran (20 of 24 here)
+
+
 def test_a_plan_keeps_each_device_within_its_memory_and_says_where_memory_moved_the_cuts(tmp_path, capsys):
     """Qwen3-30B-A3B's shape (by name: its published config, no weights) in int8 on a 24 GB GPU and
     a CPU: by speed the GPU would take every block, whose experts make 28 of its 30 GB; the plan
