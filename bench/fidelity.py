@@ -10,7 +10,7 @@ is compared), then the plan's prediction against the run: prefill as the time to
 run summary's check reads it off the timeline (`plan_check`: every stage's compute, every hop and
 the way back, predicted and measured, per steady token).
 
-    python bench/fidelity.py [--settings local-1,local-2,local-3,hosts-2,hosts-3] [--lengths 512,2048]
+    python bench/fidelity.py [--settings local-1,local-2,local-3,hosts-2,hosts-3] [--lengths 512,2048] [--model M]
                              [--new-tokens 64] [--repeats 3] [--out bench/results/fidelity.json]
                              [--keep-profile hosts-3=tests/data/profile-3hosts.json]
 
@@ -57,7 +57,7 @@ def median_by(items: list, key):
 
 
 def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep: Path | None,
-                repeats: int = 3) -> dict:
+                repeats: int = 3, model: str = "smollm2") -> dict:
     stages, hosts, threads = SETTINGS[name]
     cluster = None
     if hosts:
@@ -71,7 +71,7 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
         where = ["--cluster", cluster.inventory_path] if cluster else ["--local"]
         profile = work / "profile.json"
         t = time.time()
-        hpipe("profile", "--model", "smollm2", *where, "--quick", "--threads", threads,
+        hpipe("profile", "--model", model, *where, "--quick", "--threads", threads,
               "--max-seq-len", max(lengths), "-o", profile, cwd=work)
         out = {"profile_s": round(time.time() - t, 1), "runs": []}
         if keep:
@@ -79,7 +79,7 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
         devices = ["--stages", stages] if stages else ["--cluster", cluster.inventory_path]
         for n in lengths:
             plan = work / f"plan-{n}.json"
-            hpipe("plan", "--model", "smollm2", *devices, "--profile", profile, "--seq-len", n,
+            hpipe("plan", "--model", model, *devices, "--profile", profile, "--seq-len", n,
                   "--new-tokens", new_tokens, "-o", plan, cwd=work)
             pr = json.loads(plan.read_text())["predicted"]
             prompts = work / f"p-{n}.jsonl"
@@ -129,6 +129,7 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--model", default="smollm2", help="what `hpipe plan --model` takes (a MoE GGUF file: bench/moe.py's)")
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="launches per length; the median is compared")
@@ -137,12 +138,13 @@ def main() -> None:
     args = ap.parse_args()
     keep = dict(x.split("=", 1) for x in args.keep_profile)
     lengths = [int(x) for x in args.lengths.split(",")]
-    report = {"date": datetime.date.today().isoformat(), "machine_cores": os.cpu_count(), "model": "smollm2 (Q4_1 GGUF)",
+    report = {"date": datetime.date.today().isoformat(), "machine_cores": os.cpu_count(), "model": "smollm2 (Q4_1 GGUF)" if args.model == "smollm2" else Path(args.model).name,
               "new_tokens": args.new_tokens, "settings": {}}
     for name in args.settings.split(","):
         with tempfile.TemporaryDirectory(prefix=f"hpipe-fidelity-{name}-") as tmp:
             report["settings"][name] = run_setting(name, lengths, args.new_tokens, Path(tmp),
-                                                   Path(keep[name]).resolve() if name in keep else None, args.repeats)
+                                                   Path(keep[name]).resolve() if name in keep else None, args.repeats,
+                                                   str(Path(args.model).resolve()) if args.model != "smollm2" else "smollm2")
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     worst = collections.defaultdict(float)
     model = collections.defaultdict(float)

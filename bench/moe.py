@@ -1,21 +1,22 @@
 """A mixture of experts against llama.cpp on the same GGUF file, the same threads, in one run.
 
-The model: Qwen3-30B-A3B's architecture scaled down (`SHAPES`; 64 small experts a block, 8 active,
-norm_topk_prob, SmolLM2's tokenizer and vocabulary), random weights N(0, 0.02) from torch's seed 0,
+The model (`--shape`, `SHAPES`): Qwen3-30B-A3B's architecture scaled down (64 small experts a block,
+8 active, norm_topk_prob), or Mixtral's shape (8 large experts, 2 active) in that architecture; SmolLM2's
+tokenizer and vocabulary, random weights N(0, 0.02) from torch's seed 0,
 saved by transformers as bf16 safetensors, written to an F16 GGUF by llama.cpp's own
 `convert_hf_to_gguf.py` and quantized by its `llama-quantize` to Q4_K_M (Q4_K experts, Q6_K for some
 blocks' down and the head, as users' files are). Made once under ~/.cache/hpipe/bench-models/.
 
 Measured, each the best of --repeats, alternated:
-- llama.cpp (`llama-bench -t THREADS`): decode (tg64) and prefill of 512 tokens (pp512);
+- llama.cpp (`llama-bench -t THREADS`): decode (tg64) and prefill of 512 and 2,048 tokens (pp512, pp2048);
 - hpipe in one process (one stage holding every unit, the file's own blocks, `--compile off` and
   `on`): decode ms/token after a 16-token prompt (64 greedy tokens through the runtime's scheduler,
-  the one-token step less), and the 512-token prefill;
+  the one-token step less), and the 512- and 2,048-token prefills (slices of 512);
 - KL (transformers' float32 forward of the gguf package's dequantization of the same file || hpipe)
   per token over 256 tokens, and top-1 agreement;
 - resident bytes: the tensors a stage holds against the file's size.
 
-    python bench/moe.py [--threads 2] [--repeats 2] [--out bench/results/moe.json]
+    python bench/moe.py [--shape qwen3moe-0.5b | mixtral-shape-0.5b] [--threads 2] [--repeats 2] [--out F]
 
 llama.cpp's binaries and source: $LLAMA_CPP_BIN (default /opt/llama.cpp/build/bin) and
 $LLAMA_CPP_SRC (default /opt/llama.cpp); ../shared/notes/peers.md says how to build them here.
@@ -42,9 +43,16 @@ from bench.shapes import llama_cpp_bin, models_dir  # noqa: E402
 
 SEED = 0
 # Qwen3-30B-A3B: hidden 2048, 48 blocks, 32/4 heads of 128, 128 experts of 768, 8 active.
+# Mixtral-8x7B: hidden 4096, 32 blocks, 32/8 heads of 128, 8 experts of 14,336, 2 active; here in
+# Qwen3-MoE's architecture (its routing with norm_topk_prob is Mixtral's: softmax, top 2, renormalized;
+# it adds q/k norms), as hpipe reads Mixtral from Hugging Face directories, not from GGUF files.
 SHAPES = {"qwen3moe-0.5b": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                                 head_dim=64, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
-                                intermediate_size=3072)}
+                                intermediate_size=3072),
+          "mixtral-shape-0.5b": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                                     num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=1792, intermediate_size=3584)}
+PREFILLS = (512, 2048)
 
 
 def model_file(name: str) -> Path:
@@ -84,17 +92,20 @@ def model_file(name: str) -> Path:
 
 
 def llama_cpp(path: Path, threads: int) -> dict:
-    """llama-bench's decode (tg64) and 512-token prefill, ms/token and s."""
-    done = subprocess.run([str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", str(threads), "-p", "512",
-                           "-n", "64", "-r", "2", "-o", "json"], check=True, capture_output=True, text=True)
+    """llama-bench's decode (tg64) and prefills (`PREFILLS`), ms/token and s."""
+    done = subprocess.run([str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", str(threads), "-p",
+                           ",".join(map(str, PREFILLS)), "-n", "64", "-r", "2", "-o", "json"], check=True,
+                          capture_output=True, text=True)
     rows = json.loads(done.stdout)
     tg = next(r for r in rows if r["n_gen"] > 0)
-    pp = next(r for r in rows if r["n_prompt"] > 0)
-    return {"decode_ms": 1000 / tg["avg_ts"], "prefill_512_s": 512 / pp["avg_ts"]}
+    out = {"decode_ms": 1000 / tg["avg_ts"]}
+    for n in PREFILLS:
+        out[f"prefill_{n}_s"] = n / next(r for r in rows if r["n_prompt"] == n)["avg_ts"]
+    return out
 
 
 def hpipe_numbers(path: Path, threads: int, compile_mode: str) -> dict:
-    """One stage holding every unit of the file (its own blocks): decode and 512-token prefill."""
+    """One stage holding every unit of the file (its own blocks): decode and the prefills."""
     import torch
 
     from hpipe import models, quant
@@ -108,23 +119,24 @@ def hpipe_numbers(path: Path, threads: int, compile_mode: str) -> dict:
     config = models.load_config(source.path)
     runner = StageRunner(source, config, range(models.num_units(config)), weights=quant.WeightFormat("gguf"),
                          compile=compile_mode)
-    runner.kv.allocate(64)
+    pages = -(-(max(PREFILLS) + 64) // runner.kv.page_size) + 4
+    runner.kv.allocate(pages)
     warm_up(runner, 16, lambda *_: None)
 
     def run(new: int, length: int) -> float:
         request = Request(0, "p", tuple(range(100, 100 + length)), max_new_tokens=new, eos_ids=frozenset())
         t = time.perf_counter()
-        run_inprocess([runner], [request], Slicing(lengths=(512,)).slices_for, max_batch=1, pages=64)
+        run_inprocess([runner], [request], Slicing(lengths=(512,)).slices_for, max_batch=1, pages=pages)
         return time.perf_counter() - t
 
     run(4, 16)
     decode = min((run(65, 16) - run(1, 16)) / 64 for _ in range(2))
-    prefill = min(run(1, 512) for _ in range(2))
+    prefills = {f"prefill_{n}_s": min(run(1, n) for _ in range(2)) for n in PREFILLS}
     tensors = [t for m in runner.model.modules() for t in [*m.parameters(False), *m.buffers(False),
                                                            *getattr(m, "_keep", ())] if not t.is_meta]
     # each storage once: an expert's modules hold views of its block's stacked tensors
     held = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-    return {"decode_ms": 1000 * decode, "prefill_512_s": prefill, "held_bytes": held,
+    return {"decode_ms": 1000 * decode, **prefills, "held_bytes": held,
             "compile": compile_mode, "compile_refused": runner.compile_refused}
 
 
@@ -154,9 +166,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quality-tokens", type=int, default=256)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/moe.json (moe-SHAPE.json for another shape)")
     args = ap.parse_args()
     path = model_file(args.shape)
+    args.out = args.out or str(ROOT / "bench" / "results" / ("moe.json" if args.shape == "qwen3moe-0.5b" else
+                                                              f"moe-{args.shape}.json"))
     if args.child:          # one hpipe variant in a process of its own (its threads, its memory)
         print(json.dumps(hpipe_numbers(path, args.threads, args.child)))
         return
@@ -171,7 +185,8 @@ def main() -> None:
         runs["llama.cpp"].append(llama_cpp(path, args.threads))
         runs["hpipe compile off"].append(child("off"))
         runs["hpipe compile on"].append(child("on"))
-    best = {k: {m: min(r[m] for r in v) for m in ("decode_ms", "prefill_512_s")} for k, v in runs.items()}
+    metrics = ("decode_ms", *(f"prefill_{n}_s" for n in PREFILLS))
+    best = {k: {m: min(r[m] for r in v) for m in metrics} for k, v in runs.items()}
     ref = best["llama.cpp"]
     report = {
         "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": args.threads, "kernels": kernels_line(),
