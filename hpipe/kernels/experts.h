@@ -9,8 +9,8 @@
  * over (picked expert, share of its outputs), where a call per expert made one region each (8
  * experts: 8 OpenMP regions, each ~30 us here at 2 threads for a 512 x 1024 matrix); x is quantized
  * once, not once per share. The same arithmetic as `hpipe_int4_mm` / `hpipe_int8_mm` on one row:
- * a pair's row gets the bits a call per expert gives it. Returns 0, -1 out of memory, -2 an id
- * outside [0, n_experts). */
+ * a pair's row gets the bits a call per expert gives it. m and n_ids > 0 (the callers' check).
+ * Returns 0, -1 out of memory, -2 an id outside [0, n_experts). */
 
 typedef struct { int64_t *order, *expert, *begin, groups; } Groups;
 
@@ -60,8 +60,6 @@ static int routed_prologue(const void *x, int x_bf16, int64_t m, int64_t k, cons
 int hpipe_int4_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *packed, int64_t stride,
                          const uint8_t *sz, int64_t sz_stride, int form, int64_t n, int64_t group,
                          const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads) {
-    if (!n_ids)
-        return 0;
     Activations a;
     Groups g;
     int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &a, &g);
@@ -90,8 +88,6 @@ int hpipe_int4_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
 int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, int64_t stride,
                          const uint16_t *scales, int64_t sc_stride, int blocks_scaled, int64_t n,
                          const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads) {
-    if (!n_ids)
-        return 0;
     Activations a;
     Groups g;
     int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &a, &g);
