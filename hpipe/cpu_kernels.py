@@ -40,7 +40,7 @@ from pathlib import Path
 from hpipe.config import cache_dir
 
 __all__ = ["Variant", "VARIANTS", "variant_here", "cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm",
-           "int4_mm_experts", "int8_mm_experts", "int4_dequant", "int8_dequant", "ops",
+           "int4_mm_experts", "int8_mm_experts", "int4_dequant", "int8_dequant", "int4_rows", "ops",
            "ops_route", "OPS_SOURCE"]
 
 
@@ -127,6 +127,8 @@ def kernels() -> tuple[object | None, str]:
     lib.hpipe_int8_mm_routed.argtypes = [p, i32, i64, i64, p, i64, p, i64, i32, i64, p, i64, i64, p, i32]
     lib.hpipe_int4_mm_routed.restype = lib.hpipe_int8_mm_routed.restype = i32
     lib.hpipe_int4_dequant.argtypes = [p, p, i32, i64, i64, i64, i64, p, i32]
+    lib.hpipe_int4_rows.argtypes = [p, p, i32, i64, i64, i64, p, i64, p]
+    lib.hpipe_int4_rows.restype = i32
     lib.hpipe_int8_dequant.argtypes = [p, p, i32, i64, i64, i64, p, i32]
     return lib, f"int4/int8 codes x 16-bit activations per block of 32 ({variant.name})"
 
@@ -252,6 +254,20 @@ def int4_dequant(packed, scales_zeros, group: int, first: int, out) -> None:
     blocks, k, _ = out.shape
     kernels()[0].hpipe_int4_dequant(packed.data_ptr(), scales_zeros.data_ptr(), int4_form(scales_zeros), k,
                                     group, first, blocks, out.data_ptr(), torch.get_num_threads())
+
+
+def int4_rows(packed, scales_zeros, group: int, rows):
+    """Rows `rows` [T] (int64) of an int4 weight as `int4_mm` reads it (`packed` [N, K / 2] bytes), in float32 ->
+    [T, K]: an embedding's lookups, the values torch's ops give from the same tensors."""
+    import torch
+
+    rows = rows.to(torch.int64).contiguous()
+    n, k = scales_zeros.shape[0] * 64, packed.shape[1] * 2         # packed [N, K / 2] bytes
+    out = torch.empty(rows.shape[0], k, dtype=torch.float32)
+    if kernels()[0].hpipe_int4_rows(packed.data_ptr(), scales_zeros.data_ptr(), int4_form(scales_zeros), n, k, group,
+                                    rows.data_ptr(), rows.shape[0], out.data_ptr()):
+        raise IndexError(f"a row outside [0, {n}) of a {n}-row table")
+    return out
 
 
 def int8_dequant(weight, scales, first: int, out) -> None:

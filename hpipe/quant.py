@@ -871,6 +871,13 @@ def _module_classes():
             self.cols = packed.shape[1] * 2
             self.group = self.cols // groups
             self._row_scales = self._super_rows if super_ else self._blocked_rows if blocked else self._flat_rows
+            if blocked and not packed.is_cuda and cpu_kernels.kernels()[0] is not None:
+                self.forward = self._kernel_rows     # one C call a lookup (cpu_kernels.int4_rows)
+
+        def _kernel_rows(self, ids):
+            flat = ids.reshape(-1)
+            rows = cpu_kernels.int4_rows(self.packed, self.scales_zeros, self.group, flat)
+            return rows.reshape(*ids.shape, self.cols).to(self.dtype)
 
         def forward(self, ids):
             flat = ids.reshape(-1)

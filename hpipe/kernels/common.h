@@ -43,3 +43,43 @@ static inline float row_scale(const uint16_t *scales, int blocks_scaled, int64_t
     }
     return scale;
 }
+
+/* Rows `rows` [t] of an int4 weight in the kernels' layout and forms, dequantized in float32 into
+ * out [t, k]: w = (u - 8) s + z, with (s, z) as the kernels take them from `sz` (SUPER: s = d sc,
+ * z = 8 s - dmin mn; PAIRS: bf16 s, z; SCALES: float16 s, z = 0). Every product is exact in
+ * float32 (a 4-bit code times s; d's 11 bits times a 6-bit sc or mn), so w is the one rounding of
+ * the sum, as torch's ops on the same tensors give it. An embedding's lookups: one call a step
+ * where torch's ops took ~20 (0.3-0.5 ms for one row of Q4_K here). Returns 0, or -2 for a row
+ * outside [0, n). */
+int hpipe_int4_rows(const uint8_t *packed, const uint8_t *sz, int form, int64_t n, int64_t k, int64_t group,
+                    const int64_t *rows, int64_t t, float *out) {
+    for (int64_t i = 0; i < t; ++i)
+        if (rows[i] < 0 || rows[i] >= n)
+            return -2;
+    const int64_t sb = scale_bytes(form, k, group);
+    for (int64_t i = 0; i < t; ++i) {
+        const int64_t b = rows[i] / ROWS, j = rows[i] % ROWS;
+        const uint8_t *codes = packed + b * k * 32 + j % 32, *scales = sz + b * sb;
+        const int shift = j >= 32 ? 4 : 0;
+        float *o = out + i * k;
+        for (int64_t c = 0; c < k; ++c) {
+            const float u = (float)(((codes[c * 32] >> shift) & 15) - 8);
+            float s, z = 0.0f;
+            if (form == SUPER) {
+                const uint8_t *blk = scales + c / SUPER_INPUTS * SUPER_BYTES, *g = blk + 256 + (c % SUPER_INPUTS) / 32 * 128;
+                const float d = _cvtsh_ss(((const uint16_t *)blk)[j]), dmin = _cvtsh_ss(((const uint16_t *)blk)[ROWS + j]);
+                s = d * (float)g[j];
+                z = 8.0f * s - dmin * (float)g[ROWS + j];
+            } else if (form == PAIRS) {
+                const uint16_t *p = (const uint16_t *)scales + (c / group * ROWS + j) * 2;
+                uint32_t sbits = (uint32_t)p[0] << 16, zbits = (uint32_t)p[1] << 16;
+                __builtin_memcpy(&s, &sbits, 4);
+                __builtin_memcpy(&z, &zbits, 4);
+            } else {
+                s = _cvtsh_ss(((const uint16_t *)scales)[c / group * ROWS + j]);
+            }
+            o[c] = u * s + z;
+        }
+    }
+    return 0;
+}
