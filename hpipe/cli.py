@@ -786,6 +786,13 @@ def version():
     typer.echo(f"hpipe {__version__}")
 
 
+# typer 0.2x carries its own copy of click (`typer._click`): a bad option raises that copy's errors,
+# which click's own classes do not catch (every unknown option printed a traceback). Both, by name.
+CLICK_ERRORS = tuple({c for c in (*click.BadParameter.__mro__, *typer.BadParameter.__mro__)
+                      if c.__name__ == "ClickException"})
+ABORTS = tuple({click.exceptions.Abort, typer.Abort})
+
+
 def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
@@ -800,11 +807,13 @@ def main(argv: list[str] | None = None) -> int:
     except HpipeError as e:
         typer.echo("hpipe: error: " + " ".join(str(e).split()), err=True)
         return 2
-    except click.exceptions.Abort:
+    except ABORTS:
         typer.echo("hpipe: interrupted", err=True)
         return 130
-    except click.ClickException as e:
-        e.show()
+    except CLICK_ERRORS as e:       # a bad option or value: one line, as hpipe's own errors
+        where = getattr(getattr(e, "ctx", None), "command_path", None) or "hpipe"
+        typer.echo(f"hpipe: error: {where}: {' '.join(e.format_message().split()).rstrip('.')}; `{where} --help` lists "
+                   f"what it takes", err=True)
         return e.exit_code
     except KeyboardInterrupt:
         typer.echo("hpipe: interrupted", err=True)

@@ -33,6 +33,18 @@ def one_error_line(err, *needles):
     return lines[0]
 
 
+@pytest.mark.parametrize("argv, needle", [(["launch", "plan.json", "--bogus"], "No such option: --bogus"),
+                                          (["plan", "--stages", "x"], "'--stages'"),
+                                          (["bogus"], "No such command 'bogus'")])
+def test_a_bad_option_or_command_is_one_line_naming_it(capsys, argv, needle):
+    """What the command line's parser refuses (typer's own copy of click raises it) is one line like
+    hpipe's own errors, with where to look, and exit code 2: no traceback."""
+    code, err = run_cli(capsys, *argv)
+    assert code == 2
+    one_error_line(err, needle, "--help")
+    assert len(err) == 1, err
+
+
 @pytest.fixture
 def llama_plan(tiny_models, tmp_path):
     plan = tmp_path / "plan.json"
