@@ -232,7 +232,7 @@ def plan(
     if slices is not None or num_slices is not None:
         slicing = formats.Slicing(count=num_slices or 1, lengths=tuple(_ints(slices, "--slices") or ()),
                                   granularity=granularity)
-    if order == "search" or allow_drop:
+    if planner.needs_search(config, devices, order, allow_drop):
         result = planner.search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin,
                                      dtype, granularity, order, allow_drop, log=_note, overlap=overlap_sends,
                                      objective=objective, new_tokens=new_tokens)
@@ -408,6 +408,13 @@ def _print_plan(p, out: str, result=None) -> None:
                    f"({m['need_bytes'] / gib:.2f} GiB needed, {m['free_bytes'] / gib:.2f} GiB free after the margin), "
                    f"the faster cuts {m['unlimited_cuts'][1:-1]} ({m['unlimited_value_s']:.3f} s) would give it: "
                    f"this plan fits, at {m['value_s']:.3f} s")
+    if "host_experts" in pr:
+        h, gib = pr["host_experts"], 2 ** 30
+        where = "; ".join(f"stage {j} ({st.host}/{st.device}) {n} MoE blocks, {h['host_bytes'][j] / gib:.2f} GiB"
+                          for j, (st, n) in enumerate(zip(result.plan.stages, h["blocks"])) if n)
+        typer.echo(f"experts: kept in the host's RAM and run by its CPU where the GPU cannot hold them: {where}; "
+                   f"predicted {h['value_s']:.3f} s against {h['cut_elsewhere_value_s']:.3f} s for the cuts "
+                   f"{h['cut_elsewhere'][1:-1]} that memory alone allows")
     for line in pr.get("assumptions", []):
         typer.echo(f"assumed: {line}")
     if "decode" in pr:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["RoutedExperts", "StackedInt4", "StackedInt8", "stacked", "in_graphs", "is_experts", "pack_experts",
+__all__ = ["HostExperts", "RoutedExperts", "StackedInt4", "StackedInt8", "stacked", "in_graphs", "is_experts", "pack_experts",
            "quantized_experts", "float_experts"]
 
 
@@ -129,11 +129,28 @@ class RoutedExperts(nn.Module):
         return out
 
 
+class HostExperts(nn.Module):
+    """A block's routed experts kept in the host's RAM and run on its CPU for a stage on another
+    device (a plan's `host_experts`; llama.cpp's --n-cpu-moe): the step's rows and the router's
+    picks cross to the host, the weighted sum comes back; the router, the shared expert and the KV
+    cache stay on the stage's device. On a CPU stage the crossings are no-ops."""
+
+    def __init__(self, routed: RoutedExperts):
+        super().__init__()
+        self.routed = routed
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        host = self.routed(hidden_states.to("cpu"), top_k_index.to("cpu"), top_k_weights.to("cpu"))
+        return host.to(hidden_states.device)
+
+
 def in_graphs(mlp: nn.Module) -> bool:
     """Whether a block's MLP module runs inside a compiled decode graph: any but a MoE block whose
     experts are not stacked for the routed kernels (those read the router's picks back to choose
     modules, which a graph cannot follow)."""
     routed = getattr(mlp, "experts", None)
+    routed = routed.routed if isinstance(routed, HostExperts) else routed
     return not isinstance(routed, RoutedExperts) or routed.stacked is not None
 
 

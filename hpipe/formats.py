@@ -78,6 +78,9 @@ class SSHSettings:
     connect_timeout_s: float = 10.0
 
 
+INTRA_LINK = (10e-6, 12e9)   # between one host's devices unless its inventory says: PCIe 3.0 x16's 12 GB/s
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -88,7 +91,7 @@ class Host:
     user: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     device_types: tuple[str, ...] = ()       # catalog names, for estimated profiles
-    intra_link: tuple[float, float] = (10e-6, 12e9)  # (latency s, bandwidth B/s) between its devices
+    intra_link: tuple[float, float] = INTRA_LINK     # (latency s, bandwidth B/s) between its devices
     threads: int = 0                         # torch threads per CPU stage; 0: the host's cores shared out
 
 
@@ -262,6 +265,7 @@ class StagePlan:
     device: str
     units: tuple[int, int]  # [start, end) in partition units
     weights: str = "none"   # the weight format this stage runs (hpipe.quant.WeightFormat)
+    host_experts: int = 0   # its first N MoE blocks keep their routed experts in the host's RAM (run by its CPU)
 
 
 @dataclass(frozen=True)
@@ -387,8 +391,8 @@ class Plan:
             "model": asdict(self.model),
             "dtype": self.dtype,
             "weights": self.weights,
-            "stages": [{"host": s.host, "device": s.device, "units": list(s.units), "weights": s.weights}
-                       for s in self.stages],
+            "stages": [{"host": s.host, "device": s.device, "units": list(s.units), "weights": s.weights,
+                        **({"host_experts": s.host_experts} if s.host_experts else {})} for s in self.stages],
             "slicing": {
                 "count": self.slicing.count,
                 "lengths": list(self.slicing.lengths),
@@ -455,14 +459,19 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     for i, s in enumerate(stages_raw):
         where = f"stages[{i}]"
         _expect(path, where, s, dict, "an object")
-        _no_unknown_keys(path, where, s, {"host", "device", "units", "weights"})
+        _no_unknown_keys(path, where, s, {"host", "device", "units", "weights", "host_experts"})
         host = _expect(path, f"{where}.host", s.get("host"), str, "a host name")
         device = check_device(path, f"{where}.device", s.get("device"))
         units = _expect(path, f"{where}.units", s.get("units"), list, "[start, end]")
         if len(units) != 2 or not all(isinstance(u, int) and not isinstance(u, bool) for u in units):
             raise _fail(path, f"{where}.units", f"expected [start, end] integers, got {units!r}")
         weights = _expect(path, f"{where}.weights", s.get("weights", "none"), str, "a weight format")
-        stages.append(StagePlan(host=host, device=device, units=(units[0], units[1]), weights=weights))
+        host_experts = _expect(path, f"{where}.host_experts", s.get("host_experts", 0), int,
+                               "a count of the stage's MoE blocks")
+        if host_experts < 0:
+            raise _fail(path, f"{where}.host_experts", f"{host_experts} is negative; use 0 or more MoE blocks")
+        stages.append(StagePlan(host=host, device=device, units=(units[0], units[1]), weights=weights,
+                                host_experts=host_experts))
     sl = _expect(path, "slicing", data["slicing"], dict, "an object")
     _no_unknown_keys(path, "slicing", sl, {"count", "lengths", "granularity", "by_seq_len", "by_context"})
     count = _expect(path, "slicing.count", sl.get("count", 1), int, "a positive integer")
@@ -794,6 +803,9 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
         v = b.get(key)
         if not isinstance(v, list) or len(v) != n or not all(isinstance(x, int) and x >= 0 for x in v):
             raise _fail(path, f"bytes.{key}", f"expected {n} non-negative integers")
+    routed = b.get("experts_per_unit", [0] * units)      # profiles before MoE placement lack it
+    if not isinstance(routed, list) or len(routed) != units or not all(isinstance(x, int) and x >= 0 for x in routed):
+        raise _fail(path, "bytes.experts_per_unit", f"expected {units} non-negative integers")
     devices = _expect(path, "devices", data["devices"], list, "a list of device profiles")
     seen = set()
     for i, d in enumerate(devices):

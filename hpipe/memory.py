@@ -7,7 +7,8 @@
                    micro-batch (`microbatch_tokens` tokens) at the widest cut
 
 The byte counts per unit come from `hpipe.models.unit_bytes` (a profile carries the same table
-under "bytes"). Four buffers: the received hidden states, the stage's output, one send still in
+under "bytes"). A stage's routed experts kept in the host's RAM (a plan's `host_experts`) count
+there, not on its device. Four buffers: the received hidden states, the stage's output, one send still in
 flight, and room for the forward's own intermediates of the same size.
 """
 
@@ -28,9 +29,11 @@ class StageMemory:
     weights: int
     kv: int
     activations: int
+    host: int = 0        # routed experts kept in the host's RAM (a plan's `host_experts`), not on the device
 
     @property
     def total(self) -> int:
+        """What the stage's device holds."""
         return self.weights + self.kv + self.activations
 
 
@@ -46,11 +49,14 @@ def activation_bytes(unit_bytes: dict, microbatch_tokens: int) -> int:
     return int(ACTIVATION_BUFFERS * microbatch_tokens * max(unit_bytes["activation_per_token_at_cut"]))
 
 
-def stage_memory(unit_bytes: dict, units: range, kv_tokens: int, microbatch_tokens: int) -> StageMemory:
+def stage_memory(unit_bytes: dict, units: range, kv_tokens: int, microbatch_tokens: int,
+                 host_units: frozenset[int] = frozenset()) -> StageMemory:
+    """host_units: the units whose routed experts stay in the host's RAM (`models.host_expert_units`)."""
+    host = int(sum(unit_bytes["experts_per_unit"][u] for u in host_units)) if host_units else 0
     return StageMemory(
-        weights=int(sum(unit_bytes["weights_per_unit"][u] for u in units)),
+        weights=int(sum(unit_bytes["weights_per_unit"][u] for u in units)) - host,
         kv=int(sum(unit_bytes["kv_per_token_per_unit"][u] for u in units) * kv_tokens),
-        activations=activation_bytes(unit_bytes, microbatch_tokens))
+        activations=activation_bytes(unit_bytes, microbatch_tokens), host=host)
 
 
 def microbatch_tokens(slices: list[int], decode_batch: int = 1) -> int:

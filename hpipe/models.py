@@ -373,6 +373,22 @@ def moe_block(config, b: int) -> bool:
     return (b + 1) % step == 0
 
 
+def moe_halves(config, units: range) -> list[int]:
+    """The units of `units` that are MoE halves (a sparse block's router and experts)."""
+    return [u for u in units if unit_kind(config, u) == "mlp" and moe_block(config, (u - 1) // 2)]
+
+
+def host_expert_units(config, units: range, count: int) -> frozenset[int]:
+    """The units whose routed experts a stage of `units` keeps in its host's RAM with
+    `host_experts: count` in its plan: its first `count` MoE halves (llama.cpp's --n-cpu-moe takes
+    the first layers too). Refuses a count past the stage's MoE halves."""
+    halves = moe_halves(config, units)
+    if count > len(halves):
+        raise HpipeError(f"host_experts {count}: units {units.start}-{units.stop - 1} hold {len(halves)} MoE "
+                         f"blocks; use at most {len(halves)}")
+    return frozenset(halves[:count])
+
+
 def num_blocks(config) -> int:
     return int(config.num_hidden_layers)
 
@@ -481,17 +497,19 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none") -> dict:
             return quant.packed_bytes(*p.shape, fmt, int8_rows=rows)
         return p.numel() * elem
 
-    weights_per_unit = []
+    weights_per_unit, experts_per_unit = [], []
     for u in range(n):
         seen = set()
-        total = 0
+        total = routed = 0
         for path in unit_modules(config, u):
             for module in model.get_submodule(path).modules():
                 for p in module.parameters(recurse=False):
                     if id(p) not in seen:
                         seen.add(id(p))
                         total += param_bytes(module, p)
+                        routed += param_bytes(module, p) if p.dim() == 3 else 0
         weights_per_unit.append(total)
+        experts_per_unit.append(routed)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -499,7 +517,7 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none") -> dict:
     hidden = int(config.hidden_size) * elem
     activation = [8] + [hidden] * (n - 1) + [8]
     return {"weights_per_unit": weights_per_unit, "kv_per_token_per_unit": kv,
-            "activation_per_token_at_cut": activation}
+            "activation_per_token_at_cut": activation, "experts_per_unit": experts_per_unit}
 
 
 def check_plan_matches(plan, config, model_name: str) -> None:
@@ -510,6 +528,11 @@ def check_plan_matches(plan, config, model_name: str) -> None:
             f"the plan was made for model {plan.model.name!r} ({plan.model.family}, {plan.model.units} units, "
             f"{plan.model.fingerprint}) but {model_name!r} is {config.model_type} with {num_units(config)} units "
             f"({fp}); make a new plan with `hpipe plan --model {model_name} ...`")
+    for i, st in enumerate(plan.stages):
+        try:
+            host_expert_units(config, range(*st.units), st.host_experts)
+        except HpipeError as e:
+            raise HpipeError(f"plan stage {i}: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,11 +718,14 @@ def as_source(model: "ModelSource | Path") -> ModelSource:
 
 
 def build_model_units(model_source: "ModelSource | Path", config, units: range, device: str = "cpu",
-                      dtype: str = "float32", attn_implementation: str = "sdpa", weights=None):
+                      dtype: str = "float32", attn_implementation: str = "sdpa", weights=None,
+                      host_experts: frozenset[int] = frozenset()):
     """Builds the transformers CausalLM on the meta device and materializes only the modules of
     `units`: dense from safetensors, or (`weights` quantized) with its linear layers and embedding
     replaced by weight-only quantized modules (`hpipe.quant`). Returns the model object; the modules
-    of other units stay on the meta device and hold no memory."""
+    of other units stay on the meta device and hold no memory. The routed experts of the units in
+    `host_experts` (`host_expert_units`) stay in host memory and run on its CPU
+    (`experts.HostExperts`), packed as a CPU stage packs them."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -715,10 +741,10 @@ def build_model_units(model_source: "ModelSource | Path", config, units: range, 
     model.eval()
     model.requires_grad_(False)
     if weights.quantized:
-        _load_quantized(model, source, config, units, device, tdtype, weights)
+        _load_quantized(model, source, config, units, device, tdtype, weights, host_experts)
     else:
-        _load_dense(model, source.dense_path(), config, units, device, tdtype)
-        _route_float_experts(model, config, units)
+        _load_dense(model, source.dense_path(), config, units, device, tdtype, host_experts)
+        _route_float_experts(model, config, units, host_experts, device)
     for u in units:
         for mod_path in unit_modules(config, u):
             for bname, buf in model.get_submodule(mod_path).named_buffers():
@@ -728,7 +754,7 @@ def build_model_units(model_source: "ModelSource | Path", config, units: range, 
     return model
 
 
-def _route_float_experts(model, config, units: range) -> None:
+def _route_float_experts(model, config, units: range, host_experts: frozenset[int], device: str) -> None:
     """Each float experts module of `units` runs routed (`hpipe.experts`) over views of its weights."""
     from hpipe import experts
 
@@ -737,12 +763,17 @@ def _route_float_experts(model, config, units: range) -> None:
             for name, sub in list(model.get_submodule(mod_path).named_modules()):
                 if experts.is_experts(sub):
                     parent, _, child = f"{mod_path}.{name}".rpartition(".")
-                    setattr(model.get_submodule(parent), child, experts.float_experts(sub))
+                    routed = experts.float_experts(sub)
+                    setattr(model.get_submodule(parent), child,
+                            experts.HostExperts(routed) if u in host_experts else routed)
 
 
-def _load_dense(model, path: Path, config, units: range, device: str, tdtype) -> None:
+def _load_dense(model, path: Path, config, units: range, device: str, tdtype,
+                host_experts: frozenset[int] = frozenset()) -> None:
     import torch
     from safetensors import safe_open
+
+    from hpipe.experts import is_experts
 
     index = _weight_index(path)
     wanted: dict[str, list[tuple[torch.nn.Module, str, str]]] = {}  # file -> [(module, attr, key)]
@@ -756,19 +787,21 @@ def _load_dense(model, path: Path, config, units: range, device: str, tdtype) ->
                 experts = expert_keys(full, index, config)
                 if experts is not None:      # one tensor per expert and part: merged as transformers merges them
                     owner._parameters[attr] = torch.nn.Parameter(
-                        _read_experts(experts, index, tdtype).to(device), requires_grad=False)
+                        _read_experts(experts, index, tdtype).to("cpu" if u in host_experts else device),
+                        requires_grad=False)
                     continue
                 key = _checkpoint_key(full, index, config)
                 if key is None:
                     raise HpipeError(f"{path}: the checkpoint has no tensor {full!r} (unit {unit_name(config, u)})")
-                wanted.setdefault(str(index[key]), []).append((owner, attr, key))
+                home = "cpu" if u in host_experts and is_experts(owner) else device
+                wanted.setdefault(str(index[key]), []).append((owner, attr, key, home))
     loaded: dict[str, torch.nn.Parameter] = {}
     for file, items in wanted.items():
         with safe_open(file, framework="pt", device="cpu") as sf:
-            for owner, attr, key in items:
+            for owner, attr, key, home in items:
                 if key not in loaded:
                     t = sf.get_tensor(key).to(dtype=tdtype)
-                    loaded[key] = torch.nn.Parameter(t.to(device), requires_grad=False)
+                    loaded[key] = torch.nn.Parameter(t.to(home), requires_grad=False)
                 owner._parameters[attr] = loaded[key]
 
 
@@ -836,9 +869,11 @@ def _packed_dir(source: ModelSource, weights, device_type: str) -> Path:
         f"{str(weights).replace(':', '-')}-{device_type}{layout}-v{quant.PACK_VERSION}"
 
 
-def _load_quantized(model, source: ModelSource, config, units: range, device: str, tdtype, weights) -> None:
+def _load_quantized(model, source: ModelSource, config, units: range, device: str, tdtype, weights,
+                    host_experts: frozenset[int] = frozenset()) -> None:
     """Each unit's packed tensors come from the disk cache (built once from the GGUF blocks or the
-    float checkpoint, then mapped); every nn.Linear and nn.Embedding of the unit is replaced."""
+    float checkpoint, then mapped); every nn.Linear and nn.Embedding of the unit is replaced. The
+    experts of `host_experts` units come from the unit's CPU packing (its own cache entry)."""
     import numpy as np
     import torch
 
@@ -851,7 +886,6 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
         raise HpipeError(f"{source.name}: --quantize gguf keeps a .gguf file's own blocks, and this model is a "
                          f"float checkpoint; use --quantize int8 or int4[:group]")
     device_type = torch.device(device).type
-    directory = _packed_dir(source, weights, device_type)
     readers = {}
 
     def reader():
@@ -869,7 +903,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
             raise HpipeError(f"{source.name}: no tensor for {key!r} (unit {unit_name(config, u)})")
         return reader().read(key)
 
-    def pack_unit(u: int) -> dict:
+    def pack_unit(u: int, device_type: str) -> dict:
         out = {}
         for mod_path in unit_modules(config, u):
             for name, sub in model.get_submodule(mod_path).named_modules():
@@ -901,12 +935,14 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                         out[key] = torch.from_numpy(np.asarray(_as_float(read(key, u)))).reshape(-1).clone()
         return out
 
-    mapped: dict[int, dict] = {}
+    mapped: dict[tuple[int, str], dict] = {}
 
-    def unit_tensors(u: int) -> dict:    # mapped once: a tied head shares the embedding's tensors
-        if u not in mapped:
-            mapped[u] = quant.cached_unit(directory, u, lambda: pack_unit(u))
-        return mapped[u]
+    def unit_tensors(u: int, packed_for: str = device_type) -> dict:
+        """Mapped once: a tied head shares the embedding's tensors."""
+        if (u, packed_for) not in mapped:
+            mapped[u, packed_for] = quant.cached_unit(_packed_dir(source, weights, packed_for), u,
+                                                      lambda: pack_unit(u, packed_for))
+        return mapped[u, packed_for]
 
     def parts_of(tensors: dict, full: str) -> dict:
         return {k[len(full) + 1:]: v for k, v in tensors.items() if k.startswith(full + ".")}
@@ -929,7 +965,10 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
             for name, sub in list(model.get_submodule(mod_path).named_modules()):
                 full = f"{mod_path}.{name}" if name else mod_path
                 parent_path, _, child = full.rpartition(".")
-                if experts.is_experts(sub):
+                if experts.is_experts(sub) and u in host_experts:
+                    routed = experts.quantized_experts(parts_of(unit_tensors(u, "cpu"), full), sub.act_fn, "cpu")
+                    setattr(model.get_submodule(parent_path), child, experts.HostExperts(routed))
+                elif experts.is_experts(sub):
                     setattr(model.get_submodule(parent_path), child,
                             experts.quantized_experts(parts_of(tensors, full), sub.act_fn, device))
                 elif isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):

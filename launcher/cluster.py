@@ -80,8 +80,12 @@ def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, mic
     need: dict[str, int] = {}
     for st in plan.stages:
         if st.host == host_name:
-            m = memory.stage_memory(table, range(*st.units), kv_tokens, microbatch_tokens)
+            units = range(*st.units)
+            m = memory.stage_memory(table, units, kv_tokens, microbatch_tokens,
+                                    models.host_expert_units(config, units, st.host_experts))
             need[st.device] = need.get(st.device, 0) + m.total
+            if m.host:
+                need["cpu"] = need.get("cpu", 0) + m.host
     return need
 
 

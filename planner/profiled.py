@@ -13,6 +13,7 @@ the cut) / beta of that link.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from hpipe.errors import HpipeError
 from hpipe.grid import GridModel
 from hpipe.planner.bound import LowerBound, gap, lower_bound
 from hpipe.planner.cuts import CutCosts, CutSearch, objective_values, search_cuts
+from hpipe.planner import placement
 from hpipe.planner.partition import Infeasible, Partition, partition_layers
 from hpipe.planner.simulate import Sharing, Timeline, decode_round, simulate, simulate_shared
 from hpipe.planner.slicing import slice_sequence
@@ -59,12 +61,42 @@ class CostModel:
         for e in self.entries:
             if e["id"] not in self.fits:
                 self.fits[e["id"]] = {k: GridModel(t["s"], t["c"], t["t"]) for k, t in e["compute"].items()}
-        self.bytes = profile["bytes"]
+        self.bytes = {"experts_per_unit": [0] * models.num_units(config), **profile["bytes"]}
         self.links = {(x["src"], x["dst"]): (x["alpha_s"], x["beta_bytes_per_s"]) for x in profile["links"]}
         # the runtime's own costs per step (hpipe.launcher.overheads); a profile without them counts 0
         self.measured_runtime = "runtime" in profile
         self.runtime = {k: float(profile.get("runtime", {}).get(k, 0.0)) for k in formats.RUNTIME_COSTS}
         self.hop_s = self.runtime["hop_s"]
+        self.placed: dict[int, frozenset[int]] = {}     # stage -> units whose experts its host's CPU runs
+        self.host_cpus: dict[int, dict] = {}            # stage -> that CPU's profile entry
+
+    def host_cpu(self, j: int) -> dict | None:
+        """The profile entry of stage j's host's CPU, where the profile measured it: what could run
+        the routed experts of stage j's MoE blocks from the host's RAM."""
+        host = self.entries[j]["host"]
+        return next((d for d in self.profile["devices"] if d["id"] == f"{host}/cpu"), None)
+
+    def with_host_experts(self, placed: dict[int, frozenset[int]]) -> "CostModel":
+        """These costs with stage j's units `placed[j]` running their MoE half on its host's CPU
+        (a plan's `host_experts`): the CPU's time for the unit plus the rows' crossing both ways.
+        The CPU's time is its whole MoE half's (router and shared expert too, which stay on the
+        stage's device): a little over."""
+        out = copy.copy(self)
+        out.placed = {j: u for j, u in placed.items() if u}
+        out.host_cpus = {j: self.host_cpu(j) for j in out.placed}
+        out.fits = dict(self.fits)
+        for e in out.host_cpus.values():
+            out.fits.setdefault(e["id"], {k: GridModel(t["s"], t["c"], t["t"]) for k, t in e["compute"].items()})
+        return out
+
+    def crossing(self, j: int, s):
+        """Stage j's rows to its host's CPU and back: the link between them, both ways."""
+        alpha, beta = self.links.get((self.entries[j]["id"], self.host_cpus[j]["id"]), formats.INTRA_LINK)
+        return 2 * (alpha + np.asarray(s, dtype=float) * max(self.bytes["activation_per_token_at_cut"]) / beta)
+
+    def host_mlp(self, j: int, s):
+        """A MoE half of stage j on its host's CPU, for slices of s tokens."""
+        return self.fits[self.host_cpus[j]["id"]]["mlp"](np.asarray(s, dtype=float), 0.0) + self.crossing(j, s)
 
     def way_back(self) -> float:
         """From the last stage's compute end to stage 0's next step: the sampling, the ids' trip to
@@ -106,7 +138,10 @@ class CostModel:
         """[U]: every unit's time for a slice of s tokens after c on stage j's device."""
         fits = self.fits[self.entries[j]["id"]]
         per_kind = {k: float(f(np.array([s]), np.array([c]))[0]) for k, f in fits.items()}
-        return np.array([per_kind[k] for k in self.kinds])
+        out = np.array([per_kind[k] for k in self.kinds])
+        for u in self.placed.get(j, ()):
+            out[u] = float(np.atleast_1d(self.host_mlp(j, [s]))[0])
+        return out
 
     def stage_time(self, j: int, a: int, b: int, s, c, last: bool, overlap: bool = False) -> np.ndarray:
         """Stage j holding units [a, b): compute of slices of s tokens after c (arrays), plus the
@@ -117,6 +152,9 @@ class CostModel:
         for kind in set(self.kinds[a:b]):
             count = self.kinds[a:b].count(kind)
             out = out + count * fits[kind](s, c if kind == "attn" else 0.0)
+        moved = sum(1 for u in self.placed.get(j, ()) if a <= u < b)
+        if moved:
+            out = out + moved * (self.host_mlp(j, s) - fits["mlp"](s, 0.0))
         if not last:
             alpha, beta = self.link(j)
             send = alpha + self.hop_s + s * self.bytes["activation_per_token_at_cut"][b] / beta
@@ -176,7 +214,11 @@ def decode_unit_times(cost: CostModel, j: int, rows: float, context: float) -> n
     per_kind = {"embed": 0.0}
     for kind in ("attn", "mlp", "head"):
         per_kind[kind] = _decode_table_time(table, kind, rows, context)
-    return np.array([per_kind.get(k, 0.0) for k in cost.kinds])
+    out = np.array([per_kind.get(k, 0.0) for k in cost.kinds])
+    for u in cost.placed.get(j, ()):        # experts in the host's RAM: its CPU's MoE half, and the crossing
+        host = cost.host_cpus[j].get("decode") or {}
+        out[u] = (_decode_table_time(host, "mlp", rows, context) if host else out[u]) + float(cost.crossing(j, rows))
+    return out
 
 
 def decode_workload(cost: CostModel, batch: int, seq_len: int, new_tokens: int):
@@ -448,6 +490,27 @@ def memory_binding(cost, found, slices, batch, unit_mem, capacity, objective, se
             "unlimited_value_s": float(unlimited.value), "value_s": float(found.value)}
 
 
+def _experts_in_host_ram(cost, config, binding, found, slices, batch, unit_mem, capacity, objective, seq_len, new_tokens,
+                         kv_tokens, margin) -> tuple[CostModel, CutSearch, dict] | None:
+    """Where memory moved the cuts of a MoE model: the cuts memory would not have moved, with the
+    experts of as few MoE blocks in their host's RAM as make them fit (`placement.host_experts`),
+    if that is predicted faster. Returns the placed cost model, the search result it replaces the
+    old one with, and the plan's record of the choice."""
+    cuts = binding["unlimited_cuts"]
+    choice = placement.host_experts(cost, config, cuts, capacity, kv_tokens, margin)
+    if choice is None:
+        return None
+    placed = cost.with_host_experts(choice.units)
+    costs = cut_costs(placed, slices, batch, unit_mem, np.full(len(capacity), np.inf), objective, seq_len, new_tokens)
+    value = float(objective_values(costs, [cuts])[0])
+    if not value < binding["value_s"] * (1 - 1e-9):
+        return None
+    record = {"blocks": choice.counts(len(cuts) - 1), "host_bytes": [choice.host_bytes.get(j, 0)
+                                                                      for j in range(len(cuts) - 1)],
+              "value_s": value, "cut_elsewhere_value_s": binding["value_s"], "cut_elsewhere": list(found.cuts)}
+    return placed, CutSearch(cuts, value, "cuts memory would not move, experts in host RAM", 1), record
+
+
 def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
                       margin: float = MARGIN, dtype: str | None = None, granularity: int = 16,
@@ -536,6 +599,13 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
             if found.value < best[0] * (1 - 1e-9):
                 best = (found.value, part, found, slices0)
     _, part, found, slices = best
+    binding = None if objective == "mixed" else \
+        memory_binding(cost, found, slices, batch, unit_mem, device_mem(slices), objective, seq_len, new_tokens,
+                       kv_tokens, names, [uniform])
+    placed = _experts_in_host_ram(cost, config, binding, found, slices, batch, unit_mem, device_mem(slices), objective,
+                                  seq_len, new_tokens, kv_tokens, margin) if binding else None
+    if placed is not None:
+        cost, found, binding = placed[0], placed[1], None
     cuts = found.cuts
     timeline = predict(cost, cuts, slices, batch)
     work = unit_work(cost, slices, batch)
@@ -554,7 +624,8 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                        "algorithm1_makespan_s": predict(cost, part.cuts, slices, batch).makespan},
         "objective": objective, "margin": margin,
         "memory_bytes_per_stage": [memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), kv_tokens,
-                                                       memory.microbatch_tokens(slices)).total for j in range(d)],
+                                                       memory.microbatch_tokens(slices),
+                                                       cost.placed.get(j, frozenset())).total for j in range(d)],
         "memory_free_bytes": [int(e["memory"]["free_bytes"]) for e in cost.entries],
         "uniform_makespan_s": predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
         "lower_bound_s": bound.makespan_s, "lower_bound": bound.as_dict(),
@@ -562,11 +633,10 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
         "gap": gap(timeline.makespan, busy.tolist(), bound, contiguous),
         "assumptions": assumptions(cost, sharing),
     }
-    if objective != "mixed":
-        binding = memory_binding(cost, found, slices, batch, unit_mem, device_mem(slices), objective, seq_len,
-                                 new_tokens, kv_tokens, names, [uniform])
-        if binding:
-            predicted["memory_binding"] = binding
+    if binding:
+        predicted["memory_binding"] = binding
+    if placed is not None:
+        predicted["host_experts"] = placed[2]
     if all(e.get("decode") for e in cost.entries):
         predicted["decode"] = decode_prediction(cost, cuts, batch, seq_len, new_tokens)
     if not fixed:     # every shorter prompt gets its own Algorithm 2 slicing too (serving: any length comes)
@@ -576,7 +646,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                                   by_context=slicings_by_context(cost, cuts, seq_len, granularity, d, overlap))
     weights = profile.get("weights", "none")           # the units whose times these are
     stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]),
-                                     weights=quant.planned(weights, h, dv))
+                                     weights=quant.planned(weights, h, dv), host_experts=len(cost.placed.get(j, ())))
                    for j, (h, dv) in enumerate(devices))
     plan = formats.Plan(model=model_identity(model_name, config), stages=stages, slicing=slicing,
                         dtype=dtype or profile["dtype"], weights=weights,

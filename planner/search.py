@@ -17,6 +17,7 @@ import itertools
 
 import networkx as nx
 
+from hpipe import models
 from hpipe.errors import HpipeError
 from hpipe.planner.partition import Infeasible
 from hpipe.planner.profiled import PlanResult, objective_seconds, plan_from_profile
@@ -74,6 +75,21 @@ def split_orders(order: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
     return out
 
 
+def without_host_cpus(order: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """For a MoE model: the order without the CPU of a host that also has a GPU in it, one host at a
+    time. That CPU may serve its GPU's stage better by running the experts the GPU cannot hold
+    from the host's RAM (`planner/placement.py`) than as a stage of its own."""
+    gpu_hosts = {h for h, d in order if d != "cpu"}
+    return [[x for x in order if x != (h, "cpu")] for h in dict.fromkeys(h for h, d in order)
+            if h in gpu_hosts and (h, "cpu") in order and len(order) > 1]
+
+
+def needs_search(config, devices: list[tuple[str, str]], order: str, allow_drop: bool) -> bool:
+    """Whether planning tries more than the inventory's devices in its order: with `--order search`
+    or `--allow-drop`, and for a MoE model on a host with a GPU and its CPU (`without_host_cpus`)."""
+    return order == "search" or allow_drop or (models.is_moe(config) and bool(without_host_cpus(devices)))
+
+
 def search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
                 order: str = "inventory", allow_drop: bool = False, log=None, overlap: bool = False,
                 objective: str = "prefill", new_tokens: int = 128) -> PlanResult:
@@ -83,6 +99,8 @@ def search_plan(profile, profile_path, name, config, devices, seq_len, batch, sl
         options = [candidate]
         if allow_drop and len(candidate) > 1:
             options += [candidate[:i] + candidate[i + 1:] for i in range(len(candidate))]
+        if models.is_moe(config):
+            options += [o for o in without_host_cpus(candidate) if o not in options]
         for devs in options:
             try:
                 result = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing,

@@ -99,6 +99,15 @@ def test_plan_file_with_bad_fields(capsys, llama_plan, tmp_path):
     code, err = run_cli(capsys, "launch", str(bad), "--local", "--prompts", str(tmp_path / "p.jsonl"),
                         "--out", str(tmp_path / "o.jsonl"))
     one_error_line(err, "stages[0].device", "gpu0")
+    data = json.loads(llama_plan.read_text())
+    for count, needles in ((-1, ("stages[0].host_experts", "negative")),
+                           (2, ("plan stage 0: host_experts 2", "hold 0 MoE blocks; use at most 0"))):
+        data["stages"][0]["host_experts"] = count          # a dense model's stage has no experts to keep
+        bad.write_text(json.dumps(data))
+        code, err = run_cli(capsys, "launch", str(bad), "--local", "--prompts", str(tmp_path / "p.jsonl"),
+                            "--out", str(tmp_path / "o.jsonl"))
+        assert code == 2
+        one_error_line(err, *needles)
 
 
 def test_prompt_longer_than_context(capsys, llama_plan, tmp_path):

@@ -39,10 +39,10 @@ def random_plans(draw, n_units: int):
 
 
 def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa", static_decode=False,
-                            policy=None, pages=None, page_size=16, device="cpu"):
+                            policy=None, pages=None, page_size=16, device="cpu", host_experts=None):
     config = models.load_config(path)
-    runners = [StageRunner(path, config, range(a, b), attn_implementation=attn, device=device)
-               for a, b in zip(bounds, bounds[1:])]
+    runners = [StageRunner(path, config, range(a, b), attn_implementation=attn, device=device, host_experts=n)
+               for a, b, n in zip(bounds, bounds[1:], host_experts or [0] * len(bounds))]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=NEW_TOKENS, eos_ids=frozenset([EOS]))
                 for i, p in enumerate(prompts)]
     results = run_inprocess(runners, requests, slicing.slices_for, max_batch=max_batch, keep_logits=True,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import MOE_FAMILIES, VOCAB, build_tiny_model
-from hpipe import cpu_kernels, experts, formats, models, quant
+from hpipe import cpu_kernels, experts, formats, memory, models, quant
 from hpipe.errors import HpipeError
 from hpipe.formats import Slicing
 from test_exactness import check_against_reference
@@ -56,6 +56,20 @@ def test_every_kind_of_cut(moe_models):
     n = models.num_units(models.load_config(path))
     check_against_reference(path, reference, [0, 1, 2, 5, n - 1, n], Slicing(lengths=(9,)),
                             [list(range(3, 50)), [7, 8, 9], list(range(200, 230))], max_batch=3)
+
+
+def test_experts_kept_in_host_ram_give_the_models_numbers(moe_models, device):
+    """A plan's `host_experts`: each stage's first MoE blocks keep their routed experts on the CPU
+    (`experts.HostExperts`) while the rest of the stage runs on its device (here the CPU too where no
+    GPU is lent); the logits those of transformers, the tokens those of `generate`. qwen2_moe: its
+    shared expert stays on the stage's device."""
+    path, reference = moe_models["qwen2_moe"]
+    n = models.num_units(models.load_config(path))
+    check_against_reference(path, reference, [0, 3, n], Slicing(lengths=(9,)),
+                            [list(range(3, 40)), [7, 8, 9]], max_batch=2, device=device, host_experts=[1, 1])
+    config = models.load_config(path)
+    with pytest.raises(HpipeError, match="hold 1 MoE blocks; use at most 1"):
+        models.host_expert_units(config, range(0, 3), 2)
 
 
 def reference_experts(module, hidden, index, weights):
@@ -229,13 +243,15 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
     from hpipe.runtime.pages import Segment
 
     outs = []
-    # the part's config and tokenizer are the whole file's (its metadata is copied as it is)
-    for src in (source, models.ModelSource(str(part), source.path, part)):
-        runner = StageRunner(src, config, range(4, n), weights=weights)
+    # the part's config and tokenizer are the whole file's (its metadata is copied as it is); and a
+    # stage keeping its first two MoE blocks' experts in host RAM (`host_experts`: packed for the CPU)
+    for src, host in ((source, 0), (models.ModelSource(str(part), source.path, part), 0), (source, 2)):
+        runner = StageRunner(src, config, range(4, n), weights=weights, host_experts=host)
+        assert sum(isinstance(m, experts.HostExperts) for m in runner.model.modules()) == host
         segments = [Segment(0, 0, 0, 5, True)]
         runner.kv.allocate(4)
         outs.append(runner.forward(runner.prepare_inputs(segments), hidden.reshape(5, -1)))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_a_mixtral_gguf_file_is_refused_in_one_line(tmp_path):
@@ -369,6 +385,50 @@ def test_a_plan_keeps_each_device_within_its_memory_and_says_where_memory_moved_
     assert all(n <= f for n, f in zip(need, free))
     assert 0 < p.stages[0].units[1] < models.num_units(models.config_for("qwen3-30b-a3b")) - 1
     assert len(said) == 1 and "gpu-box/cuda:0 cannot hold" in said[0] and "this plan fits" in said[0]
+
+
+def test_a_gpu_that_cannot_hold_its_experts_keeps_the_fewest_blocks_of_them_in_its_hosts_ram(tmp_path, capsys):
+    """Qwen3-30B-A3B in int8 on a 24 GB GPU whose host's CPU and RAM were profiled, and a second box:
+    for decode the plan keeps the GPU's cuts memory would not move and the experts of as few MoE blocks
+    as make them fit in the host's RAM, run by its CPU (`host_experts`), says so in one line, and the
+    launch preflight counts those bytes against the host's RAM, not the GPU's."""
+    from hpipe.cli import main
+    from hpipe.launcher import cluster as cluster_checks
+
+    inventory = tmp_path / "cluster.toml"
+    inventory.write_text('version = 1\n'
+                         '[[hosts]]\nname = "gpu-box"\naddress = "192.0.2.30"\npython = "/usr/bin/python3"\n'
+                         'devices = ["cuda:0", "cpu"]\ndevice_types = ["RTX3090", "CPU"]\n'
+                         '[[hosts]]\nname = "cpu-box"\naddress = "192.0.2.31"\npython = "/usr/bin/python3"\n'
+                         'devices = ["cpu"]\ndevice_types = ["CPU"]\n'
+                         '[[links]]\nhosts = ["gpu-box", "cpu-box"]\nbandwidth_gbps = 1\nlatency_ms = 0.3\n')
+    profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    assert main(["profile", "--estimate", "--cluster", str(inventory), "--model", "qwen3-30b-a3b", "--dtype",
+                 "float16", "--quantize", "int8", "-o", str(profile)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--cluster", str(inventory), "--profile", str(profile),
+                 "--seq-len", "512", "--objective", "decode", "-o", str(plan)]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("experts:")]
+    p = formats.load_plan(plan)
+    config = models.config_for("qwen3-30b-a3b")
+    gpu = p.stages[0]
+    assert (gpu.host, gpu.device) == ("gpu-box", "cuda:0") and gpu.host_experts > 0
+    assert all(st.device == "cpu" and st.host == "cpu-box" for st in p.stages[1:])     # its CPU runs no stage
+    pr = p.predicted
+    assert pr["host_experts"]["value_s"] < pr["host_experts"]["cut_elsewhere_value_s"]
+    assert len(said) == 1 and f"stage 0 (gpu-box/cuda:0) {gpu.host_experts} MoE blocks" in said[0]
+    table = models.unit_bytes(config, p.dtype, p.weights)
+    free = pr["memory_free_bytes"][0] * (1 - pr["margin"]) - \
+        memory.activation_bytes(table, memory.microbatch_tokens(pr["slices"]))
+    units = range(*gpu.units)
+
+    def on_gpu(count):
+        m = memory.stage_memory(table, units, 512 + 128, 1, models.host_expert_units(config, units, count))
+        return m.weights + m.kv
+    assert on_gpu(gpu.host_experts) <= free < on_gpu(gpu.host_experts - 1)          # the fewest that fit
+    need = cluster_checks.device_needs(p, config, "gpu-box", 512 + 128, 1)
+    assert need["cpu"] == sum(table["experts_per_unit"][u] for u in models.host_expert_units(config, units,
+                                                                                            gpu.host_experts))
 
 
 def test_a_served_moe_model_answers_with_its_own_tokens_logprobs_n_and_cached_prefixes(tmp_path):

@@ -79,11 +79,13 @@ class StageRunner:
     def __init__(self, model: models.ModelSource | Path, config, units: range, device: str = "cpu",
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
                  page_size: int = DEFAULTS.page_size, weights=None, compile: str = DEFAULTS.compile,
-                 deterministic: bool = DEFAULTS.deterministic == "on"):
+                 deterministic: bool = DEFAULTS.deterministic == "on", host_experts: int = 0):
         """compile (`--compile`): "on", decode steps run their blocks through torch.compile where
         `compiled_halves_refused` allows; "auto", the same where `hpipe warmup` has compiled this
         stage's graphs on this host (`warm_graphs`); "off", eagerly. Everything else runs eagerly.
-        deterministic: every row's arithmetic fixed by the row itself (`hpipe.runtime.invariant`)."""
+        deterministic: every row's arithmetic fixed by the row itself (`hpipe.runtime.invariant`).
+        host_experts: the first this many MoE blocks of `units` keep their routed experts in the host's
+        RAM, run by its CPU (`models.host_expert_units`)."""
         config = copy.deepcopy(config)      # transformers writes the attention implementation into it
         self.config = config
         self.deterministic = deterministic
@@ -108,7 +110,8 @@ class StageRunner:
             register_decode_sdpa()
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
-        self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights)
+        self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights,
+                                              models.host_expert_units(config, units, host_experts))
         self.weights_quantized = any(isinstance(m, quant.classes()[:2]) for m in self.model.modules())
         if deterministic:
             invariant.tile_linears(self.model)      # float linears (quantized ones choose their path per row)

@@ -339,7 +339,8 @@ class StageWorker:
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights, compile=config.compile,
-                                           deterministic=self.deterministic)
+                                           deterministic=self.deterministic,
+                                           host_experts=self.stage_plan.host_experts)
         if runner.compile_refused and config.compile == "on":
             log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
         self.speculation = Speculation.parse(config.speculation)
