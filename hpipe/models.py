@@ -112,6 +112,10 @@ def resolve_model(spec: str, progress=None) -> ModelSource:
             raise HpipeError(f"{spec}: GGUF file not found")
         return ModelSource(spec, gguf_metadata(path, progress=progress), path.resolve())
     single = _single_gguf(path)
+    if single is not None and (path / "config.json").is_file():
+        # as --push-model leaves it: the whole file's config and tokenizer beside a GGUF of some
+        # stages' tensors alone (whose own metadata transformers would read other widths from)
+        return ModelSource(spec, path.resolve(), single.resolve())
     if single is not None:
         return ModelSource(spec, gguf_metadata(single, progress=progress), single.resolve())
     if path.is_dir():

@@ -182,7 +182,10 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
             units = [u for st in job.plan.stages if st.host == name for u in range(*st.units)]
             files = models.files_for_units(job.source, job.config, range(min(units), max(units) + 1))
             home = checks[name].info.get("home") or "/root"
-            rdir = f"{home}/.cache/hpipe/pushed/{job.source.path.name}-{fp.split(':')[-1][:16]}"
+            # a GGUF file goes as a file of the host's units alone: a directory per unit range, so
+            # that a host planned again (or hosts sharing a file system) never finds two of them
+            span = f"-units{min(units)}-{max(units)}" if job.source.gguf is not None else ""
+            rdir = f"{home}/.cache/hpipe/pushed/{job.source.path.name}-{fp.split(':')[-1][:16]}{span}"
             remote_dirs[name] = rdir
             local_sums = {str(f): sha256(f) for f in files}
             targets = [f"{rdir}/{f.name}" for f in files]

@@ -491,6 +491,44 @@ def test_push_model_copies_only_each_hosts_shards(cluster, tiny_models, tmp_path
     assert ids[0] == ids[1] and len(ids[0]) == 2
 
 
+def test_push_model_sends_each_host_a_gguf_of_its_own_stages(cluster, tmp_path):
+    """A GGUF mixture-of-experts file over the three hosts: --push-model sends each host a GGUF of only
+    its stages' tensors (the file's blocks as they are, checked by hash) beside the whole file's
+    config, not the whole file, and the tokens are those of the same cuts run here on the whole file."""
+    from conftest import write_moe_gguf
+    from hpipe import formats, models, quant
+    from hpipe.request import Request
+    from hpipe.runtime.inprocess import run_inprocess
+    from hpipe.runtime.stage import StageRunner
+    from test_moe import BLOCK_TYPES
+
+    here = tmp_path / "moe-only-here"
+    here.mkdir()
+    path = write_moe_gguf(here / "moe.gguf", BLOCK_TYPES)
+    hpipe("plan", "--model", path, "--cluster", cluster.inventory_path, "--cuts", "3,6", "-o", tmp_path / "plan.json",
+          cwd=tmp_path, check=True)
+    prompts = [[300 + i, 9, 11, 40, 7] for i in range(2)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "input_ids": p}) + "\n"
+                                              for i, p in enumerate(prompts)))
+    r = hpipe("launch", tmp_path / "plan.json", "--cluster", cluster.inventory_path, "--prompts", tmp_path / "p.jsonl",
+              "--out", tmp_path / "hosts.jsonl", "--max-new-tokens", "6", "--push-model", "--quiet", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    copied = [line for line in r.stderr.splitlines() if "model files copied" in line]
+    assert len(copied) == 3, r.stderr           # each host its own directory (they share a file system here)
+    for line in copied:
+        sent = list(Path(line.rsplit(" to ", 1)[1].strip()).glob("*.gguf"))
+        assert len(sent) == 1 and sent[0].stat().st_size < 0.7 * path.stat().st_size, (line, sent)
+    got = {x["id"]: x["output_ids"] for x in map(json.loads, (tmp_path / "hosts.jsonl").read_text().splitlines())}
+    source = models.resolve_model(str(path))
+    config = models.load_config(source.path)
+    plan = formats.load_plan(tmp_path / "plan.json")
+    runners = [StageRunner(source, config, range(*st.units), weights=quant.WeightFormat("gguf")) for st in plan.stages]
+    want = run_inprocess(runners, [Request(i, f"p{i}", tuple(p), max_new_tokens=6, eos_ids=frozenset())
+                                   for i, p in enumerate(prompts)], plan.slicing.slices_for, max_batch=2)
+    for name, ids in got.items():        # a stop at an end-of-text token leaves a prefix
+        assert ids and ids == want[name]["output_ids"][:len(ids)], (name, ids, want[name]["output_ids"])
+
+
 def test_preflight_refuses_missing_devices_and_other_versions(cluster, tmp_path):
     """The preflight compares each host with the plan and with this machine: a CUDA device the host
     does not have, and an hpipe of another version on its path, are refused before anything starts."""
