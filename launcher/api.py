@@ -127,7 +127,30 @@ def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, a
     app.get("/v1/models", dependencies=[Depends(authorize)])(list_models)
     app.post("/v1/completions", dependencies=[Depends(authorize)])(completions)
     app.post("/v1/chat/completions", dependencies=[Depends(authorize)])(chat_completions)
+    describe_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's description, with an integer field's bounds written as integers (FastAPI's own
+        schema model holds every bound as a float: 20.0)."""
+        if app.openapi_schema is None:
+            app.openapi_schema = _integer_bounds(describe_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
+
+
+def _integer_bounds(node):
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node.update({k: int(v) for k, v in node.items()
+                         if k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")})
+        for value in node.values():
+            _integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _integer_bounds(value)
+    return node
 
 
 def _state(request: Request) -> ServerState:

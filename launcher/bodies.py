@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 import typing
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
@@ -48,7 +48,19 @@ def ruled(name: str, **more) -> object:
     return Field(None, **bounds, le=hi, description=note.strip("()") or None, **more)
 
 
-TokenId = Annotated[int, Field(ge=0)]
+def _integral(value):
+    """20.0 for 20: JSON Schema counts an integral number as an integer, and so does OpenAI's API."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds) -> object:
+    """An integer field's type within `bounds` (strict otherwise: no "20", no true). The bounds come
+    before the validator: after it, /openapi.json would state them as `ge`/`le`, not JSON Schema's."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+Integer = integer()
+TokenId = integer(ge=0)
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Bias = Annotated[float, Field(ge=LOGIT_BIAS[0], le=LOGIT_BIAS[1])]
 TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]+$")]
@@ -112,13 +124,13 @@ class SamplingRequest(BaseModel):
 
     model_config = STRICT
     model: NonEmpty = Field(description="the served model (GET /v1/models)")
-    n: int = Field(1, ge=1, description="choices: one prefill, n decodes; choice i samples with seed + i")
-    best_of: Literal[1] | None = Field(None, description="1 only (hpipe does not rank choices)")
+    n: Integer = Field(1, ge=1, description="choices: one prefill, n decodes; choice i samples with seed + i")
+    best_of: Annotated[Literal[1], BeforeValidator(_integral)] | None = Field(None, description="1 only (hpipe does not rank choices)")
     temperature: float | None = ruled("temperature")
     top_p: float | None = ruled("top_p")
-    top_k: int | None = Field(None, ge=-1, description="vLLM's; 0 or -1: off")
+    top_k: integer(ge=-1) | None = Field(None, description="vLLM's; 0 or -1: off")
     min_p: float | None = ruled("min_p")
-    seed: int | None = None
+    seed: Integer | None = None
     stop: NonEmpty | list[NonEmpty] | None = Field(
         None, description=f"a string or up to {MAX_STOPS} strings; the text ends before the first found")
     stop_token_ids: list[TokenId] | None = None
@@ -231,9 +243,9 @@ class CompletionRequest(SamplingRequest):
     prompt: NonEmpty | Annotated[list[TokenId], Field(min_length=1)] | Annotated[list[NonEmpty], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)] = Field(
             description="a non-empty string or list of token ids, or a list of those (a batch)")
-    max_tokens: int = Field(16, ge=0, description="tokens to generate (OpenAI's default 16; 0 only with echo)")
+    max_tokens: Integer = Field(16, ge=0, description="tokens to generate (OpenAI's default 16; 0 only with echo)")
     echo: bool = Field(False, description="the prompt first (with logprobs: its log-likelihood)")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top log-probabilities per token")
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="top log-probabilities per token")
 
     @model_validator(mode="after")
     def _completion_rules(self):
@@ -269,10 +281,10 @@ class CompletionRequest(SamplingRequest):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate (default: the context left)")
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    max_tokens: integer(ge=1) | None = Field(None, description="tokens to generate (default: the context left)")
+    max_completion_tokens: integer(ge=1) | None = Field(None, description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
 
     @model_validator(mode="after")
     def _chat_rules(self):
@@ -369,11 +381,22 @@ def describe(errors: list[dict], bodies: tuple[type[BaseModel], ...]) -> tuple[s
     return f"'{param}': {e['msg']}{got}", param
 
 
+def _constraints(field: FieldInfo) -> list:
+    """The field's own constraints and those its type carries (`integer(...)`, through `| None`)."""
+    found, types = list(field.metadata), [field.annotation]
+    while types:
+        t = types.pop()
+        if get_origin(t) is Annotated:
+            found += [c for m in t.__metadata__ for c in (m.metadata if isinstance(m, FieldInfo) else [m])]
+        types += get_args(t)
+    return found
+
+
 def _range(field: FieldInfo | None) -> str | None:
     """The field's interval as its model declares it ("in [0, 2]", "in (0, 1]"), when it has both ends."""
     if field is None:
         return None
-    bounds = {type(m).__name__: getattr(m, type(m).__name__.lower(), None) for m in field.metadata}
+    bounds = {type(m).__name__: getattr(m, type(m).__name__.lower(), None) for m in _constraints(field)}
     lo = bounds.get("Ge", bounds.get("Gt"))
     if lo is None or "Le" not in bounds:
         return None

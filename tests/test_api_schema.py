@@ -87,7 +87,7 @@ COMPLETIONS = [     # (body beside model "m", status, param, the message's start
     ({"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "'prompt_logprobs': ask for"),
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs", "'logprobs' must be in [0, 20], got 21"),
     ({"prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs", "'top_logprobs' is a chat field"),
-    ({"prompt": "hi", "logit_bias": {"5": 300}}, 400, "logit_bias", "'logit_bias' must be <= 100"),
+    ({"prompt": "hi", "logit_bias": {"5": 300}}, 400, "logit_bias", "'logit_bias' must be in [-100, 100], got 300"),
     ({"prompt": "hi", "logit_bias": {"a": 1}}, 400, "logit_bias", "'logit_bias' keys must be token ids"),
     ({"prompt": "hi", "logit_bias": {"100": 1}}, 400, "logit_bias", "'logit_bias' keys must be token ids in [0, 100)"),
     ({"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias", "'logit_bias' must be an object"),
@@ -172,3 +172,54 @@ def test_the_key_is_checked_before_the_body():
     r = keyed.post("/v1/completions", json={"model": "m", "prompt": "hi", "temperature": 9},
                    headers={"Authorization": "Bearer k"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+class Full(Unstarted):
+    """Every body that parses, and passes the rules across fields, is answered 429: no room left."""
+
+    def load(self) -> int:
+        return self.capacity
+
+
+BOUNDS = {"minimum": (0, -1), "maximum": (0, 1), "exclusiveMinimum": (1, 0)}   # (inside, past): steps off the bound
+NEEDS = {"top_logprobs": {"logprobs": True}}       # what a field's bound goes with (and completions' max_tokens 0)
+
+
+def numeric_forms(prop: dict):
+    """(form, wrap) of a property's numeric forms: the number itself, or a list of them."""
+    for form in prop.get("anyOf", [prop]):
+        if form.get("type") in ("integer", "number"):
+            yield form, lambda v: v
+        elif form.get("type") == "array" and form.get("items", {}).get("type") in ("integer", "number"):
+            yield form["items"], lambda v: [v]
+
+
+@pytest.mark.parametrize("body", ["CompletionRequest", "ChatCompletionRequest"])
+def test_every_bound_the_schema_publishes_is_taken_at_it_and_refused_past_it(body):
+    """What /openapi.json publishes is what the server takes: each numeric field's bound (integers as
+    integers, and an integer's bound also as an integral number, 20.0) is accepted, one step past it
+    is a 400 naming the field."""
+    app = TestClient(api.create_app(Full(), Tokenizer(), "m", VOCAB, None))
+    props = app.get("/openapi.json").json()["components"]["schemas"][body]["properties"]
+    chat = body == "ChatCompletionRequest"
+    path, base = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}) if chat else \
+        ("/v1/completions", {"prompt": "hi"})
+    needs = {**NEEDS, **({} if chat else {"max_tokens": {"echo": True}})}
+    tried = 0
+    for name, prop in props.items():
+        for form, wrap in numeric_forms(prop):
+            integral = form["type"] == "integer"
+            for key, (inside, past) in BOUNDS.items():
+                if key not in form:
+                    continue
+                bound = form[key]
+                assert not integral or type(bound) is int, (name, key, bound)
+                step = 1 if integral else 1e-3
+                takes = [bound + inside * step] + ([float(bound + inside * step)] if integral else [])
+                for value in takes:
+                    r = app.post(path, json={"model": "m", **base, **needs.get(name, {}), name: wrap(value)})
+                    assert r.status_code == 429, (name, value, r.json())
+                r = app.post(path, json={"model": "m", **base, **needs.get(name, {}), name: wrap(bound + past * step)})
+                assert r.status_code == 400 and r.json()["error"]["param"].split("[")[0] == name, (name, r.json())
+                tried += 1
+    assert tried >= 12
