@@ -130,7 +130,7 @@ class RuntimeConfig:
     cuda_graphs: bool = setting(True, "--no-cuda-graphs", "CUDA stages: run decode steps eagerly")
     static_decode: str = setting("auto", "--static-decode", "decode steps with static shapes (padded, whole KV "
                                  "slots under a mask), the path CUDA graphs replay; auto: with CUDA graphs (on a "
-                                 "CPU it is slower, see README)", choices=SWITCH)
+                                 "CPU it is slower, see docs/architecture.md)", choices=SWITCH)
     compile: str = setting("auto", "--compile", "decode steps run their blocks through torch.compile (inductor), 4 "
                            "or 5 blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
                            "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
@@ -140,7 +140,7 @@ class RuntimeConfig:
                            choices=("auto", "on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "
                                   "previous micro-batch computes; auto: on CUDA stages (a CPU stage's forward "
-                                  "already keeps its cores busy, see README)", choices=SWITCH)
+                                  "already keeps its cores busy, see docs/architecture.md)", choices=SWITCH)
     sidp_mode: str = setting("auto", "--sidp-mode", "SiDP plans: how a replica runs the MLP halves it does not own: "
                              "was (fetch the weights into its cache slots), cas (send its rows to the owner, which "
                              "runs everyone's in one GEMM) or auto (WaS while the group's largest batch stays at the "
@@ -158,7 +158,7 @@ class RuntimeConfig:
                                  "its micro-batch, the slicing, the prefix cache or the cuts: the same request gives "
                                  "the same tokens and logits every time (llama-like models; decode steps eagerly, "
                                  "prompts cut on whole pages; off by default: up to 9 % on a decode step of 8 rows "
-                                 "and 30 % on a prefill of many short prompts on a CPU, see README)",
+                                 "and 30 % on a prefill of many short prompts on a CPU, see docs/architecture.md)",
                                  choices=("on", "off"))
     rendezvous_timeout_s: float = setting(300.0, "--rendezvous-timeout", "seconds a stage waits for the others to join",
                                unit="s", lo=1.0)
