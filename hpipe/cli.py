@@ -128,7 +128,7 @@ def profile(
     if not estimate and result["devices"]:
         _note("measuring the runtime's own per-token costs (a small model through 1 and 2 local stages, ~20 s) ...")
         vocab = int(models.load_config(models.resolve_model(model).path).vocab_size)
-        result["runtime"] = launcher.runtime_costs(vocab)
+        result["runtime"] = profiler.runtime_costs(vocab)
         formats.write_profile(result, out)
     typer.echo(profiler.summarize(result))
     typer.echo(f"wrote {out}")

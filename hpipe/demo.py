@@ -69,7 +69,7 @@ def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[di
     with console.status("[bold]measuring"):
         prof = profiler.profile_local(models.DEFAULT_MODEL, ["cpu"], str(cached), True, None, "float32",
                                       threads=threads, weights=DEMO_WEIGHTS)
-        prof["runtime"] = launcher.runtime_costs(int(config.vocab_size))
+        prof["runtime"] = profiler.runtime_costs(int(config.vocab_size))
         formats.write_profile(prof, cached)
     return prof, str(cached), "measured now"
 

@@ -773,7 +773,7 @@ def _check_table(path, where, table, context_dependent: bool):
         raise _fail(path, f"{where}.t", "no measured value")
 
 
-RUNTIME_COSTS = ("step_s", "hop_s", "back_s")   # a profile's "runtime": see hpipe.launcher.overheads
+RUNTIME_COSTS = ("step_s", "hop_s", "back_s")   # a profile's "runtime": see hpipe.profiler.runtime_costs
 
 
 def validate_profile(data: Any, path: str = "<profile>") -> dict:

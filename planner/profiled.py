@@ -63,7 +63,7 @@ class CostModel:
                 self.fits[e["id"]] = {k: GridModel(t["s"], t["c"], t["t"]) for k, t in e["compute"].items()}
         self.bytes = {"experts_per_unit": [0] * models.num_units(config), **profile["bytes"]}
         self.links = {(x["src"], x["dst"]): (x["alpha_s"], x["beta_bytes_per_s"]) for x in profile["links"]}
-        # the runtime's own costs per step (hpipe.launcher.overheads); a profile without them counts 0
+        # the runtime's own costs per step (hpipe.profiler.runtime_costs); a profile without them counts 0
         self.measured_runtime = "runtime" in profile
         self.runtime = {k: float(profile.get("runtime", {}).get(k, 0.0)) for k in formats.RUNTIME_COSTS}
         self.hop_s = self.runtime["hop_s"]

@@ -144,6 +144,27 @@ def test_the_repository_keeps_its_floors():
     assert violations(SOURCE_DIRS, ROOT, FLOORS) == []
 
 
+def module_cycles(source_dirs: dict[str, str], root: Path) -> list[list[str]]:
+    """Cycles between modules, imports inside functions included (inside a component too: the
+    floors check sees components only)."""
+    mods = modules(source_dirs, root)
+    return cycles({(m, t) for m, path in mods.items() for t, _, _ in imports_of(m, path, set(mods))
+                   if t in mods and t != m})
+
+
+def test_no_module_needs_one_that_needs_it_back():
+    """Two modules that import each other, at any depth, are one concept in two files or a concept
+    in the wrong one (`runtime_costs` ran launches from inside the launcher's run checks)."""
+    assert module_cycles(SOURCE_DIRS, ROOT) == []
+
+
+def test_the_module_check_catches_a_cycle_through_a_function(tmp_path):
+    _write(tmp_path, {"launcher/__init__.py": "", "launcher/jobs.py": "from hpipe.launcher.terms import read\n",
+                      "launcher/terms.py": "def measure():\n    from hpipe.launcher import jobs\n"})
+    assert module_cycles({"launcher": "hpipe.launcher"}, tmp_path) == [
+        ["hpipe.launcher.jobs", "hpipe.launcher.terms", "hpipe.launcher.jobs"]]
+
+
 def test_every_package_says_what_it_offers():
     for folder, package in SOURCE_DIRS.items():
         for init in (ROOT / folder).rglob("__init__.py"):
