@@ -302,7 +302,7 @@ class Elastic:
         if self.degraded is None:
             self.log(f"hpipe: degraded: {why}; requests get 503 until a host returns")
         event.degraded = self.degraded = why
-        self.client._end_open(f"the service is degraded: {why}")
+        self.client.end_open(f"the service is degraded: {why}")
 
     def _wait_for_hosts(self) -> bool:
         """Until a lost host answers again (it is counted up again); False once closed."""
@@ -401,11 +401,15 @@ class Elastic:
                          new_stages=stage_names(new), predicted_old_s=old_s, predicted_new_s=new_s)
         event.phases["replan"] = round(time.monotonic() - t, 3)
         path = self._plan_file(plan)
-        with self.client.lock:         # the pipeline it was planned against, still serving: switch
-            if self.client.launch is not launch or not self.client.accepting or self.event is not None:
-                self.log(f"hpipe: {', '.join(sorted(back))}: the pipeline changed meanwhile; considered again later")
-                for h in back:
-                    self.watch.lose(h, count=False)
-                return
+        def take() -> bool:             # the pipeline it was planned against, still serving: switch
+            if self.event is not None:
+                return False
             self.switch = (path, event, launch)
+            return True
+
+        if not self.client.while_serving(launch, take):
+            self.log(f"hpipe: {', '.join(sorted(back))}: the pipeline changed meanwhile; considered again later")
+            for h in back:
+                self.watch.lose(h, count=False)
+            return
         launch.stop()                  # the run thread takes the switch when the stages have ended

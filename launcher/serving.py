@@ -246,11 +246,17 @@ class PipelineClient:
             if self.failure is not None or self.closing:
                 return
             self.failure = cause
-        self._end_open(cause)
+        self.end_open(cause)
         if self.on_failure is not None:
             self.on_failure(cause)
 
-    def _end_open(self, cause: str) -> None:
+    def while_serving(self, launch, act) -> bool:
+        """Runs `act()` under the client's lock where `launch` is the pipeline serving and it takes
+        requests (no failure or switch can begin meanwhile): its answer, or False otherwise."""
+        with self.lock:
+            return self.launch is launch and self.accepting and act()
+
+    def end_open(self, cause: str) -> None:
         """Every open request ends with `cause`."""
         with self.lock:
             handles = list(self.open.values())
