@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
+import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
 CASES = {"batch 1": (1, 512, 64), "batch 8": (8, 512, 64), "prefill 2048": (1, 2048, 1)}
 

@@ -26,9 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.",
              "Tell me about the sea.", "What is 2 + 2?", "Why is the sky blue?"]
