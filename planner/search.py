@@ -93,48 +93,45 @@ def needs_search(config, devices: list[tuple[str, str]], order: str, allow_drop:
 def search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
                 order: str = "inventory", allow_drop: bool = False, log=None, overlap: bool = False,
                 objective: str = "prefill", new_tokens: int = 128) -> PlanResult:
-    orders = candidate_orders(profile, devices) if order == "search" else [list(devices)]
-    tried, best, first_error = [], None, None
-    for candidate in orders:
+    tried, errors = [], []
+
+    def plan_on(devs, note: str = "") -> PlanResult | None:
+        """The plan over `devs`, noted among the candidates (None where it cannot be made)."""
+        names = [f"{h}/{d}" for h, d in devs]
+        try:
+            result = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing, margin,
+                                       dtype, granularity, overlap=overlap, objective=objective,
+                                       new_tokens=new_tokens)
+        except (Infeasible, HpipeError) as e:
+            errors.append(e)
+            tried.append({"devices": names, "error": str(e)})
+            return None
+        seconds = objective_seconds(result)
+        tried.append({"devices": names, "makespan_s": result.timeline.makespan, "objective_s": seconds})
+        if log:
+            log(f"  {' -> '.join(names)}{note}: {seconds:.3f} s")
+        return result
+
+    def better(result, best) -> bool:
+        return result is not None and (best is None or
+                                       objective_seconds(result) < objective_seconds(best) * (1 - 1e-9))
+
+    best = None
+    for candidate in (candidate_orders(profile, devices) if order == "search" else [list(devices)]):
         options = [candidate]
         if allow_drop and len(candidate) > 1:
             options += [candidate[:i] + candidate[i + 1:] for i in range(len(candidate))]
         if models.is_moe(config):
             options += [o for o in without_host_cpus(candidate) if o not in options]
         for devs in options:
-            try:
-                result = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing,
-                                           margin, dtype, granularity, overlap=overlap, objective=objective,
-                                           new_tokens=new_tokens)
-            except (Infeasible, HpipeError) as e:
-                first_error = first_error or e
-                tried.append({"devices": [f"{h}/{d}" for h, d in devs], "error": str(e)})
-                continue
-            seconds = objective_seconds(result)
-            tried.append({"devices": [f"{h}/{d}" for h, d in devs], "makespan_s": result.timeline.makespan,
-                          "objective_s": seconds})
-            if log:
-                log(f"  {' -> '.join(f'{h}/{d}' for h, d in devs)}: {seconds:.3f} s")
-            if best is None or seconds < objective_seconds(best) * (1 - 1e-9):
-                best = result
+            result = plan_on(devs)
+            best = result if better(result, best) else best
     if best is None:
-        raise first_error
+        raise errors[0]
     if order == "search":
         for devs in split_orders([(st.host, st.device) for st in best.plan.stages]):
-            try:
-                result = plan_from_profile(profile, profile_path, name, config, devs, seq_len, batch, slicing,
-                                           margin, dtype, granularity, overlap=overlap, objective=objective,
-                                           new_tokens=new_tokens)
-            except (Infeasible, HpipeError) as e:
-                tried.append({"devices": [f"{h}/{d}" for h, d in devs], "error": str(e)})
-                continue
-            seconds = objective_seconds(result)
-            tried.append({"devices": [f"{h}/{d}" for h, d in devs], "makespan_s": result.timeline.makespan,
-                          "objective_s": seconds})
-            if log:
-                log(f"  {' -> '.join(f'{h}/{d}' for h, d in devs)} (split): {seconds:.3f} s")
-            if seconds < objective_seconds(best) * (1 - 1e-9):
-                best = result
+            result = plan_on(devs, " (split)")
+            best = result if better(result, best) else best
     plan = dataclasses.replace(best.plan, predicted={**best.plan.predicted, "candidates": tried, "order": order,
                                                      "allow_drop": allow_drop})
     return dataclasses.replace(best, plan=plan)
