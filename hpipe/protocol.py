@@ -13,7 +13,7 @@ Out of every worker (report lines `@@hpipe {json}` on stdout, `hpipe.reports`' e
     Stats      queue, KV pages, preemptions and the recent micro-batches (serving, a few times a second)
     Error      the stage's one-line cause, before it exits non-zero
     Notice     a line for the user even from a quiet launch (a server's stage compiling in the background)
-    Timeline   the stage's measured intervals and figures, at its end
+    IntervalsReport  the stage's measured intervals and figures, at its end (kind "timeline")
     Summary    stage 0's run figures and the config it ran with, at its end
 
 `send(record)` writes a report, `read_report(line)` reads one back (None for a log line; a plain
@@ -32,7 +32,7 @@ from typing import ClassVar
 from hpipe.reports import emit, parse
 from hpipe.request import Request
 
-__all__ = ["Abort", "Add", "Close", "Error", "Notice", "Ready", "Rejected", "Result", "Stats", "Summary", "Timeline",
+__all__ = ["Abort", "Add", "Close", "Error", "Notice", "Ready", "Rejected", "Result", "Stats", "Summary", "IntervalsReport",
            "Tokens", "op_line", "read_op", "read_report", "send"]
 
 
@@ -158,7 +158,7 @@ class Notice:
 
 
 @dataclass(frozen=True)
-class Timeline:
+class IntervalsReport:
     KIND: ClassVar[str] = "timeline"
     rank: int
     host: str
@@ -196,7 +196,7 @@ class Summary:
     spec_accepted_tokens: int = 0
 
 
-REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Notice, Timeline, Summary)}
+REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Notice, IntervalsReport, Summary)}
 
 
 def send(record) -> None:

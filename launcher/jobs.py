@@ -155,7 +155,7 @@ class StageReports:
         report = protocol.read_report(line)
         if report is None:
             return False
-        if isinstance(report, protocol.Timeline):
+        if isinstance(report, protocol.IntervalsReport):
             self.timelines[report.rank] = protocol.as_dict(report)
         elif isinstance(report, protocol.Summary):
             self.summary = protocol.as_dict(report)

@@ -17,11 +17,11 @@ import numpy as np
 
 from hpipe import memory, models
 
-__all__ = ["HostExperts", "host_experts"]
+__all__ = ["ExpertPlacement", "host_experts"]
 
 
 @dataclass(frozen=True)
-class HostExperts:
+class ExpertPlacement:
     """Per stage, the units whose routed experts its host's CPU runs from the host's RAM."""
 
     units: dict[int, frozenset[int]]
@@ -32,7 +32,7 @@ class HostExperts:
 
 
 def host_experts(cost, config, cuts: list[int], capacity: np.ndarray, kv_tokens: int,
-                 margin: float) -> HostExperts | None:
+                 margin: float) -> ExpertPlacement | None:
     """The fewest MoE blocks per stage whose experts, kept in the host's RAM, let every stage of
     `cuts` fit its device (`capacity`: what the planner lets a device hold of weights and KV), or
     None where some stage cannot be made to fit that way."""
@@ -57,7 +57,7 @@ def host_experts(cost, config, cuts: list[int], capacity: np.ndarray, kv_tokens:
             return None
         ram[cpu["id"]] = left - need
         units[j], host_bytes[j] = moved, need
-    return HostExperts(units, host_bytes) if units else None
+    return ExpertPlacement(units, host_bytes) if units else None
 
 
 def _device_bytes(cost, span: range, kv_tokens: int, moved: frozenset[int]) -> int:

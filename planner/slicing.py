@@ -24,7 +24,10 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Slicing:
+class SliceSearch:
+    """Algorithm 2's answer for one prompt: the slice lengths, the objective they reach and what the
+    search took (the plan keeps the lengths in its `formats.Slicing`)."""
+
     lengths: list[int]
     objective: float
     sum_s: float = 0.0        # sum of the slices' costs
@@ -92,7 +95,7 @@ def _minimax(tau_t: np.ndarray, n: int) -> float:
     return float(best[n])
 
 
-def slice_sequence(tau, n_stages: int) -> Slicing:
+def slice_sequence(tau, n_stages: int) -> SliceSearch:
     tau = np.asarray(tau, dtype=float)
     n = tau.shape[0] - 1
     if n < 1 or tau.shape != (n + 1, n + 1):
@@ -123,7 +126,7 @@ def slice_sequence(tau, n_stages: int) -> Slicing:
     top_sum, top_lengths = least(len(values) - 1)        # no cap: the least sum
     best = (*evaluate(top_lengths), top_lengths)
     if weight == 0:
-        return Slicing(best[3], best[0], best[1], best[2], steps)
+        return SliceSearch(best[3], best[0], best[1], best[2], steps)
     floor_k = int(np.searchsorted(values, _minimax(tau_t, n)))
     # branch and bound over caps: an interval (lo, hi] of value indices holds the slicings whose
     # largest cost is in (values[lo], values[hi]]; their sums are >= g_hi (the least sum under
@@ -152,4 +155,4 @@ def slice_sequence(tau, n_stages: int) -> Slicing:
             intervals.append((g_hi + weight * values[mid + 1], mid, hi, g_hi))
         if reached - 1 > lo:
             intervals.append((total + weight * values[lo + 1], lo, reached - 1, total))
-    return Slicing(best[3], best[0], best[1], best[2], steps)
+    return SliceSearch(best[3], best[0], best[1], best[2], steps)

@@ -165,6 +165,23 @@ def test_the_module_check_catches_a_cycle_through_a_function(tmp_path):
         ["hpipe.launcher.jobs", "hpipe.launcher.terms", "hpipe.launcher.jobs"]]
 
 
+def class_names(source_dirs: dict[str, str], root: Path) -> dict[str, list[str]]:
+    """Class name -> the modules that define one of that name (at any depth)."""
+    out: dict[str, list[str]] = {}
+    for mod, path in modules(source_dirs, root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and mod not in out.setdefault(node.name, []):
+                out[node.name].append(mod)
+    return out
+
+
+def test_one_name_one_class():
+    """A class name is defined in one module of the packages: two classes of one name are two
+    concepts under one word (three `Timeline`s were: the simulated one, a stage's measured intervals
+    and the report of them)."""
+    assert {n: m for n, m in class_names(SOURCE_DIRS, ROOT).items() if len(m) > 1} == {}
+
+
 def test_every_package_says_what_it_offers():
     for folder, package in SOURCE_DIRS.items():
         for init in (ROOT / folder).rglob("__init__.py"):

@@ -41,7 +41,7 @@ from hpipe.runtime.schedule import Schedule
 from hpipe.runtime.scheduler import Scheduler
 from hpipe.runtime.static_decode import VERSIONS   # one number of input versions for both paths
 
-__all__ = ["Driver", "Executors", "LogprobReports", "Modes", "Timeline", "run_first_stage", "run_later_stage",
+__all__ = ["Driver", "Executors", "LogprobReports", "Modes", "Intervals", "run_first_stage", "run_later_stage",
            "run_summary"]
 
 
@@ -59,7 +59,7 @@ class Modes:
                                # schedules coming in wait for the forward to end (`Turn`, `Source`)
 
 
-class Timeline:
+class Intervals:
     """Measured intervals of one stage: compute, prepare, wait, send, sample. Threads append.
     `bounded` (serving, which runs for hours) keeps the latest 100,000."""
 
@@ -114,7 +114,7 @@ class Executors:
     runner: object                   # hpipe.runtime.stage.StageRunner
     groups: comm.Groups | None
     modes: Modes
-    timeline: Timeline
+    timeline: Intervals
     link: comm.ScheduleLink          # how schedules are encoded (capacity, page size, requests carried)
     max_tokens: int                  # the longest micro-batch (the receive buffers' rows)
     buffers: list = field(default_factory=list)   # per version: the hidden states' receive buffer
@@ -166,7 +166,7 @@ class Work:
     def segments(self):
         return self.schedule.segments
 
-    def record(self, timeline: Timeline, what: str, start: float) -> None:
+    def record(self, timeline: Intervals, what: str, start: float) -> None:
         timeline.add(what, start, time.time(), self.id, self.schedule.kind, self.schedule.n_tokens)
 
 
@@ -506,7 +506,7 @@ class Sampling:
     state follows the schedules' order); `deliver(mb_id, ids)` takes the ids; `drain` waits for
     every id to be delivered."""
 
-    def __init__(self, sampler, deliver: Callable[[int, list[int]], None], timeline: Timeline, keep,
+    def __init__(self, sampler, deliver: Callable[[int, list[int]], None], timeline: Intervals, keep,
                  logprobs: LogprobReports):
         """deliver: `logprobs.reporting(...)` of where the ids go (the pool, too, calls that)."""
         self.sampler, self.deliver, self.timeline, self.keep, self.logprobs = sampler, deliver, timeline, keep, logprobs
@@ -543,7 +543,7 @@ class Sampling:
 class ThreadSampling(Sampling):
     """TSEM: a sampler thread, so the compute loop takes its next micro-batch at once."""
 
-    def __init__(self, sampler, deliver, timeline: Timeline, keep, logprobs: LogprobReports, errors: list):
+    def __init__(self, sampler, deliver, timeline: Intervals, keep, logprobs: LogprobReports, errors: list):
         super().__init__(sampler, deliver, timeline, keep, logprobs)
         self.errors = errors
         self.queue: queue.Queue = queue.Queue()

@@ -42,7 +42,7 @@ from hpipe.runtime.background_compile import BackgroundCompile
 from hpipe.runtime.draft import proposer_for
 from hpipe.runtime.pages import pages_needed
 from hpipe.runtime.pipeline import (Driver, Executors, LogprobReports, Modes, PoolSampling, Sampling, ThreadSampling,
-                                    Timeline, run_first_stage, run_later_stage)
+                                    Intervals, run_first_stage, run_later_stage)
 from hpipe.runtime.sampler_pool import SamplerPool
 from hpipe.runtime.schedule import body_capacity
 from hpipe.runtime.scheduler import Policy, Scheduler
@@ -364,7 +364,7 @@ class StageWorker:
         link = comm.ScheduleLink(body_capacity(max_segments, self.max_tokens, config.page_size, self.requests.max_len),
                                  config.page_size, with_requests=lookup is None, last=self.world - 1,
                                  requests=lookup)
-        self.ex = Executors(self.rank, self.world, runner, self.groups, self.modes, Timeline(bounded=args.serve),
+        self.ex = Executors(self.rank, self.world, runner, self.groups, self.modes, Intervals(bounded=args.serve),
                             link, self.max_tokens, static=static_decode, errors=self.errors)
         self.ex.allocate_buffers()
         self.replica = Replica(self.seat, runner, config.sidp_mode, args.master_addr, args.group_port,
@@ -461,7 +461,7 @@ class StageWorker:
         t_end = time.time()
         self.keep.write(self.requests)
         sp = self.stage_plan
-        protocol.send(protocol.Timeline(self.rank, sp.host, sp.device, list(sp.units), t_start, t_end,
+        protocol.send(protocol.IntervalsReport(self.rank, sp.host, sp.device, list(sp.units), t_start, t_end,
                                         round(self.load_s, 3), models.peak_rss_bytes(), self.runner.kv.bytes(),
                                         list(self.ex.timeline.intervals), self.groups.counters.as_dict(),
                                         self.graphs))
