@@ -499,11 +499,7 @@ def launch(
     runtime: RuntimeConfig = None,
 ):
     """Run a plan: start the stage workers and pipeline the prompts through them."""
-    if local == (cluster is not None):
-        raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
-    if host_timeout <= 0:
-        raise HpipeError(f"--heartbeat-timeout must be > 0, got {host_timeout}")
-    inventory = formats.load_inventory(cluster) if cluster else None
+    inventory = _where_stages_run(local, cluster, host_timeout)
     if timeline_out:
         launcher.check_timeline_out(timeline_out)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -532,6 +528,15 @@ def launch(
     if report.plan is not None:      # a lost host's stages were planned again: the run is checked against that plan
         job = dataclasses.replace(job, plan=report.plan)
     _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
+
+
+def _where_stages_run(local: bool, cluster: str | None, host_timeout: float) -> formats.Inventory | None:
+    """launch's and serve's one check of where the stages run: the inventory, or None for --local."""
+    if local == (cluster is not None):
+        raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
+    if host_timeout <= 0:
+        raise HpipeError(f"--heartbeat-timeout must be > 0, got {host_timeout}")
+    return formats.load_inventory(cluster) if cluster else None
 
 
 @app.command()
@@ -566,16 +571,12 @@ def serve(
     from hpipe.launcher.api import create_app
     from hpipe.launcher.serving import PipelineClient
 
-    if local == (cluster is not None):
-        raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
     if not 0 < port < 65536:
         raise HpipeError(f"--port must be in 1..65535, got {port}")
     if max_queue < 0:
         raise HpipeError(f"--max-queue must be >= 0, got {max_queue}")
-    if host_timeout <= 0:
-        raise HpipeError(f"--heartbeat-timeout must be > 0, got {host_timeout}")
+    inventory = _where_stages_run(local, cluster, host_timeout)
     _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
-    inventory = formats.load_inventory(cluster) if cluster else None
     settings = launcher.LaunchSettings(runtime=runtime, serve=True, background_compile=True,
                                        log_dir=_log_dir(log_dir))
     if local:
