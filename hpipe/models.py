@@ -748,7 +748,7 @@ def build_model_units(model_source: "ModelSource | Path", config, units: range, 
         _load_quantized(model, source, config, units, device, tdtype, weights, host_experts)
     else:
         _load_dense(model, source.dense_path(), config, units, device, tdtype, host_experts)
-        _route_float_experts(model, config, units, host_experts, device)
+        _route_float_experts(model, config, units, host_experts)
     for u in units:
         for mod_path in unit_modules(config, u):
             for bname, buf in model.get_submodule(mod_path).named_buffers():
@@ -758,7 +758,7 @@ def build_model_units(model_source: "ModelSource | Path", config, units: range, 
     return model
 
 
-def _route_float_experts(model, config, units: range, host_experts: frozenset[int], device: str) -> None:
+def _route_float_experts(model, config, units: range, host_experts: frozenset[int]) -> None:
     """Each float experts module of `units` runs routed (`hpipe.experts`) over views of its weights."""
     from hpipe import experts
 
@@ -788,16 +788,15 @@ def _load_dense(model, path: Path, config, units: range, device: str, tdtype,
                 full = f"{mod_path}.{pname}"
                 owner_path, _, attr = pname.rpartition(".")
                 owner = module.get_submodule(owner_path) if owner_path else module
+                home = "cpu" if u in host_experts and is_experts(owner) else device
                 experts = expert_keys(full, index, config)
                 if experts is not None:      # one tensor per expert and part: merged as transformers merges them
-                    owner._parameters[attr] = torch.nn.Parameter(
-                        _read_experts(experts, index, tdtype).to("cpu" if u in host_experts else device),
-                        requires_grad=False)
+                    owner._parameters[attr] = torch.nn.Parameter(_read_experts(experts, index, tdtype).to(home),
+                                                                 requires_grad=False)
                     continue
                 key = _checkpoint_key(full, index, config)
                 if key is None:
                     raise HpipeError(f"{path}: the checkpoint has no tensor {full!r} (unit {unit_name(config, u)})")
-                home = "cpu" if u in host_experts and is_experts(owner) else device
                 wanted.setdefault(str(index[key]), []).append((owner, attr, key, home))
     loaded: dict[str, torch.nn.Parameter] = {}
     for file, items in wanted.items():

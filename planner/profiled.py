@@ -48,6 +48,11 @@ def check_profile_matches(profile: dict, config, model_name: str, path: str) -> 
                          f"`hpipe profile --model {model_name} ...`")
 
 
+def _fits(entry: dict) -> dict[str, GridModel]:
+    """A profiled device's fitted time per unit kind."""
+    return {k: GridModel(t["s"], t["c"], t["t"]) for k, t in entry["compute"].items()}
+
+
 class CostModel:
     """Unit and link costs for devices in pipeline order, from a profile."""
 
@@ -59,8 +64,7 @@ class CostModel:
         self.kinds = [models.unit_kind(config, u) for u in range(models.num_units(config))]
         self.fits = {}
         for e in self.entries:
-            if e["id"] not in self.fits:
-                self.fits[e["id"]] = {k: GridModel(t["s"], t["c"], t["t"]) for k, t in e["compute"].items()}
+            self.fits.setdefault(e["id"], _fits(e))
         self.bytes = {"experts_per_unit": [0] * models.num_units(config), **profile["bytes"]}
         self.links = {(x["src"], x["dst"]): (x["alpha_s"], x["beta_bytes_per_s"]) for x in profile["links"]}
         # the runtime's own costs per step (hpipe.profiler.runtime_costs); a profile without them counts 0
@@ -86,7 +90,7 @@ class CostModel:
         out.host_cpus = {j: self.host_cpu(j) for j in out.placed}
         out.fits = dict(self.fits)
         for e in out.host_cpus.values():
-            out.fits.setdefault(e["id"], {k: GridModel(t["s"], t["c"], t["t"]) for k, t in e["compute"].items()})
+            out.fits.setdefault(e["id"], _fits(e))
         return out
 
     def crossing(self, j: int, s):
@@ -139,8 +143,9 @@ class CostModel:
         fits = self.fits[self.entries[j]["id"]]
         per_kind = {k: float(f(np.array([s]), np.array([c]))[0]) for k, f in fits.items()}
         out = np.array([per_kind[k] for k in self.kinds])
-        for u in self.placed.get(j, ()):
-            out[u] = float(np.atleast_1d(self.host_mlp(j, [s]))[0])
+        placed = list(self.placed.get(j, ()))
+        if placed:
+            out[placed] = float(self.host_mlp(j, [s])[0])
         return out
 
     def stage_time(self, j: int, a: int, b: int, s, c, last: bool, overlap: bool = False) -> np.ndarray:
@@ -215,9 +220,11 @@ def decode_unit_times(cost: CostModel, j: int, rows: float, context: float) -> n
     for kind in ("attn", "mlp", "head"):
         per_kind[kind] = _decode_table_time(table, kind, rows, context)
     out = np.array([per_kind.get(k, 0.0) for k in cost.kinds])
-    for u in cost.placed.get(j, ()):        # experts in the host's RAM: its CPU's MoE half, and the crossing
-        host = cost.host_cpus[j].get("decode") or {}
-        out[u] = (_decode_table_time(host, "mlp", rows, context) if host else out[u]) + float(cost.crossing(j, rows))
+    placed = list(cost.placed.get(j, ()))
+    if placed:                # experts in the host's RAM: its CPU's MoE half, and the crossing
+        host = cost.host_cpus[j].get("decode")
+        out[placed] = (_decode_table_time(host, "mlp", rows, context) if host else per_kind["mlp"]) + \
+            float(cost.crossing(j, rows))
     return out
 
 
