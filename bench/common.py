@@ -16,6 +16,14 @@ def cpu_name() -> str:
     return f"{name}, {'AVX-512' if ' avx512f' in text else 'AVX2, no AVX-512' if ' avx2' in text else 'no AVX2'}"
 
 
+def cpu_flags() -> list[str]:
+    """The CPU's vector flags the numbers depend on (AVX, AVX-512, AMX, F16C, FMA)."""
+    import re
+
+    line = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
+    return sorted(f for f in line.split() if re.match(r"avx|amx|f16c|fma", f))
+
+
 def kernels_line() -> str:
     from hpipe import cpu_kernels
 

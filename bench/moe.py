@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import cpu_name, kernels_line  # noqa: E402
+from bench.common import cpu_flags, cpu_name, kernels_line  # noqa: E402
 from bench.shapes import llama_cpp_bin, models_dir  # noqa: E402
 
 SEED = 0
@@ -189,8 +188,7 @@ def main() -> None:
     ref = best["llama.cpp"]
     report = {
         "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": args.threads, "kernels": kernels_line(),
-        "cpu_flags": sorted(f for f in Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
-                            if re.match(r"avx|amx|f16c|fma", f)),
+        "cpu_flags": cpu_flags(),
         "model": {"shape": args.shape, **SHAPES[args.shape], "file": path.name, "file_bytes": path.stat().st_size,
                   "seed": SEED, "made_by": "transformers (random N(0, 0.02)) -> convert_hf_to_gguf.py -> llama-quantize Q4_K_M"},
         "runs": runs, "best": best,

@@ -279,7 +279,10 @@ def child(kind: str, model: str, variant: str, threads: int, context: int = 0) -
 # ------------------------------------------------------------------------------- quality
 def quality_text(tokenizer, n_tokens: int) -> list[int]:
     sys.path.insert(0, str(ROOT / "bench"))
-    from serve import complete_records
+    try:
+        from serve import complete_records
+    finally:        # bench/ off the path again: its profile.py would shadow the standard library's
+        sys.path.remove(str(ROOT / "bench"))
 
     records, _ = complete_records()
     ids: list[int] = []

@@ -49,6 +49,8 @@ ACCEPT_NEW_HOST_KEYS = typer.Option(False, "--accept-new-host-keys", help="recor
 QUANTIZE = typer.Option(None, "--quantize", help="weights: gguf (a .gguf model's own 4/8-bit blocks, its default), "
                         "int8 or int4[:group] (quantized at load), none (dense in --dtype, a float checkpoint's "
                         "default)")
+KV_DTYPE_OPTION = typer.Option(None, "--kv-dtype", help=f"the KV cache's elements: {formats.KV_DTYPE} (default; half "
+                               "float32's bytes), bfloat16 or float32 (every bit, as the exactness tests run)")
 PUSH_MODEL = typer.Option(False, "--push-model", help="copy the model files each host's stages need over SFTP "
                           "(checksummed)")
 LOG_DIR = typer.Option(None, "--log-dir", help="also write every stage's whole log to DIR/stage-R.log (created; "
@@ -99,6 +101,7 @@ def profile(
                                               "(default: 2048 or the model's context)"),
     dtype: str | None = typer.Option(None, "--dtype", help="activations: float32, bfloat16 or float16"),
     quantize: str | None = QUANTIZE,
+    kv_dtype: str | None = KV_DTYPE_OPTION,
     threads: int = typer.Option(0, "--threads", help="CPU threads per measured device (0: all cores); profile "
                                 "with what each stage will get, e.g. 1 for two local CPU stages on 2 cores"),
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys",
@@ -108,23 +111,24 @@ def profile(
     """Measure (or estimate) per-unit compute times, memory and links for a model on a cluster."""
 
     weights = _weights(model, quantize)
-    dtype = _dtype(dtype)
+    dtype, kv_dtype = _dtype(dtype), _kv_dtype(kv_dtype)
     if local == (cluster is not None):
         raise HpipeError("give exactly one of --local (this machine) or --cluster FILE")
     if estimate:
         if cluster is None:
             raise HpipeError("--estimate needs --cluster FILE with device_types and [[links]]")
         result = profiler.profile_estimate(model, formats.load_inventory(cluster), out, dtype, max_seq_len,
-                                           str(weights))
+                                           str(weights), kv_dtype)
     elif cluster is not None:
         result = profiler.profile_cluster(model, formats.load_inventory(cluster), out, quick, max_seq_len, dtype,
-                                          accept_new_keys=accept_new_host_keys, weights=str(weights))
+                                          accept_new_keys=accept_new_host_keys, weights=str(weights),
+                                          kv_dtype=kv_dtype)
     else:
         device_list = [d.strip() for d in devices.split(",") if d.strip()]
         if not device_list:
             raise HpipeError("--devices: name at least one device, e.g. --devices cpu")
         result = profiler.profile_local(model, device_list, out, quick, max_seq_len, dtype, threads=threads,
-                                        weights=str(weights))
+                                        weights=str(weights), kv_dtype=kv_dtype)
     if not estimate and result["devices"]:
         _note("measuring the runtime's own per-token costs (a small model through 1 and 2 local stages, ~20 s) ...")
         vocab = int(models.load_config(models.resolve_model(model).path).vocab_size)
@@ -151,6 +155,7 @@ def plan(
     dtype: str | None = typer.Option(None, "--dtype", help="activations: float32, bfloat16 or float16 "
                                         "(default: the profile's, else float32)"),
     quantize: str | None = QUANTIZE,
+    kv_dtype: str | None = KV_DTYPE_OPTION,
     profile_path: str | None = typer.Option(None, "--profile", help="profile from `hpipe profile`: cut where "
                                                "the measured times balance (DP), within memory"),
     seq_len: int | None = typer.Option(None, "--seq-len", help="with --profile: the prompt length to plan for"),
@@ -196,9 +201,8 @@ def plan(
     if granularity < 1:
         raise HpipeError(f"--granularity must be at least 1, got {granularity}")
     prof = formats.load_profile(profile_path) if profile_path is not None else None
-    weights = _weights(model, quantize, prof, profile_path)
-    if dtype is not None:
-        _dtype(dtype)
+    weights, kv_dtype = _weights(model, quantize, prof, profile_path), _kv_dtype(kv_dtype, prof, profile_path)
+    _dtype(dtype)        # refuses a dtype it cannot run
     devices = _plan_devices(stages, cluster, profile_path, device)
     config, name = _plan_model(model)
     if mode == "sidp":
@@ -217,7 +221,7 @@ def plan(
             raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline, --overlap-sends, --objective and "
                              "--acceptance plan from measured times: add --profile FILE")
         p = planner.make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
-                              granularity, _dtype(dtype), str(weights))
+                              granularity, _dtype(dtype), str(weights), kv_dtype)
         formats.write_plan(p, out)
         _print_plan(p, out)
         return
@@ -341,12 +345,26 @@ def _weights(model: str, quantize: str | None, prof: dict | None = None, profile
 
 
 def _dtype(dtype: str | None) -> str:
-    """Activations' dtype (and the KV cache's): float32 unless asked. Quantized linears hand their
+    """Activations' dtype: float32 unless asked (the KV cache's is `_kv_dtype`). Quantized linears hand their
     kernels bf16 and give back this dtype; the rest of a step (attention, norms) is faster in
     float32 on CPUs (SDPA decode: 26 us against 127 us in bf16 here) and more exact."""
     if dtype is not None and dtype not in formats.DTYPES:
         raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
     return dtype or "float32"
+
+
+def _kv_dtype(kv_dtype: str | None, prof: dict | None = None, profile_path: str | None = None) -> str:
+    """The KV cache's elements: asked for, else a profile's (its times and bytes are of them), else
+    formats.KV_DTYPE."""
+    if kv_dtype is not None and kv_dtype not in formats.DTYPES:
+        raise HpipeError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(formats.DTYPES)}")
+    if prof is None:
+        return kv_dtype or formats.KV_DTYPE
+    measured = formats.profile_kv_dtype(prof)
+    if kv_dtype not in (None, measured):
+        raise HpipeError(f"{profile_path}: measured with --kv-dtype {measured}, not {kv_dtype}; plan with --kv-dtype "
+                         f"{measured} or profile again with --kv-dtype {kv_dtype}")
+    return measured
 
 
 def _plan_devices(stages: int | None, cluster: str | None, profile_path: str | None, device: str):
@@ -380,7 +398,7 @@ def _print_plan(p, out: str, result=None) -> None:
     from hpipe import quant
 
     desc = ", ".join(f"{s.host}/{s.device} units {s.units[0]}-{s.units[1] - 1}" for s in p.stages)
-    typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc})")
+    typer.echo(f"wrote {out}: {len(p.stages)} stages ({desc}); KV cache {p.kv_dtype}")
     if p.weights != "none":
         typer.echo(f"weights {p.weights}, activations {p.dtype}: " + "; ".join(
             f"stage {r} {s.weights}" + (f" ({quant.kernels_on(s.device)[1]})" if s.host in ("local", "localhost")
@@ -690,9 +708,9 @@ def _print_launch(summary: dict, out: str) -> None:
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
     if s.get("options", {}).get("compile_cold"):
-        typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize and --dtype compiles its "
-                   "steps once on each host (about a minute; --threads as each stage runs there, a host's cores over its CPU "
-                   "stages); runs then take about 0.7x the time a token")
+        typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize, --dtype and --kv-dtype "
+                   "compiles its steps once on each host (about a minute; --threads as each stage runs there, a host's "
+                   "cores over its CPU stages); runs then take about 0.7x the time a token")
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "
                    f"({s['prefix_hit_tokens'] / max(1, s['prefix_query_tokens']):.0%}) and not prefilled again")
@@ -749,6 +767,7 @@ def warmup(
     model: str = typer.Option("smollm2", "--model", help="'smollm2', a Hugging Face directory or a .gguf file"),
     quantize: str | None = QUANTIZE,
     dtype: str | None = typer.Option(None, "--dtype", help="activations: float32 (default), bfloat16 or float16"),
+    kv_dtype: str | None = KV_DTYPE_OPTION,
     threads: str | None = typer.Option(None, "--threads", help="the CPU threads of the stages that will run here, "
                                        "comma-separated (inductor builds its kernels for one count; a launch gives "
                                        "each CPU stage the host's cores over its CPU stages); default: all cores"),
@@ -762,12 +781,13 @@ def warmup(
     counts = _thread_counts(threads)
     source = models.resolve_model(model, progress=_note)
     config = models.load_config(source.path)
-    weights, dtype = quant.stage_weights(_weights(model, quantize), "cpu"), _dtype(dtype)
+    weights, dtype, kv_dtype = (quant.stage_weights(_weights(model, quantize), "cpu"), _dtype(dtype),
+                                _kv_dtype(kv_dtype))
     t = time.time()
-    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts)
+    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype)
     typer.echo(f"{source.name}: {graphs} decode graphs compiled and warm on this host ({time.time() - t:.0f} s; "
-               f"weights {weights}, {dtype}, {' and '.join(map(str, counts))} threads); runs with --compile auto "
-               f"(the default) use them")
+               f"weights {weights}, {dtype}, KV {kv_dtype}, {' and '.join(map(str, counts))} threads); runs with "
+               f"--compile auto (the default) use them")
 
 
 def _thread_counts(text: str | None) -> list[int]:

@@ -40,7 +40,7 @@ from pathlib import Path
 from hpipe.config import cache_dir
 
 __all__ = ["Variant", "VARIANTS", "variant_here", "cpu_flags", "kernels", "int4_form", "int4_mm", "int8_mm",
-           "int4_mm_experts", "int8_mm_experts", "int4_dequant", "int8_dequant", "int4_rows", "ops",
+           "int4_mm_experts", "int8_mm_experts", "int4_dequant", "int8_dequant", "int4_rows", "attend_f16", "ops",
            "ops_route", "OPS_SOURCE"]
 
 
@@ -130,6 +130,8 @@ def kernels() -> tuple[object | None, str]:
     lib.hpipe_int4_rows.argtypes = [p, p, i32, i64, i64, i64, p, i64, p]
     lib.hpipe_int4_rows.restype = i32
     lib.hpipe_int8_dequant.argtypes = [p, p, i32, i64, i64, i64, p, i32]
+    lib.hpipe_attend_f16.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, p, ctypes.c_float, p, i32]
+    lib.hpipe_attend_f16.restype = i32
     return lib, f"int4/int8 codes x 16-bit activations per block of 32 ({variant.name})"
 
 
@@ -280,6 +282,38 @@ def int8_dequant(weight, scales, first: int, out) -> None:
                                     out.data_ptr(), torch.get_num_threads())
 
 
+def attend_f16(q, k, v, mask, scale: float):
+    """One query row per sequence against a float16 KV cache where it lies (kernels/attention.h):
+    q [b, kv heads, g, d] float32, k and v [b, kv heads, n, d] float16 (the same strides, the last
+    1), mask [b, 1, 1, n] bool (True: attend) or None -> [b, kv heads, g, d] float32, softmax(q k^T
+    scale) v per query head."""
+    import torch
+
+    b, h, g, d = q.shape
+    n = k.shape[2]
+    q = q.float().contiguous()
+    _check_attend(k, v, n, d)
+    m = None if mask is None else mask.expand(b, 1, 1, n).reshape(b, n).to(torch.uint8).contiguous()
+    out = torch.empty(b, h, g, d, dtype=torch.float32)
+    rc = kernels()[0].hpipe_attend_f16(q.data_ptr(), b, h, g, d, k.data_ptr(), v.data_ptr(), k.stride(0),
+                                       k.stride(1), k.stride(2), n, None if m is None else m.data_ptr(), scale,
+                                       out.data_ptr(), torch.get_num_threads())
+    if rc:
+        raise MemoryError(f"attention kernel: no memory for {b} x {h} x {n} positions") if rc == -1 else \
+            ValueError(f"attention kernel: {g} query heads a KV head of size {d}: at most 16 heads, sizes a multiple "
+                       f"of 8 up to 256")
+    return out
+
+
+def _check_attend(k, v, n: int, d: int) -> None:
+    import torch
+
+    if k.dtype != torch.float16 or v.dtype != torch.float16 or k.stride() != v.stride() or k.stride(3) != 1:
+        raise ValueError("attention kernel: k and v must be float16 at the same strides, the last 1")
+    if v.shape[2] != n or k.shape[3] != d:
+        raise ValueError(f"attention kernel: k {tuple(k.shape)} and v {tuple(v.shape)} do not match the query")
+
+
 def _cpp_ops() -> str | None:
     """Loads `kernels/ops.cpp`'s CPU kernels of the hpipe ops into torch's dispatcher (built once per
     source, torch version and ABI, linked to the VNNI library); None, or why not."""
@@ -316,12 +350,14 @@ def ops():
     lib.define("int8_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor")
     lib.define("int4_mm_experts(Tensor x, Tensor packed, Tensor scales_zeros, int group, Tensor ids) -> Tensor")
     lib.define("int8_mm_experts(Tensor x, Tensor weight, Tensor scales, Tensor ids) -> Tensor")
+    lib.define("attend_f16(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor")
     why = f"{OPS_ENV}=python" if os.environ.get(OPS_ENV, "").lower() == "python" else _cpp_ops()
     if why is not None:
         lib.impl("int4_mm", int4_mm, "CPU")
         lib.impl("int8_mm", int8_mm, "CPU")
         lib.impl("int4_mm_experts", int4_mm_experts, "CPU")
         lib.impl("int8_mm_experts", int8_mm_experts, "CPU")
+        lib.impl("attend_f16", attend_f16, "CPU")
 
     @torch.library.register_fake("hpipe::int4_mm", lib=lib)
     def _(x, packed, scales_zeros, group):
@@ -338,6 +374,10 @@ def ops():
     @torch.library.register_fake("hpipe::int8_mm_experts", lib=lib)
     def _(x, weight, scales, ids):
         return x.new_empty(ids.numel(), weight.shape[1], dtype=torch.float32)
+
+    @torch.library.register_fake("hpipe::attend_f16", lib=lib)
+    def _(q, k, v, mask, scale):
+        return q.new_empty(q.shape, dtype=torch.float32)
 
     return lib, why
 

@@ -365,6 +365,14 @@ class SidpGroupPlan:
 
 
 SIDP_SOURCES = ("peer", "host-pool", "shared-mapping")
+DTYPES = ("float32", "bfloat16", "float16")
+# The KV cache's default elements: 16-bit halves a token's cache (a box holds twice the context, a
+# long-context decode step reads half the bytes). float16 rather than bfloat16, as llama.cpp: its 3
+# more bits of mantissa kept SmolLM2's KL against a float32 cache at 7e-7 where bfloat16's was 4e-5
+# (llama.cpp's f16 cache: ~1e-6), and a CPU's decode steps read it where it lies through
+# hpipe's kernel (kernels/attention.h), faster than torch's SDPA over float32 (bench/kv_dtype.py).
+# Exactness tests and users who want every bit choose float32 (`--kv-dtype float32`).
+KV_DTYPE = "float16"
 
 
 @dataclass(frozen=True)
@@ -376,6 +384,7 @@ class Plan:
     predicted: dict[str, Any] | None = None
     created_by: str = ""
     version: int = PLAN_VERSION
+    kv_dtype: str = KV_DTYPE
     weights: str = "none"   # asked for: none, gguf, int8 or int4:G (each stage says what it runs)
     mode: str = "pipeline"  # "pipeline": the stages cut the model; "sidp": each stage is a whole replica
     sidp: tuple[SidpGroupPlan, ...] = ()   # mode "sidp": one group per host
@@ -390,6 +399,7 @@ class Plan:
             "created_by": self.created_by,
             "model": asdict(self.model),
             "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
             "weights": self.weights,
             "stages": [{"host": s.host, "device": s.device, "units": list(s.units), "weights": s.weights,
                         **({"host_experts": s.host_experts} if s.host_experts else {})} for s in self.stages],
@@ -405,7 +415,6 @@ class Plan:
         }
 
 
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _write_json(data, path: str | os.PathLike, indent: int) -> None:
@@ -439,8 +448,8 @@ def load_plan(path: str | os.PathLike) -> Plan:
 
 def parse_plan(data: Any, path: str = "<plan>") -> Plan:
     _expect(path, "top level", data, dict, "a JSON object")
-    _no_unknown_keys(path, "top level", data, {"version", "created_by", "model", "dtype", "weights", "stages",
-                                                "slicing", "predicted", "mode", "sidp"})
+    _no_unknown_keys(path, "top level", data, {"version", "created_by", "model", "dtype", "kv_dtype", "weights",
+                                                "stages", "slicing", "predicted", "mode", "sidp"})
     if "version" not in data:
         raise _fail(path, "version", f"missing; this hpipe writes plan version {PLAN_VERSION}")
     _check_version(path, data, PLAN_VERSION, "plans")
@@ -492,10 +501,9 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
         contexts[int(k)] = tuple(v)
     slicing = Slicing(count=count, lengths=tuple(lengths), granularity=granularity, by_seq_len=table,
                       by_context=contexts)
-    dtype = _expect(path, "dtype", data.get("dtype", "float32"), str, "a dtype name")
-    predicted = data.get("predicted")
-    if predicted is not None:
-        _expect(path, "predicted", predicted, dict, "an object or null")
+    dtype, kv_dtype = (_expect(path, key, data.get(key, default), str, "a dtype name")
+                       for key, default in (("dtype", "float32"), ("kv_dtype", KV_DTYPE)))
+    predicted = _expect(path, "predicted", data.get("predicted"), (dict, type(None)), "an object or null")
     weights = _expect(path, "weights", data.get("weights", "none"), str, "a weight format")
     mode = _expect(path, "mode", data.get("mode", "pipeline"), str, "'pipeline' or 'sidp'")
     groups = []
@@ -512,7 +520,7 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
         threshold = _expect(path, f"{where}.threshold", g.get("threshold", 0), int, "a batch size")
         groups.append(SidpGroupPlan(g["host"], tuple(g["replicas"]), tuple(g["owners"]), g["slots"], g["source"],
                                     threshold))
-    plan = Plan(model=model, stages=tuple(stages), slicing=slicing, dtype=dtype, predicted=predicted,
+    plan = Plan(model=model, stages=tuple(stages), slicing=slicing, dtype=dtype, kv_dtype=kv_dtype, predicted=predicted,
                 created_by=str(data.get("created_by", "")), version=data["version"], weights=weights,
                 mode=mode, sidp=tuple(groups))
     validate_plan(plan, path)
@@ -598,11 +606,16 @@ def _validate_rest(plan: Plan, path: str) -> None:
     for c, lengths in sl.by_context.items():
         if not lengths or any((not isinstance(x, int)) or x < 1 for x in lengths):
             raise _fail(path, f"slicing.by_context[{c}]", "slice lengths must be positive integers")
-    if plan.dtype not in DTYPES:
-        raise _fail(path, "dtype", f"{plan.dtype!r} is not one of {', '.join(DTYPES)}")
+    _check_dtypes(path, {"dtype": plan.dtype, "kv_dtype": plan.kv_dtype})
     check_weights(path, "weights", plan.weights)
     for i, s in enumerate(plan.stages):
         check_weights(path, f"stages[{i}].weights", s.weights)
+
+
+def _check_dtypes(path: str, named: dict) -> None:
+    for key, value in named.items():
+        if value not in DTYPES:
+            raise _fail(path, key, f"{value!r} is not one of {', '.join(DTYPES)}")
 
 
 def check_weights(path: str, where: str, text: str):
@@ -779,8 +792,8 @@ RUNTIME_COSTS = ("step_s", "hop_s", "back_s")   # a profile's "runtime": see hpi
 def validate_profile(data: Any, path: str = "<profile>") -> dict:
     """Checks a profile (as loaded from JSON); returns it. Fields are documented in docs/formats.md."""
     _expect(path, "top level", data, dict, "a JSON object")
-    _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "weights",
-                                              "max_seq_len",
+    _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "kv_dtype",
+                                              "weights", "max_seq_len",
                                               "quick", "bytes", "devices", "links", "peers", "errors", "runtime"})
     if data.get("version") != PROFILE_VERSION:
         raise _fail(path, "version", f"this hpipe reads profile version {PROFILE_VERSION}, "
@@ -794,8 +807,7 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
             raise _fail(path, "model", f"missing required key {key!r}")
         _expect(path, f"model.{key}", m[key], typ, typ.__name__)
     units = m["units"]
-    if data["dtype"] not in DTYPES:
-        raise _fail(path, "dtype", f"{data['dtype']!r} is not one of {', '.join(DTYPES)}")
+    _check_dtypes(path, {"dtype": data["dtype"], "kv_dtype": profile_kv_dtype(data)})
     check_weights(path, "weights", data.get("weights", "none"))
     b = _expect(path, "bytes", data["bytes"], dict, "an object")
     for key, n in (("weights_per_unit", units), ("kv_per_token_per_unit", units),
@@ -853,6 +865,12 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
 def write_profile(data: dict, path: str | os.PathLike) -> None:
     validate_profile(data, str(path))
     _write_json(data, path, indent=1)
+
+
+def profile_kv_dtype(profile: dict) -> str:
+    """The KV cache's elements a profile measured and counted (profiles before 16-bit caches used
+    the activations' dtype)."""
+    return profile.get("kv_dtype", profile["dtype"])
 
 
 def load_profile(path: str | os.PathLike) -> dict:

@@ -477,10 +477,10 @@ def sliding_window_of_block(config, b: int) -> int | None:
     return None
 
 
-def unit_bytes(config, dtype: str = "float32", weights: str = "none") -> dict:
+def unit_bytes(config, dtype: str = "float32", weights: str = "none", kv_dtype: str | None = None) -> dict:
     """From the model itself: weight bytes per unit (resident, in `weights`' packed form: a GGUF
     file's block matrices counted as 4-bit groups of 32, its embedding as int8 rows), KV-cache
-    bytes per token per unit, and activation bytes per token crossing each possible cut (index c =
+    bytes per token per unit (in `kv_dtype`'s elements, else `dtype`'s), and activation bytes per token crossing each possible cut (index c =
     the cut before unit c; 0 = token ids in, U = token ids back)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -517,7 +517,8 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none") -> dict:
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    kv = [2 * kv_heads * head_dim * elem if unit_kind(config, u) == "attn" else 0 for u in range(n)]
+    kv_elem = torch.tensor([], dtype=torch_dtype(kv_dtype or dtype)).element_size()
+    kv = [2 * kv_heads * head_dim * kv_elem if unit_kind(config, u) == "attn" else 0 for u in range(n)]
     hidden = int(config.hidden_size) * elem
     activation = [8] + [hidden] * (n - 1) + [8]
     return {"weights_per_unit": weights_per_unit, "kv_per_token_per_unit": kv,

@@ -76,7 +76,7 @@ def plan_hosts(plan: formats.Plan, inventory: formats.Inventory) -> list[str]:
 def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, microbatch_tokens: int) -> dict:
     """Bytes each device of the host needs for its stages: the planner's memory model
     (hpipe.memory), for kv_tokens tokens of KV cache and micro-batches of up to microbatch_tokens."""
-    table = models.unit_bytes(config, plan.dtype, plan.weights)
+    table = models.unit_bytes(config, plan.dtype, plan.weights, plan.kv_dtype)
     need: dict[str, int] = {}
     for st in plan.stages:
         if st.host == host_name:

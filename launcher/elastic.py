@@ -105,7 +105,8 @@ class Replanner:
         plan = self.plan
         if self.profile is None:
             return planner.make_plan(self.name, self.config, devices, None, list(plan.slicing.lengths) or None,
-                                     plan.slicing.count, plan.slicing.granularity, plan.dtype, plan.weights)
+                                     plan.slicing.count, plan.slicing.granularity, plan.dtype, plan.weights,
+                                     plan.kv_dtype)
         pr = plan.predicted
         try:
             result = planner.search_plan(self.profile, self.profile_path, self.name, self.config, devices,

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from hpipe import formats, protocol
+from hpipe import formats, models, protocol
 from hpipe.errors import HpipeError
 from hpipe.launcher.cluster import start_cluster
 from hpipe.launcher.elastic import Elastic, Recovery
@@ -76,6 +76,12 @@ class Handle:
     @property
     def done(self) -> bool:
         return self.output is None or self.output.done
+
+
+def metric(name: str, kind: str, text: str, value, labels: str = "") -> list[str]:
+    """One Prometheus metric: its HELP and TYPE lines and its sample."""
+    sample = f"{name}{{{labels}}}" if labels else name
+    return [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{sample} {value}"]
 
 
 class Histogram:
@@ -156,6 +162,7 @@ class PipelineClient:
         self.next_index = itertools.count()
         self.launch = None                     # the started pipeline (hpipe.launcher.jobs.Launch)
         self.plan: formats.Plan | None = None  # the running pipeline's plan (another after a recovery)
+        self._kv_bytes: tuple = (None, 0)       # (plan, a token's KV bytes over its stages)
         self.ready = threading.Event()
         self.accepting = False                 # stage 0 of the running pipeline takes requests now
         self.info: protocol.Ready | None = None
@@ -178,7 +185,6 @@ class PipelineClient:
     # ------------------------------------------------------------------ life cycle
     def start(self, timeout_s: float = 600.0) -> None:
         """Starts every stage and waits until stage 0 is ready (the KV pool agreed and allocated)."""
-        from hpipe import models
         self.eos = frozenset(models.eos_token_ids(self.job.source.path, self.job.config))
         self.thread = threading.Thread(target=self._run, name="hpipe-serve", daemon=True)
         self.thread.start()
@@ -503,6 +509,14 @@ class PipelineClient:
         self._settle(waiting)
 
     # ------------------------------------------------------------------ /metrics
+    def kv_bytes_per_token(self) -> int:
+        """What one token's KV cache takes over the running plan's stages (the planner's memory model)."""
+        plan = self.plan or self.job.plan
+        if self._kv_bytes[0] is not plan:
+            table = models.unit_bytes(self.job.config, plan.dtype, plan.weights, plan.kv_dtype)
+            self._kv_bytes = (plan, sum(table["kv_per_token_per_unit"]))
+        return self._kv_bytes[1]
+
     def prometheus(self) -> str:
         s, m = self.stats, self.metrics
         lines = [
@@ -514,28 +528,26 @@ class PipelineClient:
             "# TYPE hpipe_requests_open gauge", f"hpipe_requests_open {self.load()}",
             "# HELP hpipe_kv_pages_used KV pages held by sequences (every stage holds the same table).",
             "# TYPE hpipe_kv_pages_used gauge", f"hpipe_kv_pages_used {s.get('pages_used', 0)}",
-            "# HELP hpipe_kv_pages_free KV pages free.",
-            "# TYPE hpipe_kv_pages_free gauge",
-            f"hpipe_kv_pages_free {s.get('pages_free', self.info.kv_pages if self.info else 0)}",
+            *metric("hpipe_kv_pages_free", "gauge", "KV pages free.",
+                    s.get("pages_free", self.info.kv_pages if self.info else 0)),
+            *metric("hpipe_kv_bytes_per_token", "gauge", "A token's KV cache, over every stage (the plan's "
+                    "--kv-dtype).", self.kv_bytes_per_token()),
+            *metric("hpipe_kv_cache_info", "gauge", "The KV cache's element type.", 1,
+                    f'dtype="{(self.plan or self.job.plan).kv_dtype}"'),
             "# HELP hpipe_kv_pages_cached KV pages holding a cached prefix (in use or evictable).",
             "# TYPE hpipe_kv_pages_cached gauge", f"hpipe_kv_pages_cached {s.get('pages_cached', 0)}",
-            "# HELP hpipe_prefix_cache_hit_tokens_total Prompt tokens found in the prefix cache.",
-            "# TYPE hpipe_prefix_cache_hit_tokens_total counter",
-            f"hpipe_prefix_cache_hit_tokens_total {s.get('prefix_hit_tokens', 0)}",
-            "# HELP hpipe_prefix_cache_query_tokens_total Prompt tokens looked up in the prefix cache.",
-            "# TYPE hpipe_prefix_cache_query_tokens_total counter",
-            f"hpipe_prefix_cache_query_tokens_total {s.get('prefix_query_tokens', 0)}",
+            *metric("hpipe_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
+                    s.get("prefix_hit_tokens", 0)),
+            *metric("hpipe_prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix "
+                    "cache.", s.get("prefix_query_tokens", 0)),
             "# HELP hpipe_preemptions_total Sequences preempted for KV pages (recomputed later).",
             "# TYPE hpipe_preemptions_total counter", f"hpipe_preemptions_total {s.get('preemptions', 0)}",
-            "# HELP hpipe_spec_proposed_tokens_total Speculative decoding: tokens proposed (prompt lookup).",
-            "# TYPE hpipe_spec_proposed_tokens_total counter",
-            f"hpipe_spec_proposed_tokens_total {s.get('spec_proposed_tokens', 0)}",
-            "# HELP hpipe_spec_accepted_tokens_total Speculative decoding: proposed tokens accepted.",
-            "# TYPE hpipe_spec_accepted_tokens_total counter",
-            f"hpipe_spec_accepted_tokens_total {s.get('spec_accepted_tokens', 0)}",
-            "# HELP hpipe_spec_acceptance_rate Speculative decoding: accepted / proposed tokens, since the start.",
-            "# TYPE hpipe_spec_acceptance_rate gauge",
-            f"hpipe_spec_acceptance_rate {s.get('spec_accepted_tokens', 0) / max(1, s.get('spec_proposed_tokens', 0)):.4f}",
+            *metric("hpipe_spec_proposed_tokens_total", "counter", "Speculative decoding: tokens proposed (prompt "
+                    "lookup).", s.get("spec_proposed_tokens", 0)),
+            *metric("hpipe_spec_accepted_tokens_total", "counter", "Speculative decoding: proposed tokens accepted.",
+                    s.get("spec_accepted_tokens", 0)),
+            *metric("hpipe_spec_acceptance_rate", "gauge", "Speculative decoding: accepted / proposed tokens, since "
+                    "the start.", f"{s.get('spec_accepted_tokens', 0) / max(1, s.get('spec_proposed_tokens', 0)):.4f}"),
             "# HELP hpipe_prompt_tokens_total Prompt tokens submitted.",
             "# TYPE hpipe_prompt_tokens_total counter", f"hpipe_prompt_tokens_total {m.prompt_tokens}",
             "# HELP hpipe_generation_tokens_total Tokens generated.",

@@ -656,7 +656,7 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                                      weights=quant.planned(weights, h, dv), host_experts=len(cost.placed.get(j, ())))
                    for j, (h, dv) in enumerate(devices))
     plan = formats.Plan(model=model_identity(model_name, config), stages=stages, slicing=slicing,
-                        dtype=dtype or profile["dtype"], weights=weights,
+                        dtype=dtype or profile["dtype"], kv_dtype=formats.profile_kv_dtype(profile), weights=weights,
                         predicted=predicted, created_by=f"hpipe {__version__} (profile: DP partition"
                                                         f"{'' if fixed else ' and DP slicing'})")
     formats.validate_plan(plan)

@@ -249,7 +249,7 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
                          f"routed experts, which SiDP's shared replicas do not hold yet; plan it with --mode pipeline")
     check_profile_matches(profile, config, name, profile_path)
     cost = CostModel(profile, config, devices, profile_path)
-    unit_bytes = models.unit_bytes(config, dtype, weights)
+    unit_bytes = models.unit_bytes(config, dtype, weights, formats.profile_kv_dtype(profile))
     reserve = activation_bytes(unit_bytes, max_batch)
     hosts: dict[str, list[int]] = {}
     for j, (host, _) in enumerate(devices):
@@ -284,7 +284,8 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
                              "dp_kv_tokens": grp.dp_kv_tokens, "fetch_s": grp.fetch_s}
                             for g, grp in zip(group_plans, groups)]}
     plan = formats.Plan(model=model_identity(name, config), stages=stages, slicing=formats.Slicing(), dtype=dtype,
-                        predicted=predicted, created_by="hpipe plan --mode sidp", weights=weights, mode="sidp",
+                        kv_dtype=formats.profile_kv_dtype(profile), predicted=predicted,
+                        created_by="hpipe plan --mode sidp", weights=weights, mode="sidp",
                         sidp=tuple(group_plans))
     return plan, groups, pipelines
 

@@ -15,7 +15,7 @@ def uniform_cuts(n_units: int, n_stages: int) -> list[int]:
 
 def make_plan(model_name: str, config, devices: list[tuple[str, str]], cuts: list[int] | None = None,
               slices: list[int] | None = None, num_slices: int | None = None, granularity: int = 16,
-              dtype: str = "float32", weights: str = "none") -> formats.Plan:
+              dtype: str = "float32", weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> formats.Plan:
     """devices: (host, device) per stage, in pipeline order; weights: the format asked for (each
     stage records what it will run, `hpipe.quant.planned`)."""
     n_units = models.num_units(config)
@@ -37,7 +37,7 @@ def make_plan(model_name: str, config, devices: list[tuple[str, str]], cuts: lis
     stages = tuple(formats.StagePlan(host=h, device=d, units=(a, b), weights=quant.planned(weights, h, d))
                    for (h, d), a, b in zip(devices, bounds, bounds[1:]))
     plan = formats.Plan(model=model_identity(model_name, config), stages=stages, slicing=slicing, dtype=dtype, weights=weights,
-                        created_by=f"hpipe {__version__} (uniform)")
+                        kv_dtype=kv_dtype, created_by=f"hpipe {__version__} (uniform)")
     formats.validate_plan(plan)
     return plan
 

@@ -12,6 +12,7 @@ and context. Reports on stdout as `@@hpipe {json}` lines: `estimate` (seconds, u
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import platform
@@ -20,6 +21,7 @@ import statistics
 import time
 import traceback
 
+from hpipe.formats import KV_DTYPE
 from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.reports import emit
 
@@ -180,7 +182,7 @@ def peer_copies(devices: list[str], torch, repeats: int = 5) -> list[dict]:
 
 
 def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype: str, repeats: int | None,
-            weights: str = "none") -> dict:
+            weights: str = "none", kv_dtype: str = KV_DTYPE) -> dict:
     import torch
 
     from hpipe import models
@@ -202,8 +204,8 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     # COLD_BYTES (twice a large L3; quantized SmolLM2 blocks are 2.2 MB each).
     sizes = models.unit_bytes(config, dtype, str(fmt))["weights_per_unit"]
     cycle = max(1, min(models.num_blocks(config), -(-COLD_BYTES // max(1, sizes[1] + sizes[2]))))
-    body = StageRunner(source, config, range(1 + 2 * cycle), device, dtype, weights=fmt)   # embed, the blocks
-    head = StageRunner(source, config, range(n_units - 1, n_units), device, dtype, weights=fmt)
+    runner = functools.partial(StageRunner, source, config, device=device, dtype=dtype, weights=fmt, kv_dtype=kv_dtype)
+    body, head = runner(range(1 + 2 * cycle)), runner(range(n_units - 1, n_units))   # embed and the blocks; the head
     dev = body.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     repeats = repeats or (3 if quick else 5)
@@ -359,6 +361,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--max-seq-len", type=int)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-dtype", default=KV_DTYPE)
     p.add_argument("--weights", default="none")
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, default=0)
@@ -382,7 +385,7 @@ def main(argv=None) -> int:
             if index >= torch.cuda.device_count():
                 raise RuntimeError(f"{args.device} does not exist here ({torch.cuda.device_count()} CUDA devices)")
         result = measure(args.model, args.device, args.quick, args.max_seq_len, args.dtype, args.repeats,
-                         args.weights)
+                         args.weights, args.kv_dtype)
         emit("device_profile", **result)
         return 0
     except Exception as e:

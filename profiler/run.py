@@ -52,7 +52,8 @@ def _reports(proc):
     proc.wait()
 
 
-def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick: bool, weights: str = "none") -> dict:
+def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick: bool, weights: str = "none",
+                   kv_dtype: str = formats.KV_DTYPE) -> dict:
     name = model_spec if model_spec in (models.DEFAULT_MODEL, *models.ARCHITECTURES) else \
         str(Path(model_spec).expanduser().resolve())
     return {
@@ -61,8 +62,8 @@ def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick:
         "created_by": f"hpipe {__version__}",
         "model": {"name": name, "family": config.model_type, "units": models.num_units(config),
                   "blocks": models.num_blocks(config), "fingerprint": models.fingerprint(config)},
-        "dtype": dtype, "weights": weights, "max_seq_len": max_seq_len, "quick": quick,
-        "bytes": models.unit_bytes(config, dtype, weights), "devices": [], "links": [], "errors": [],
+        "dtype": dtype, "kv_dtype": kv_dtype, "weights": weights, "max_seq_len": max_seq_len, "quick": quick,
+        "bytes": models.unit_bytes(config, dtype, weights, kv_dtype), "devices": [], "links": [], "errors": [],
     }
 
 
@@ -118,7 +119,7 @@ def _add_link(profile: dict, a: dict, b: dict, link: dict, measured_between: str
 
 def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, max_seq_len: int | None,
                   dtype: str, console: Console | None = None, host: str = "local", threads: int = 0,
-                  weights: str = "none") -> dict:
+                  weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> dict:
     console = console or Console(stderr=True)
     source = models.resolve_model(model_spec, progress=lambda m: console.print(m))
     config = models.load_config(source.path)
@@ -128,7 +129,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     n = min(max_seq_len or 2048, ctx)
     for d in devices:
         formats.check_device("--devices", d, d)
-    profile = profile_header(model_spec, config, dtype, n, quick, weights)
+    profile = profile_header(model_spec, config, dtype, n, quick, weights, kv_dtype)
     names = _device_names(devices)
     measured: dict[str, dict] = {}  # identity name -> device profile
     threads = threads or max(1, os.cpu_count() or 1)
@@ -146,8 +147,8 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
             task = progress.add_task(f"{dev_id} units", total=None, note="starting")
             step(f"{dev_id}: measuring its units")
             cmd = [sys.executable, "-m", "hpipe.profiler.measure", "--model", str(source.gguf or source.path),
-                   "--device", d, "--dtype", dtype, "--weights", weights, "--max-seq-len", str(n),
-                   "--threads", str(threads)] + (["--quick"] if quick else [])
+                   "--device", d, "--dtype", dtype, "--kv-dtype", kv_dtype, "--weights", weights,
+                   "--max-seq-len", str(n), "--threads", str(threads)] + (["--quick"] if quick else [])
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                                     stdin=subprocess.DEVNULL)
             result, error = _follow_measurement(_reports(proc), progress, task)
@@ -282,7 +283,7 @@ def _remote_free_port(conn) -> int:
 
 def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, quick: bool, max_seq_len: int | None,
                     dtype: str, accept_new_keys: bool = False, console: Console | None = None,
-                    host_timeout_s: float = 30.0, weights: str = "none") -> dict:
+                    host_timeout_s: float = 30.0, weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> dict:
     """Measures every device of every host (one host at a time, so that measurements do not share
     a network or a machine), then the link between every pair of hosts, over SSH. Devices of one
     host are measured as in `profile_local`; a link between two hosts is measured once, between
@@ -297,7 +298,7 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
     if max_seq_len is not None and not 1 <= max_seq_len <= ctx:
         raise HpipeError(f"--max-seq-len {max_seq_len}: must be between 1 and the model's context ({ctx})")
     n = min(max_seq_len or 2048, ctx)
-    profile = profile_header(model_spec, config, dtype, n, quick, weights)
+    profile = profile_header(model_spec, config, dtype, n, quick, weights, kv_dtype)
     names = [h.name for h in inventory.hosts]
     conns = ssh.connect_all(inventory, names, accept_new_keys, log=lambda m: console.print(m))
     try:
@@ -316,7 +317,7 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
                 for d in host.devices:
                     task = progress.add_task(f"{host.name}/{d} units", total=None, note="starting")
                     argv = [host.python, "-m", "hpipe.profiler.measure", "--model", model_spec, "--device", d,
-                            "--dtype", dtype, "--weights", weights, "--max-seq-len", str(n),
+                            "--dtype", dtype, "--kv-dtype", kv_dtype, "--weights", weights, "--max-seq-len", str(n),
                             "--threads", str(threads)] + \
                         (["--quick"] if quick else [])
                     tail: list[str] = []
@@ -422,11 +423,11 @@ def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: 
 
 
 def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dtype: str,
-                     max_seq_len: int | None, weights: str = "none") -> dict:
+                     max_seq_len: int | None, weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> dict:
     config = models.config_for(model_spec)
     ctx = models.context_length(config)
     n = min(max_seq_len or 2048, ctx)
-    profile = profile_header(model_spec, config, dtype, n, quick=False, weights=weights)
+    profile = profile_header(model_spec, config, dtype, n, quick=False, weights=weights, kv_dtype=kv_dtype)
     by_type: dict[str, dict] = {}
     for host in inventory.hosts:
         if not host.device_types:

@@ -56,7 +56,7 @@ def test_a_server_gets_its_graphs_beside_it_compiled_on_a_cold_host_loaded_on_a_
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))     # a host that never compiled
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(talking_model), "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(talking_model), "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0
     reference = AutoModelForCausalLM.from_pretrained(talking_model).eval()
     prompt = list(range(40, 75))
     expected = list(prompt)

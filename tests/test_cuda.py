@@ -25,7 +25,7 @@ PROMPTS = [[5, 9, 11, 200, 17, 3, 44, 90] * 6, [7] * 33, [12, 13]]
 
 def run_on(path, bounds, device, dtype):
     config = models.load_config(path)
-    runners = [StageRunner(path, config, range(a, b), device=device, dtype=dtype) for a, b in zip(bounds, bounds[1:])]
+    runners = [StageRunner(path, config, range(a, b), device=device, dtype=dtype, kv_dtype="float32") for a, b in zip(bounds, bounds[1:])]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=12, eos_ids=frozenset([2]))
                 for i, p in enumerate(PROMPTS)]
     return run_inprocess(runners, requests, Slicing(lengths=(16, 8)).slices_for, max_batch=2, keep_logits=True)
@@ -64,7 +64,7 @@ def test_cuda_bfloat16_close_to_transformers_bfloat16(tiny_models):
 def test_gpu_and_cpu_stages_in_one_pipeline(tiny_models, reference_models, tmp_path):
     path = tiny_models["llama"]
     plan, prompts, out, logits = (tmp_path / n for n in ("plan.json", "p.jsonl", "o.jsonl", "l.npz"))
-    assert main(["plan", "--model", str(path), "--stages", "3", "--cuts", "4,7", "--slices", "16,8",
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "3", "--cuts", "4,7", "--slices", "16,8",
                  "-o", str(plan)]) == 0
     data = json.loads(plan.read_text())
     data["stages"][0]["device"] = "cuda:0"
@@ -89,7 +89,7 @@ def test_cuda_graphs_match_eager(family, tiny_models):
     config = models.load_config(path)
     outs = []
     for graphs in (False, True):
-        runners = [StageRunner(path, config, range(a, b), device="cuda") for a, b in ((0, 5), (5, 10))]
+        runners = [StageRunner(path, config, range(a, b), device="cuda", kv_dtype="float32") for a, b in ((0, 5), (5, 10))]
         requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=12, eos_ids=frozenset([2]))
                     for i, p in enumerate(PROMPTS)]
         outs.append(run_inprocess(runners, requests, Slicing(lengths=(16, 8)).slices_for, max_batch=3,
@@ -112,7 +112,7 @@ def test_war_hazard_writing_one_version_while_the_other_replays(tiny_models):
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
 
     def decode_all(static: bool) -> list[torch.Tensor]:
-        runner = StageRunner(path, config, range(n_units), device="cuda")
+        runner = StageRunner(path, config, range(n_units), device="cuda", kv_dtype="float32")
         runner.kv.allocate(64)      # pages for every sequence: never grown (the graphs bind the pool)
         for slot, p in enumerate(prompts):        # prefill, eager
             runner.forward(runner.prepare_inputs([Segment(slot, slot, 0, len(p), True, True)]), torch.tensor(p))

@@ -41,7 +41,7 @@ def random_plans(draw, n_units: int):
 def check_against_reference(path, reference, bounds, slicing, prompts, max_batch, attn="sdpa", static_decode=False,
                             policy=None, pages=None, page_size=16, device="cpu", host_experts=None):
     config = models.load_config(path)
-    runners = [StageRunner(path, config, range(a, b), attn_implementation=attn, device=device, host_experts=n)
+    runners = [StageRunner(path, config, range(a, b), attn_implementation=attn, device=device, host_experts=n, kv_dtype="float32")
                for a, b, n in zip(bounds, bounds[1:], host_experts or [0] * len(bounds))]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=NEW_TOKENS, eos_ids=frozenset([EOS]))
                 for i, p in enumerate(prompts)]
@@ -129,7 +129,7 @@ def test_stage_loads_only_its_units(tiny_models):
 
     path = tiny_models["llama"]
     config = models.load_config(path)
-    runner = StageRunner(path, config, range(4, 7))  # block 1 mlp, block 2 attn + mlp
+    runner = StageRunner(path, config, range(4, 7), kv_dtype="float32")  # block 1 mlp, block 2 attn + mlp
     real = {n for n, p in runner.model.named_parameters() if not p.is_meta}
     assert real and all(n.startswith(("model.layers.1.post_attention_layernorm", "model.layers.1.mlp",
                                       "model.layers.2.")) for n in real), sorted(real)
@@ -149,7 +149,7 @@ def test_stages_call_transformers_modules_without_deprecated_arguments(family, t
     path = tiny_models[family]
     config = models.load_config(path)
     n = models.num_units(config)
-    runners = [StageRunner(path, config, range(a, b)) for a, b in ((0, n // 2), (n // 2, n))]
+    runners = [StageRunner(path, config, range(a, b), kv_dtype="float32") for a, b in ((0, n // 2), (n // 2, n))]
     requests = [Request(0, "p0", tuple(range(3, 20)), max_new_tokens=4, eos_ids=frozenset([EOS]))]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -42,7 +42,7 @@ def test_random_plan_multiprocess_matches_transformers(family, tiny_models, refe
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 70))] for _ in range(rng.randint(2, 5))]
     plan, prompts_file, out, logits = (tmp_path / n for n in ("plan.json", "prompts.jsonl", "out.jsonl", "l.npz"))
     write_prompts(prompts_file, prompts)
-    assert main(["plan", "--model", str(path), "--stages", str(n_stages), "--cuts", ",".join(map(str, cuts)),
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", str(n_stages), "--cuts", ",".join(map(str, cuts)),
                  "--slices", ",".join(map(str, slices)), "-o", str(plan)]) == 0
     assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
                  "--max-new-tokens", str(NEW_TOKENS), "--logits-out", str(logits), "--max-batch", "3",
@@ -67,7 +67,7 @@ def test_temperature_sampling_is_seeded(tiny_models, tmp_path):
     runs = []
     for name, stages, seed in (("a", 2, 7), ("b", 3, 7), ("c", 2, 8)):
         plan, out = tmp_path / f"{name}.json", tmp_path / f"{name}.jsonl"
-        assert main(["plan", "--model", str(path), "--stages", str(stages), "-o", str(plan)]) == 0
+        assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", str(stages), "-o", str(plan)]) == 0
         assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
                      "--max-new-tokens", "12", "--temperature", "1.5", "--seed", str(seed), "--quiet"]) == 0
         runs.append({k: v["output_ids"] for k, v in read_results(out).items()})
@@ -88,7 +88,7 @@ def test_sampler_pool_gives_the_tokens_of_inline_sampling(sampling_args, procs, 
     prompts_file = tmp_path / "p.jsonl"
     write_prompts(prompts_file, [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 30))] for _ in range(6)])
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(path), "--stages", "2", "--slices", "8", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "2", "--slices", "8", "-o", str(plan)]) == 0
     runs = {}
     for name, extra in (("inline", ["--sampling", "inline"]), ("pool", ["--sampling", "cpu", "--sampler-procs", procs])):
         out = tmp_path / f"{name}.jsonl"
@@ -105,7 +105,7 @@ def test_per_prompt_sampling_overrides(tiny_models, reference_models, tmp_path):
     whatever the launch's --seed."""
     path = tiny_models["llama"]
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(path), "--stages", "2", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "2", "-o", str(plan)]) == 0
     greedy_prompt, seeded_prompt = [5, 17, 33, 8], [9, 10, 11, 40, 2 + 1]
     lines = [{"id": "greedy", "input_ids": greedy_prompt, "sampling": {"temperature": 0}},
              {"id": "seeded", "input_ids": seeded_prompt, "sampling": {"seed": 1234, "top_k": 30}},
@@ -153,7 +153,7 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}     # this test's own cache
     path = str(tiny_models["llama"])
     plan, prompts = tmp_path / "plan.json", tmp_path / "p.jsonl"
-    assert main(["plan", "--model", path, "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0   # block 1 cut
+    assert main(["plan", "--kv-dtype", "float32", "--model", path, "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0   # block 1 cut
     prompt_ids = [list(range(3, 40)), list(range(50, 61))]
     write_prompts(prompts, prompt_ids)
 
@@ -175,7 +175,7 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     hint, compiled, eager_tokens = launch("cold")
     assert compiled == (False, True) and len(hint) == 1 and hint[0].startswith("decode ran eagerly"), hint
     threads = str(threads_per_stage(["cpu", "cpu"])[0])          # what the launch gives each of its 2 stages
-    warmed = hpipe("warmup", "--model", path, "--threads", threads).stdout
+    warmed = hpipe("warmup", "--model", path, "--threads", threads, "--kv-dtype", "float32").stdout
     assert "4 decode graphs compiled" in warmed and f"{threads} threads" in warmed     # 4 blocks, 1 block, 2 halves
     graphs = lambda: set((tmp_path / "inductor" / "fxgraph").rglob("*"))     # noqa: E731 - inductor's compiled graphs
     before = graphs()
@@ -215,7 +215,7 @@ def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, 
         cuts = sorted(rng.sample(range(1, n_units), n_stages - 1))
         slices = [rng.randint(2, 25) for _ in range(rng.randint(1, 3))]
         plan, out = tmp_path / f"plan{k}.json", tmp_path / f"out{k}.jsonl"
-        assert main(["plan", "--model", str(path), "--stages", str(n_stages), "--slices", ",".join(map(str, slices)),
+        assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", str(n_stages), "--slices", ",".join(map(str, slices)),
                      "-o", str(plan)] + (["--cuts", ",".join(map(str, cuts))] if cuts else [])) == 0
         assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
                      "--max-new-tokens", "12", "--max-batch", "3", "--quiet",
@@ -241,7 +241,7 @@ def test_no_metadata_crosses_a_hop_with_sat(tiny_models, tmp_path):
     prompts_file = tmp_path / "p.jsonl"
     write_prompts(prompts_file, [[5 + i, 6, 7, 8, 9, 10 + i] for i in range(4)])
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "4", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "3", "--slices", "4", "-o", str(plan)]) == 0
     for sat in (True, False):
         out, tl = tmp_path / f"o{sat}.jsonl", tmp_path / f"t{sat}.json"
         assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
@@ -276,7 +276,7 @@ def test_policies_and_preemption_give_transformers_tokens(policy, tiny_models, r
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(5, 40))] for _ in range(5)]
     plan, prompts_file = tmp_path / "plan.json", tmp_path / "prompts.jsonl"
     write_prompts(prompts_file, prompts)
-    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "12,8", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "3", "--slices", "12,8", "-o", str(plan)]) == 0
     page_size = 4
     small = -(-(max(map(len, prompts)) + NEW_TOKENS) // page_size) + 2
     ref_model = reference_models["llama"]
@@ -310,7 +310,7 @@ def test_prompts_sharing_a_document_reuse_its_cached_pages_exactly(kv_pages, tin
     prompts = [doc + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(10)]
     plan, prompts_file = tmp_path / "plan.json", tmp_path / "prompts.jsonl"
     write_prompts(prompts_file, prompts)
-    assert main(["plan", "--model", str(path), "--stages", "3", "--slices", "16,8", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "3", "--slices", "16,8", "-o", str(plan)]) == 0
     runs = {}
     for caching in ("on", "off"):
         out, logits = tmp_path / f"{caching}.jsonl", tmp_path / f"{caching}.npz"

@@ -219,7 +219,7 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
     assert float(kl.median()) < 1e-3, float(kl.median())
     # two stages cut between block 1's attention and MoE halves: the same logits as one
     n = models.num_units(config)
-    stages = [StageRunner(source, config, r, weights=weights) for r in (range(0, 4), range(4, n))]
+    stages = [StageRunner(source, config, r, weights=weights, kv_dtype="float32") for r in (range(0, 4), range(4, n))]
     from hpipe.runtime.inprocess import run_inprocess
     from hpipe.request import Request
 
@@ -246,7 +246,7 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
     # the part's config and tokenizer are the whole file's (its metadata is copied as it is); and a
     # stage keeping its first two MoE blocks' experts in host RAM (`host_experts`: packed for the CPU)
     for src, host in ((source, 0), (models.ModelSource(str(part), source.path, part), 0), (source, 2)):
-        runner = StageRunner(src, config, range(4, n), weights=weights, host_experts=host)
+        runner = StageRunner(src, config, range(4, n), weights=weights, host_experts=host, kv_dtype="float32")
         assert sum(isinstance(m, experts.HostExperts) for m in runner.model.modules()) == host
         segments = [Segment(0, 0, 0, 5, True)]
         runner.kv.allocate(4)
@@ -275,7 +275,7 @@ def test_compiled_decode_runs_attention_halves_through_graphs_and_experts_eagerl
     path, reference = moe_models["qwen3_moe"]
     config = models.load_config(path)
     n = models.num_units(config)
-    runners = [StageRunner(path, config, r, compile="on") for r in (range(0, 4), range(4, n))]
+    runners = [StageRunner(path, config, r, compile="on", kv_dtype="float32") for r in (range(0, 4), range(4, n))]
     assert runners[0].calls == [(0,), (1,), (2,), (3,)]
     # block 0's MoE half and block 2's dense MLP half (`mlp_only_layers`): one graph per kind
     assert sorted(stage_module.graph_plan(runners[0])) == [1, 3]
@@ -313,7 +313,7 @@ def test_compiled_decode_holds_whole_moe_blocks_where_the_experts_run_the_routed
     weights = quant.WeightFormat("gguf")
     runs = {}
     for mode in ("off", "on"):
-        runner = StageRunner(source, config, range(n), weights=weights, compile=mode)
+        runner = StageRunner(source, config, range(n), weights=weights, compile=mode, kv_dtype="float32")
         if mode == "on":
             assert runner.compile_refused is None and runner.calls == [(0,), (1, 2), (3, 4), (5,)]
             assert sorted(stage_module.graph_plan(runner)) == [1, 3]
@@ -346,7 +346,7 @@ def test_speculative_steps_route_each_proposed_row_to_its_own_experts(moe_models
     path, reference = moe_models["qwen2_moe"]
     config = models.load_config(path)
     n = models.num_units(config)
-    runners = [StageRunner(path, config, r) for r in (range(0, 4), range(4, n))]
+    runners = [StageRunner(path, config, r, kv_dtype="float32") for r in (range(0, 4), range(4, n))]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=16, eos_ids=frozenset())
                 for i, p in enumerate(repetitive_prompts(random.Random(5), 3))]
     results = run_inprocess(runners, requests, Slicing(count=2).slices_for, max_batch=2, keep_logits=True,
@@ -453,7 +453,7 @@ def test_a_served_moe_model_answers_with_its_own_tokens_logprobs_n_and_cached_pr
         if (source / name).exists():
             shutil.copy(source / name, path / name)
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(path), "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     proc, base, log = start_server(tmp_path, plan, key=None)

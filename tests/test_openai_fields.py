@@ -27,7 +27,7 @@ def served(request, talking_model, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp(f"logprobs-{request.param}")
     plan = tmp / "plan.json"
-    assert main(["plan", "--model", str(talking_model), "--stages", "2", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(talking_model), "--stages", "2", "-o", str(plan)]) == 0
     proc, base, log = start_server(tmp, plan, "--sampling", request.param, key=None)
     reference = AutoModelForCausalLM.from_pretrained(talking_model).eval()
     tokenizer = AutoTokenizer.from_pretrained(talking_model)

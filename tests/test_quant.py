@@ -504,7 +504,7 @@ def test_quantized_pipelines_match_one_process_of_the_same_modules(fmt, tiny_mod
     for trial in range(4):
         n_stages = 1 + trial
         bounds = [0, *sorted(rng.sample(range(1, n_units), n_stages - 1)), n_units]
-        runners = [StageRunner(path, config, range(a, b), weights=weights, device=device)
+        runners = [StageRunner(path, config, range(a, b), weights=weights, device=device, kv_dtype="float32")
                    for a, b in zip(bounds, bounds[1:])]
         prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 50))] for _ in range(3)]
         requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=10, eos_ids=frozenset([2]))
@@ -535,7 +535,7 @@ def test_every_switch_and_preemption_give_the_batch_paths_tokens_with_quantized_
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(path), "--stages", "3", "--quantize", "int4", "--cuts", "3,6",
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "3", "--quantize", "int4", "--cuts", "3,6",
                  "--slices", "12,8", "-o", str(plan)]) == 0
     assert json.loads(plan.read_text())["weights"] == "int4:32"
     small = -(-(40 + 12) // 4) + 2
@@ -598,7 +598,7 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=8 + 4 * i, eos_ids=frozenset())
                 for i, p in enumerate(prompts)]
     for static in (False, True):
-        runners = [StageRunner(path, config, range(a, b), weights=weights, compile="on", device=device)
+        runners = [StageRunner(path, config, range(a, b), weights=weights, compile="on", device=device, kv_dtype="float32")
                    for a, b in ((0, 4), (4, n_units))]
         if device == "cpu":   # a block's graph shared by the whole blocks, and the cut block's half's
             assert [r.decode_halves.graphs for r in runners] == [2, 2]

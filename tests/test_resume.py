@@ -104,7 +104,7 @@ def test_the_pipeline_resumed_after_every_k_goes_on_as_the_undisturbed_run(tiny_
     sliced as any prompt) gives the same tokens; the greedy ones equal transformers' generate."""
     path = tiny_models["llama"]
     config = models.load_config(path)
-    runners = [StageRunner(path, config, range(0, 3)), StageRunner(path, config, range(3, models.num_units(config)))]
+    runners = [StageRunner(path, config, range(0, 3), kv_dtype="float32"), StageRunner(path, config, range(3, models.num_units(config)), kv_dtype="float32")]
     prompts = [[5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43] * 5]
     kinds = [SamplingParams(temperature=0.0),
              SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.2, frequency_penalty=0.3, seed=5)]

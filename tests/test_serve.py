@@ -102,7 +102,7 @@ def smollm2(tmp_path_factory):
     reference = models.build_full_model(source, config, weights=quant.WeightFormat("gguf"))
     tmp = tmp_path_factory.mktemp("serve")
     plan = tmp / "plan.json"
-    assert main(["plan", "--model", "smollm2", "--stages", "2", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", "smollm2", "--stages", "2", "-o", str(plan)]) == 0
     eos = models.eos_token_ids(source.path, config)
     return tmp, plan, tokenizer, reference, eos
 
@@ -303,6 +303,9 @@ def test_dropped_clients_free_their_pages_and_a_full_queue_gets_429(server):
     while metric(server, "hpipe_kv_pages_used") == 0 and time.time() < deadline:
         time.sleep(0.2)
     assert metric(server, "hpipe_kv_pages_used") > 0
+    # a token's cache as the plan's --kv-dtype counts it (float32 here: 30 layers x 3 KV heads x 64 x 2 x 4 bytes)
+    assert metric(server, "hpipe_kv_bytes_per_token") == 30 * 3 * 64 * 2 * 4
+    assert 'hpipe_kv_cache_info{dtype="float32"} 1' in request(server, "GET", "/metrics")[1]
     with pytest.raises(openai.RateLimitError, match="retry later"):
         client(server).completions.create(model="smollm2", prompt="hi", max_tokens=4)
     for conn, resp in streams:       # the clients go away mid-stream

@@ -32,10 +32,10 @@ pytestmark = pytest.mark.slow
 def sidp_plan(path, tmp_path, replicas: int):
     """A pipeline plan of one stage, and the SiDP plan of `replicas` CPU replicas of it."""
     single = tmp_path / "single.json"
-    assert main(["plan", "--model", str(path), "--stages", "1", "--slices", "16", "-o", str(single)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "1", "--slices", "16", "-o", str(single)]) == 0
     plan = formats.load_plan(single)
     sidp = formats.Plan(model=plan.model, stages=plan.stages * replicas, slicing=plan.slicing, dtype=plan.dtype,
-                        weights=plan.weights, mode="sidp",
+                        kv_dtype=plan.kv_dtype, weights=plan.weights, mode="sidp",
                         sidp=(formats.SidpGroupPlan("local", tuple(range(replicas)),
                                                     tuple(b % replicas for b in range(plan.model.blocks)), 0,
                                                     "shared-mapping"),))
@@ -215,7 +215,7 @@ def gpu_plans(path, tmp_path, source: str, threshold: int):
     """The one-stage pipeline plan on cuda:0, and the SiDP plan of 2 replicas sharing that GPU
     (standing in for two cards) whose WaS reads from `source`."""
     single = tmp_path / "single-gpu.json"
-    assert main(["plan", "--model", str(path), "--stages", "1", "--device", "cuda:0", "--slices", "16",
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", "1", "--device", "cuda:0", "--slices", "16",
                  "-o", str(single)]) == 0
     plan = formats.load_plan(single)
     owners = tuple(b % 2 for b in range(plan.model.blocks))

@@ -54,7 +54,7 @@ def test_prompt_lookup_proposes_what_brute_force_finds(tokens, cut, k):
 
 def runners_for(path, bounds):
     config = models.load_config(path)
-    return [StageRunner(path, config, range(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [StageRunner(path, config, range(a, b), kv_dtype="float32") for a, b in zip(bounds, bounds[1:])]
 
 
 def repetitive_prompts(rng: random.Random, n: int) -> list[list[int]]:
@@ -286,7 +286,7 @@ def test_launch_with_speculation_gives_the_tokens_without(n_stages, sampling, ti
              for i, p in enumerate(prompts)]
     prompts_file, plan, logits = tmp_path / "p.jsonl", tmp_path / "plan.json", tmp_path / "l.npz"
     prompts_file.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert main(["plan", "--model", str(path), "--stages", str(n_stages), "--slices", "9,5", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", str(n_stages), "--slices", "9,5", "-o", str(plan)]) == 0
     runs, summaries = {}, {}
     for spec in ("off", "ngram:3", f"draft:{path}:3"):
         out = tmp_path / f"{spec.split(':')[0]}.jsonl"
@@ -327,7 +327,7 @@ def test_serve_streams_speculated_tokens(proposer, talking_model, tmp_path):
     from test_serve import client, metric, start_server, stop_server
 
     plan = tmp_path / "plan.json"
-    assert main(["plan", "--model", str(talking_model), "--stages", "3", "-o", str(plan)]) == 0
+    assert main(["plan", "--kv-dtype", "float32", "--model", str(talking_model), "--stages", "3", "-o", str(plan)]) == 0
     spec = proposer if proposer != "draft" else f"draft:{talking_model}:3"
     proc, base, log = start_server(tmp_path, plan, "--speculative", spec, "--sampling", "cpu", key=None)
     try:

@@ -320,7 +320,7 @@ def test_a_batch_job_goes_on_without_a_killed_hosts_stage(cluster, plan_and_prom
 def test_every_switch_combination_gives_the_same_tokens_on_hosts(cluster, plan_and_prompts, tmp_path):
     """--no-tsem/--no-sat/--sampling inline|cpu on the emulated hosts (every pair of their values, and
     all on): seeded sampling with
-    penalties and early stops gives the tokens of the baseline (all off). Dense float32 weights:
+    penalties and early stops gives the tokens of the baseline (all off). Dense float32 weights and cache:
     which sequences share a micro-batch depends on the hosts' timing, and quantized kernels round
     their inputs to bf16, where a float32 difference of summation order can pick the other of two
     near-equal tokens (the quantized switches are checked on one machine in test_quant.py)."""
@@ -522,7 +522,7 @@ def test_push_model_sends_each_host_a_gguf_of_its_own_stages(cluster, tmp_path):
     source = models.resolve_model(str(path))
     config = models.load_config(source.path)
     plan = formats.load_plan(tmp_path / "plan.json")
-    runners = [StageRunner(source, config, range(*st.units), weights=quant.WeightFormat("gguf")) for st in plan.stages]
+    runners = [StageRunner(source, config, range(*st.units), weights=quant.WeightFormat("gguf"), kv_dtype="float32") for st in plan.stages]
     want = run_inprocess(runners, [Request(i, f"p{i}", tuple(p), max_new_tokens=6, eos_ids=frozenset())
                                    for i, p in enumerate(prompts)], plan.slicing.slices_for, max_batch=2)
     for name, ids in got.items():        # a stop at an end-of-text token leaves a prefix

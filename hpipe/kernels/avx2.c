@@ -262,6 +262,7 @@ static void int4_block_row(int form, const uint8_t *codes, const uint8_t *sz, in
 }
 
 #include "experts.h"
+#include "attention.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Dequantizing, as vnni.c's: rounded once to bf16 (to nearest, ties to even). */

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <optional>
 #include <torch/library.h>
 
 extern "C" {
@@ -19,6 +20,9 @@ int hpipe_int4_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
 int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, int64_t stride,
                          const uint16_t *scales, int64_t sc_stride, int blocks_scaled, int64_t n,
                          const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads);
+int hpipe_attend_f16(const float *q, int64_t b, int64_t kvh, int64_t g, int64_t d, const uint16_t *k,
+                     const uint16_t *v, int64_t b_stride, int64_t h_stride, int64_t pos_stride, int64_t n,
+                     const uint8_t *mask, float scale, float *out, int threads);
 }
 
 namespace {
@@ -105,6 +109,30 @@ at::Tensor int8_mm_experts(const at::Tensor &x, const at::Tensor &weight, const 
     return y;
 }
 
+// one query row per sequence against a float16 KV cache where it lies (attention.h; the Python twin
+// is cpu_kernels.attend_f16, whose checks these are)
+at::Tensor attend_f16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                      const std::optional<at::Tensor> &mask, double scale) {
+    const int64_t b = q.size(0), h = q.size(1), g = q.size(2), d = q.size(3), n = k.size(2);
+    auto qc = q.to(at::kFloat).contiguous();
+    TORCH_CHECK(k.scalar_type() == at::kHalf && v.scalar_type() == at::kHalf && k.strides() == v.strides() &&
+                k.stride(3) == 1, "attention kernel: k and v must be float16 at the same strides, the last 1");
+    TORCH_CHECK(v.size(2) == n && k.size(3) == d, "attention kernel: k ", k.sizes(), " and v ", v.sizes(),
+                " do not match the query");
+    at::Tensor m;
+    if (mask.has_value())
+        m = mask->expand({b, 1, 1, n}).reshape({b, n}).to(at::kByte).contiguous();
+    auto out = at::empty({b, h, g, d}, qc.options());
+    const int rc = hpipe_attend_f16(qc.data_ptr<float>(), b, h, g, d, static_cast<const uint16_t *>(k.data_ptr()),
+                                    static_cast<const uint16_t *>(v.data_ptr()), k.stride(0), k.stride(1),
+                                    k.stride(2), n, m.defined() ? m.data_ptr<uint8_t>() : nullptr,
+                                    static_cast<float>(scale), out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(rc != -1, "attention kernel: no memory for ", b, " x ", h, " x ", n, " positions");
+    TORCH_CHECK(rc == 0, "attention kernel: ", g, " query heads a KV head of size ", d,
+                ": at most 16 heads, sizes a multiple of 8 up to 256");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hpipe, CPU, m) {
@@ -112,4 +140,5 @@ TORCH_LIBRARY_IMPL(hpipe, CPU, m) {
     m.impl("int8_mm", int8_mm);
     m.impl("int4_mm_experts", int4_mm_experts);
     m.impl("int8_mm_experts", int8_mm_experts);
+    m.impl("attend_f16", attend_f16);
 }

@@ -277,6 +277,7 @@ static void int4_block_row(int form, const uint8_t *codes, const uint8_t *sz, in
 }
 
 #include "experts.h"
+#include "attention.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Dequantizing for the dense path (many rows: prefill slices): weights to bf16 a chunk at a time,

@@ -59,7 +59,8 @@ class BackgroundCompile:
         self.thread = threading.Thread(target=self._run, name="hpipe-background-compile", daemon=True)
 
     @classmethod
-    def for_server(cls, runner, model: str, weights: str, dtype: str, config, name: str) -> BackgroundCompile | None:
+    def for_server(cls, runner, model: str, weights: str, dtype: str, config, name: str,
+                   kv_dtype: str) -> BackgroundCompile | None:
         """What a server's stage does about its graphs under `config.compile`, decided before its
         warm-up: None where the warm-up compiles them (`--compile on`) or nothing will (off,
         refused); else a BackgroundCompile, and the stage decodes eagerly until it has run."""
@@ -69,7 +70,7 @@ class BackgroundCompile:
 
         runner.decode_halves = runner.eager       # the warm-up traces nothing: this does, beside the server
         argv = [sys.executable, "-m", __name__, model, str(runner.units.start), str(runner.units.stop), weights,
-                dtype, str(torch.get_num_threads()), str(config.page_size), config.attn]
+                dtype, str(torch.get_num_threads()), str(config.page_size), config.attn, kv_dtype]
         return cls(runner, argv, runner.compile_cold, name)
 
     def start(self) -> None:
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> None:
         Path("/proc/self/oom_score_adj").write_text("1000")      # the first the kernel ends, not the stage
     except OSError:
         pass
-    model, start, stop, weights, dtype, threads, page_size, attn = argv
+    model, start, stop, weights, dtype, threads, page_size, attn, kv_dtype = argv
     import torch
 
     from hpipe import models, quant
@@ -145,7 +146,8 @@ def main(argv: list[str]) -> None:
     source = models.resolve_model(model)
     config = models.load_config(source.path)
     warm_layout(source, config, quant.stage_weights(quant.WeightFormat.parse(weights), "cpu"), dtype,
-                lambda line: sys.stderr.write(line + "\n"), range(int(start), int(stop)), int(page_size), attn)
+                lambda line: sys.stderr.write(line + "\n"), range(int(start), int(stop)), int(page_size), attn,
+                kv_dtype)
     exit_now(0)
 
 

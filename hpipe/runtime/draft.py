@@ -33,13 +33,13 @@ __all__ = ["DraftProposer", "proposer_for"]
 
 
 def proposer_for(speculation: Speculation, vocab: int, device: str, dtype: str, pages: int,
-                 page_size: int) -> Proposer | None:
-    """The proposer --speculative asks for, built once at start (None: off). pages, page_size: the
-    model's KV pool; a draft's own pool holds as many tokens."""
+                 page_size: int, kv_dtype: str) -> Proposer | None:
+    """The proposer --speculative asks for, built once at start (None: off). pages, page_size,
+    kv_dtype: the model's KV pool; a draft's own pool holds as many tokens, of the same type."""
     if speculation.proposer == "ngram":
         return NgramProposer(speculation.k)
     if speculation.proposer == "draft":
-        return DraftProposer(speculation, vocab, device, dtype, pages, page_size)
+        return DraftProposer(speculation, vocab, device, dtype, pages, page_size, kv_dtype)
     return None
 
 
@@ -52,7 +52,8 @@ class _Held:
 
 
 class DraftProposer:
-    def __init__(self, speculation: Speculation, vocab: int, device: str, dtype: str, pages: int, page_size: int):
+    def __init__(self, speculation: Speculation, vocab: int, device: str, dtype: str, pages: int, page_size: int,
+                 kv_dtype: str):
         source = models.resolve_model(speculation.model)
         config = models.load_config(source.path)
         if int(config.vocab_size) != vocab:
@@ -62,7 +63,7 @@ class DraftProposer:
         weights = quant.stage_weights(quant.default_format(source.gguf is not None), device)
         self.k = speculation.k
         self.runner = StageRunner(source, config, range(models.num_units(config)), device, dtype,
-                                  page_size=page_size, weights=weights)
+                                  page_size=page_size, weights=weights, kv_dtype=kv_dtype)
         # as many tokens as the model's pool holds (page 0 is scratch); a sequence that finds it full
         # gets no proposals until pages come back
         self.pool = PagePool(pages, page_size)

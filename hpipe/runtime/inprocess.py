@@ -31,7 +31,8 @@ def run_inprocess(runners: list[StageRunner], requests: list[Request], slices_fo
                       page_size=page_size, prefix_caching=prefix_caching,
                       **invariant.scheduling(page_size, runners[0].deterministic))
     sched.proposer = proposer_for(speculation, runners[0].config.vocab_size, str(runners[0].device),
-                                  str(runners[0].dtype).removeprefix("torch."), sched.pool.pages, page_size)
+                                  str(runners[0].dtype).removeprefix("torch."), sched.pool.pages, page_size,
+                                  str(runners[0].kv.dtype).removeprefix("torch."))
     for runner in runners:     # every stage holds the pool the scheduler hands out
         runner.kv.page_size = page_size
         runner.kv.allocate(sched.pool.pages)

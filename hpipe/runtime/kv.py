@@ -28,13 +28,19 @@ import torch
 
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
 
-__all__ = ["BatchCache", "KVStore", "LayerKV", "flat_positions"]
+__all__ = ["BatchCache", "KVStore", "LayerKV", "flat_positions", "read_as"]
 
 
 class KVStore:
-    def __init__(self, device: str | torch.device, dtype: torch.dtype, page_size: int, pages: int = 64):
+    def __init__(self, device: str | torch.device, dtype: torch.dtype, page_size: int, pages: int = 64,
+                 read_dtype: torch.dtype | None = None):
+        """dtype: the pages' elements (the plan's `kv_dtype`); new keys are rounded to it as they are
+        written. read_dtype: what attention reads, where its implementation cannot take the pages'
+        dtype under the activations' (eager, --deterministic): a copy of the context per layer,
+        where SDPA (`hpipe.runtime.stage.decode_sdpa`) reads 16-bit pages as they are."""
         self.device = torch.device(device)
         self.dtype = dtype
+        self.read_dtype = read_dtype if read_dtype != dtype else None
         self.page_size = page_size
         self.pages = pages
         self.keys: dict[int, torch.Tensor] = {}
@@ -112,6 +118,13 @@ def flat_positions(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return rows.flatten(-2)
 
 
+def read_as(store: KVStore, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's context as its attention reads it (`KVStore.read_dtype`)."""
+    if store.read_dtype is None:
+        return keys, values
+    return keys.to(store.read_dtype), values.to(store.read_dtype)
+
+
 class BatchCache:
     """The `past_key_values` object for one micro-batch (duck-types transformers' Cache.update)."""
 
@@ -152,12 +165,12 @@ class BatchCache:
         """Writes the new keys and values into one layer's pages; returns what its attention reads."""
         heads, d = keys.shape[0], keys.shape[3]
         keys, values = keys.view(heads, -1, d), values.view(heads, -1, d)
-        keys.index_copy_(1, self._write, key_states.transpose(0, 1).reshape(heads, -1, d))
-        values.index_copy_(1, self._write, value_states.transpose(0, 1).reshape(heads, -1, d))
+        keys.index_copy_(1, self._write, key_states.transpose(0, 1).reshape(heads, -1, d).to(keys.dtype))
+        values.index_copy_(1, self._write, value_states.transpose(0, 1).reshape(heads, -1, d).to(values.dtype))
         if self._span is not None:            # one sequence: [1, heads, K, d] in place
-            return (keys[None, :, self._span:self._span + self._max_end],
-                    values[None, :, self._span:self._span + self._max_end])
-        k, v = keys.index_select(1, self._read), values.index_select(1, self._read)
+            return read_as(self.store, keys[None, :, self._span:self._span + self._max_end],
+                           values[None, :, self._span:self._span + self._max_end])
+        k, v = read_as(self.store, keys.index_select(1, self._read), values.index_select(1, self._read))
         if self.layout == "rows":
             return (k.view(heads, self.rows, self._max_end, d).transpose(0, 1),
                     v.view(heads, self.rows, self._max_end, d).transpose(0, 1))

@@ -24,21 +24,46 @@ import torch
 
 from hpipe import experts, heap, models, quant
 from hpipe.config import DEFAULTS
+from hpipe.formats import KV_DTYPE
 from hpipe.runtime.kv import BatchCache, KVStore
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
 
 
+# whether this process's CPU runs hpipe's float16 decode attention (kernels/attention.h): set once,
+# by `register_decode_sdpa`, read as a constant by the graphs that trace `decode_sdpa`
+F16_DECODE_KERNEL = False
+
+
 def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' SDPA attention, but one query per row against grouped KV heads (a decode step)
-    on a CPU goes to torch's kernel with the query heads packed per KV head, [b, kv heads, group, d]:
-    its flash kernel then reads each KV head's context once for the whole group, where with
-    `enable_gqa` it reads it once per query head (the 1B shape, 32/8 heads, 2 threads: 55 -> 47 us
-    at 330 positions, 228 -> 136 at 1,000, cache-hot; 190-215 -> 160-165 us in a compiled step).
-    transformers packs so itself only outside compiled graphs and without a mask."""
+    """transformers' SDPA attention over the KV pool's pages as they are, one query per row against
+    grouped KV heads (a decode step) on a CPU with the query heads packed per KV head, [b, kv heads,
+    group, d], so that each KV head's context is read once for the whole group (with `enable_gqa`
+    torch's flash kernel reads it once per query head: the 1B shape, 32/8 heads, 2 threads: 55 ->
+    47 us at 330 positions, 228 -> 136 at 1,000; transformers packs so itself only outside compiled
+    graphs and without a mask). The mask is SDPA's boolean one. Pages of another dtype than the
+    activations (`kv_dtype`):
+    - float16 on a CPU: a decode step goes to `hpipe::attend_f16`, which reads them where they lie
+      (torch's flash kernel takes float16 at 2-5x float32's time on CPUs without AVX-512 FP16, and a
+      float32 copy costs more than the attention: bench/kv_dtype.py); other steps (prefill slices,
+      speculative rows, mixed batches) and CPUs without the kernel attend over a float32 copy;
+    - otherwise (bfloat16; CUDA) the query goes to the pages' dtype and the output comes back."""
     b, heads, length, d = query.shape
     kv_heads = key.shape[1]
-    if length == 1 and heads != kv_heads and query.device.type == "cpu" and not dropout and \
-            kwargs.get("position_bias") is None and kwargs.get("softcap") is None and \
+    plain = not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+    if key.dtype != query.dtype:
+        if query.device.type == "cpu" and key.dtype == torch.float16:
+            if F16_DECODE_KERNEL and length == 1 and plain and heads // kv_heads <= 16 and d % 8 == 0 and \
+                    d <= 256 and (attention_mask is None or attention_mask.shape[-2] == 1):
+                mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
+                out = torch.ops.hpipe.attend_f16(query.reshape(b, kv_heads, heads // kv_heads, d), key, value, mask,
+                                                 scaling if scaling is not None else d ** -0.5)
+                return out.to(query.dtype).reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
+            return decode_sdpa(module, query, key.to(query.dtype), value.to(query.dtype), attention_mask, dropout,
+                               scaling, is_causal, **kwargs)
+        out, weights = decode_sdpa(module, query.to(key.dtype), key, value, attention_mask, dropout, scaling,
+                                   is_causal, **kwargs)
+        return out.to(query.dtype), weights
+    if length == 1 and heads != kv_heads and query.device.type == "cpu" and plain and \
             (attention_mask is None or attention_mask.shape[-2] == 1):
         out = torch.nn.functional.scaled_dot_product_attention(
             query.reshape(b, kv_heads, heads // kv_heads, d), key, value, attn_mask=attention_mask, scale=scaling)
@@ -49,11 +74,24 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                                   is_causal=is_causal, **kwargs)
 
 
-def register_decode_sdpa() -> None:
-    """`decode_sdpa` as this process's "sdpa" attention (it hands every other call to transformers')."""
+def register_decode_sdpa(device: torch.device) -> None:
+    """`decode_sdpa` as this process's "sdpa" attention on every device (it hands every other call
+    to transformers'), with hpipe's float16 decode attention where this CPU runs the kernels."""
+    global F16_DECODE_KERNEL
     from transformers import AttentionInterface
 
+    from hpipe import cpu_kernels
+
     AttentionInterface.register("sdpa", decode_sdpa)
+    if device.type == "cpu":
+        # transformers' SDPA expands grouped KV heads to every query head (a copy of the whole
+        # context per layer) whenever a mask is given, i.e. for every step of more than one token
+        # after a context (prefill slices, speculative steps): 3 tokens after 1,700 took 4-5x one
+        # token's time. Torch's CPU kernels take masked GQA as it is (CUDA's fall back to math).
+        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+        if not F16_DECODE_KERNEL and cpu_kernels.kernels()[0] is not None:
+            cpu_kernels.ops()
+            F16_DECODE_KERNEL = True
 
 
 @dataclass
@@ -79,13 +117,16 @@ class StageRunner:
     def __init__(self, model: models.ModelSource | Path, config, units: range, device: str = "cpu",
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
                  page_size: int = DEFAULTS.page_size, weights=None, compile: str = DEFAULTS.compile,
-                 deterministic: bool = DEFAULTS.deterministic == "on", host_experts: int = 0):
+                 deterministic: bool = DEFAULTS.deterministic == "on", host_experts: int = 0,
+                 kv_dtype: str = KV_DTYPE):
         """compile (`--compile`): "on", decode steps run their blocks through torch.compile where
         `compiled_halves_refused` allows; "auto", the same where `hpipe warmup` has compiled this
         stage's graphs on this host (`warm_graphs`); "off", eagerly. Everything else runs eagerly.
         deterministic: every row's arithmetic fixed by the row itself (`hpipe.runtime.invariant`).
         host_experts: the first this many MoE blocks of `units` keep their routed experts in the host's
-        RAM, run by its CPU (`models.host_expert_units`)."""
+        RAM, run by its CPU (`models.host_expert_units`).
+        kv_dtype: the KV pool's elements (the plan's); SDPA reads them as they are, other attention
+        implementations a copy in `dtype` (`KVStore.read_dtype`)."""
         config = copy.deepcopy(config)      # transformers writes the attention implementation into it
         self.config = config
         self.deterministic = deterministic
@@ -101,13 +142,7 @@ class StageRunner:
         self.units = units
         heap.keep_freed_memory()     # activations reuse freed memory, in the profiler's runs as in the job's
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            # transformers' SDPA expands grouped KV heads to every query head (a copy of the whole
-            # context per layer) whenever a mask is given, i.e. for every step of more than one token
-            # after a context (prefill slices, speculative steps): 3 tokens after 1,700 took 4-5x one
-            # token's time. Torch's CPU kernels take masked GQA as it is (CUDA's fall back to math).
-            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
-            register_decode_sdpa()
+        register_decode_sdpa(self.device)
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
         self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights,
@@ -123,7 +158,8 @@ class StageRunner:
         self.blocks = sorted({(u - 1) // 2 for u in units if 0 < u < self.n_units - 1})
         self.windows = sorted({models.sliding_window_of_block(config, b) for b in self.blocks},
                               key=lambda w: -1 if w is None else w)
-        self.kv = KVStore(device, self.dtype, page_size)
+        self.kv = KVStore(device, models.torch_dtype(kv_dtype), page_size,
+                          read_dtype=None if attn_implementation == "sdpa" else self.dtype)
         self._mods = {u: [self.model.get_submodule(p) for p in models.unit_modules(config, u)] for u in units}
         attention = next((self._mods[u][1] for u in units if 0 < u < self.n_units - 1 and u % 2 == 1), None)
         self.cache_argument = models.cache_argument(attention)
@@ -396,7 +432,7 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
         return "the stage holds no block"
     if mode == "auto" and not warm_graphs(runner):
         return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup` with the plan's model, --quantize, "
-                f"--dtype and --threads {torch.get_num_threads()} compiles them once "
+                f"--dtype, --kv-dtype and --threads {torch.get_num_threads()} compiles them once "
                 f"(about a minute; later starts load them in ~7 s a stage) and decode steps then take about 0.7x "
                 f"the time")
     return None
@@ -434,7 +470,7 @@ def _warm_marks(runner) -> list[Path]:
     shapes = decode_shapes(WARM_TOKENS, runner.kv.page_size)
     for fn, key in graph_plan(runner).values():
         text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, BatchCache.write_read.__code__.co_code,
-                     key, runner.attn_implementation,
+                     key, runner.attn_implementation, str(runner.kv.dtype),
                      runner.kv.page_size, torch.get_num_threads(), shapes, DYNAMO_SETTINGS))
         marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
     return marks
@@ -509,7 +545,7 @@ def compiled_beside(runner) -> CompiledHalves:
     through a pool of their own (`keep_page_shape_static`: the graphs then serve the run's pool as
     they are)."""
     halves = CompiledHalves(runner)
-    kv = KVStore(runner.device, runner.dtype, runner.kv.page_size, pages=4)
+    kv = KVStore(runner.device, runner.kv.dtype, runner.kv.page_size, pages=4, read_dtype=runner.kv.read_dtype)
     kv.keep_page_shape_static()
     warm_step(runner, [Segment(0, 0, 0, WARM_TOKENS, True)], kv=kv)        # the pool's layers (eager)
     for segments in decode_shapes(WARM_TOKENS, kv.page_size):
@@ -517,7 +553,8 @@ def compiled_beside(runner) -> CompiledHalves:
     return halves
 
 
-def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, threads: list[int]) -> int:
+def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, threads: list[int],
+                 kv_dtype: str = KV_DTYPE) -> int:
     """`hpipe warmup`: compiles, on this host, every graph a CPU stage of `model` running on each of
     `threads` threads can call (a run of whole blocks, a whole block, the attention half and the MLP
     half of a block cut between stages) into inductor's cache, and marks them warm for `--compile
@@ -529,18 +566,19 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
         for count in threads:
             torch.set_num_threads(count)
             for units in (range(2), range(2, n), range(n)):      # a cut block's halves, then whole blocks
-                marks.update(warm_layout(model, config, weights, dtype, log, units))
+                marks.update(warm_layout(model, config, weights, dtype, log, units, kv_dtype=kv_dtype))
     finally:
         torch.set_num_threads(before)
     return len(marks)
 
 
 def warm_layout(model: models.ModelSource, config, weights, dtype: str, log, units: range,
-                page_size: int = DEFAULTS.page_size, attn: str = DEFAULTS.attn) -> list[Path]:
+                page_size: int = DEFAULTS.page_size, attn: str = DEFAULTS.attn, kv_dtype: str = KV_DTYPE) -> list[Path]:
     """Compiles the graphs of one stage layout not yet warm, and marks them."""
     from hpipe.errors import HpipeError
 
-    runner = StageRunner(model, config, units, "cpu", dtype, attn, page_size, weights=weights, compile="on")
+    runner = StageRunner(model, config, units, "cpu", dtype, attn, page_size, weights=weights, compile="on",
+                         kv_dtype=kv_dtype)
     if runner.compile_refused is not None:
         raise HpipeError(f"{model.name}: decode steps are not compiled ({runner.compile_refused}); its runs "
                          f"need no warmup")

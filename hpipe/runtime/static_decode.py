@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from hpipe import models
-from hpipe.runtime.kv import KVStore, LayerKV, flat_positions
+from hpipe.runtime.kv import KVStore, LayerKV, flat_positions, read_as
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, pages_needed
 from hpipe.runtime.stage import StageInputs
 
@@ -59,10 +59,11 @@ class StaticKV:
     def write_read(self, keys, values, key_states, value_states):
         heads, d = keys.shape[0], keys.shape[3]
         keys, values = keys.view(heads, -1, d), values.view(heads, -1, d)
-        keys.index_copy_(1, self.write, key_states[:, :, 0].transpose(0, 1))
-        values.index_copy_(1, self.write, value_states[:, :, 0].transpose(0, 1))
-        return (keys.index_select(1, self.read).view(heads, self.rows, self.capacity, d).transpose(0, 1),
-                values.index_select(1, self.read).view(heads, self.rows, self.capacity, d).transpose(0, 1))
+        keys.index_copy_(1, self.write, key_states[:, :, 0].transpose(0, 1).to(keys.dtype))
+        values.index_copy_(1, self.write, value_states[:, :, 0].transpose(0, 1).to(values.dtype))
+        k, v = read_as(self.store, keys.index_select(1, self.read), values.index_select(1, self.read))
+        return (k.view(heads, self.rows, self.capacity, d).transpose(0, 1),
+                v.view(heads, self.rows, self.capacity, d).transpose(0, 1))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.capacity

@@ -340,7 +340,7 @@ class StageWorker:
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights, compile=config.compile,
                                            deterministic=self.deterministic,
-                                           host_experts=self.stage_plan.host_experts)
+                                           host_experts=self.stage_plan.host_experts, kv_dtype=plan.kv_dtype)
         if runner.compile_refused and config.compile == "on":
             log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
         self.speculation = Speculation.parse(config.speculation)
@@ -353,7 +353,7 @@ class StageWorker:
         # a server's compiled graphs come beside it: it answers without waiting for them
         self.background = BackgroundCompile.for_server(
             runner, args.model or plan.model.name, self.stage_plan.weights, plan.dtype, config,
-            f"stage {self.rank}") if args.background_compile and not self.grouped else None
+            f"stage {self.rank}", plan.kv_dtype) if args.background_compile and not self.grouped else None
         warm_up(runner, self.requests.max_len, log)
         static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs,
                                      self.requests.max_len) if static else None
@@ -373,7 +373,7 @@ class StageWorker:
         self.keep = KeepLogits(args.logits_out) if args.logits_out and self.last else KeepNothing()
         # the draft model (if any) beside stage 0, loaded before the clock as the stage's own weights are
         self.proposer = proposer_for(self.speculation, int(self.model_config.vocab_size), self.stage_plan.device,
-                                     plan.dtype, self.pages, config.page_size) if self.first else None
+                                     plan.dtype, self.pages, config.page_size, plan.kv_dtype) if self.first else None
         # what the build made (modules, dynamo's and inductor's caches: ~600k objects) out of the
         # collector's sight: a full collection mid-run otherwise walks all of it (277 ms, one after a
         # compile, here) where it now walks what the run made
@@ -537,7 +537,7 @@ def kv_pool_pages(config: RuntimeConfig, plan, model_config, rank: int, runner, 
     less a 10 % margin (stages sharing a device share it), at most --kv-pages."""
     stage = plan.stages[rank]
     sharing = sum(1 for s in plan.stages if (s.host, s.device) == (stage.host, stage.device))
-    table = models.unit_bytes(model_config, plan.dtype)
+    table = models.unit_bytes(model_config, plan.dtype, kv_dtype=plan.kv_dtype)
     per_token = sum(table["kv_per_token_per_unit"][u] for u in range(*stage.units))
     if per_token == 0:
         return wanted if not config.kv_pages else min(wanted, config.kv_pages)

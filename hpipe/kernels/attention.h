@@ -1,0 +1,178 @@
+/* Decode attention over a float16 KV cache, read where it lies (included by vnni.c and avx2.c; AVX2,
+ * FMA and F16C, which both builds have).
+ *
+ * One query row per sequence: q [b, kv heads, g, d] float32 (the g query heads of one KV head
+ * together, so each key and value row is read once for all of them), k and v [b, kv heads, n, d]
+ * float16 at any strides whose last is 1 (the pool's pages in place, or a gathered copy), an
+ * optional mask [b, n] (1 = attend) and out [b, kv heads, g, d] float32. Flash-decoding, as
+ * llama.cpp's CPU path does: the context is cut in chunks of CHUNK positions, each (sequence, KV
+ * head, chunk) is one task of the OpenMP loop (many tasks even for one sequence: both threads work
+ * at any context), each keeps its max score, its sum of exponentials and its weighted sum of
+ * values, and the chunks are merged by their maxima. Every product and sum is float32, the
+ * float16 elements exact in it: the only rounding beyond float32's is the cache's own.
+ *
+ * torch's flash kernel takes float16 on CPUs without AVX-512 FP16 as 2-5x float32's time, and a
+ * float32 copy of the context per layer costs more than the attention (bench/kv_dtype.py). */
+#include <math.h>
+#include <string.h>
+
+#define CHUNK 256             /* positions a task attends to */
+#define MAX_HEAD 256          /* the largest head size (Gemma's) */
+
+static inline void f16_row(const uint16_t *src, float *dst, int64_t d) {
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (; i < d; ++i)
+        dst[i] = _cvtsh_ss(src[i]);
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, int64_t d) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < d; ++i)
+        y[i] += a * x[i];
+}
+
+/* e^x for x <= 0 (a score less its maximum), 8 at a time: 2^n times Cephes' degree-6 polynomial on
+ * x - n ln 2, within 2 float32 ulps; -inf (a masked position) gives 0. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(masked, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* The 8 sums of acc[0..7]'s lanes, in one vector (lane i: acc[i]'s). */
+static inline __m256 sums8(const __m256 *acc) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* One task: g queries against positions [p0, p1) of one sequence's KV head, into part: g entries of
+ * (max score, sum of exponentials, d weighted values); a max of -inf where no position is attended.
+ * Three passes over the chunk: the scores (scores[j][p]; 8 key rows at a time made float32 once
+ * for all g queries, each query's 8 dot products summed across lanes together), their
+ * exponentials 8 at a time per query, then the weighted values, 8 of a row's elements at a time
+ * for all g queries in registers. d is a multiple of 8 (the caller checks). */
+static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k, const uint16_t *v,
+                         int64_t pos_stride, const uint8_t *mask, int64_t p0, int64_t p1, float scale,
+                         float *part) {
+    float rows[8 * MAX_HEAD];
+    float scores[16 * CHUNK];          /* [g][CHUNK], g <= 16 */
+    const int64_t width = d + 2, len = p1 - p0, padded = (len + 7) & ~(int64_t)7;
+    for (int64_t p = 0; p < padded; p += 8) {
+        for (int64_t i = 0; i < 8; ++i) {
+            if (p + i < len)
+                f16_row(k + (p0 + p + i) * pos_stride, rows + i * d, d);
+            else
+                memset(rows + i * d, 0, sizeof(float) * d);
+        }
+        for (int64_t j = 0; j < g; ++j) {
+            __m256 acc[8];
+            for (int i = 0; i < 8; ++i)
+                acc[i] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < d; c += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + j * d + c);
+                for (int i = 0; i < 8; ++i)
+                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + i * d + c), acc[i]);
+            }
+            _mm256_storeu_ps(scores + j * CHUNK + p, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
+        }
+        for (int64_t i = 0; i < 8; ++i)
+            if (p + i >= len || (mask && !mask[p0 + p + i]))
+                for (int64_t j = 0; j < g; ++j)
+                    scores[j * CHUNK + p + i] = -INFINITY;
+    }
+    for (int64_t j = 0; j < g; ++j) {
+        float *s = scores + j * CHUNK, m = -INFINITY;
+        for (int64_t p = 0; p < len; ++p)
+            m = s[p] > m ? s[p] : m;
+        __m256 sum = _mm256_setzero_ps();
+        if (m != -INFINITY)
+            for (int64_t p = 0; p < padded; p += 8) {
+                const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + p), _mm256_set1_ps(m)));
+                _mm256_storeu_ps(s + p, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, sum);
+        part[j * width] = m;
+        part[j * width + 1] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    }
+    for (int64_t c = 0; c < d; c += 8) {
+        __m256 acc[16];
+        for (int64_t j = 0; j < g; ++j)
+            acc[j] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < len; ++p) {
+            if (mask && !mask[p0 + p])
+                continue;
+            const __m256 row = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + (p0 + p) * pos_stride + c)));
+            for (int64_t j = 0; j < g; ++j)
+                acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + j * CHUNK + p), row, acc[j]);
+        }
+        for (int64_t j = 0; j < g; ++j)
+            _mm256_storeu_ps(part + j * width + 2 + c, acc[j]);
+    }
+}
+
+/* Returns 0; -1 without memory; -3 for a head size over MAX_HEAD or not a multiple of 8, or a group
+ * over 16 (the caller's fallback takes those). */
+int hpipe_attend_f16(const float *q, int64_t b, int64_t kvh, int64_t g, int64_t d, const uint16_t *k,
+                     const uint16_t *v, int64_t b_stride, int64_t h_stride, int64_t pos_stride, int64_t n,
+                     const uint8_t *mask, float scale, float *out, int threads) {
+    if (d > MAX_HEAD || d % 8 || g > 16)
+        return -3;
+    const int64_t chunks = n ? (n + CHUNK - 1) / CHUNK : 1, width = d + 2;
+    float *parts = malloc(sizeof(float) * b * kvh * chunks * g * width);
+    if (!parts)
+        return -1;
+    const int64_t tasks = b * kvh * chunks;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t bi = t / (kvh * chunks), hi = t / chunks % kvh, c = t % chunks;
+        const int64_t off = bi * b_stride + hi * h_stride;
+        attend_chunk(q + (bi * kvh + hi) * g * d, g, d, k + off, v + off, pos_stride, mask ? mask + bi * n : 0,
+                     c * CHUNK, c * CHUNK + CHUNK < n ? c * CHUNK + CHUNK : n, scale, parts + t * g * width);
+    }
+    for (int64_t bh = 0; bh < b * kvh; ++bh)
+        for (int64_t j = 0; j < g; ++j) {
+            float m = -INFINITY, sum = 0.0f;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const float pm = parts[((bh * chunks + c) * g + j) * width];
+                if (pm > m)
+                    m = pm;
+            }
+            float *o = out + (bh * g + j) * d;
+            memset(o, 0, sizeof(float) * d);
+            if (m == -INFINITY)          /* nothing attended: zeros, as torch's flash kernel gives */
+                continue;
+            for (int64_t c = 0; c < chunks; ++c) {
+                const float *part = parts + ((bh * chunks + c) * g + j) * width;
+                if (part[0] == -INFINITY)
+                    continue;
+                const float w = expf(part[0] - m);
+                sum += w * part[1];
+                axpy_f32(o, w, part + 2, d);
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < d; ++i)
+                o[i] *= inv;
+        }
+    free(parts);
+    return 0;
+}

@@ -1,0 +1,176 @@
+"""The KV cache's element type (`--kv-dtype`, float16 by default): every count halves, the stored
+keys are the float32 run's rounded once, hpipe's float16 decode attention against a float64
+reference, every attention path within the cache's rounding of transformers' float forward (eager,
+compiled), and bad values refused in one line."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import VOCAB, assert_greedy_equal, reference_greedy, reference_logits
+from hpipe import cpu_kernels, formats, models
+from hpipe.cli import main
+from hpipe.formats import Slicing
+from hpipe.launcher.cluster import device_needs
+from hpipe.request import Request
+from hpipe.runtime import stage as stage_module
+from hpipe.runtime.inprocess import run_inprocess
+from hpipe.runtime.pages import Segment
+from hpipe.runtime.stage import StageRunner
+
+# A float16 cache rounds each key and value once (2^-11 relative): the tiny models' logits (up to
+# ~2.5) move by at most ~1e-3 (measured 8e-4); bfloat16's 2^-8 moves them ~2e-2.
+F16_TOL = 3e-3
+POOL = 64
+EXAMPLE_INVENTORY = Path(__file__).resolve().parent.parent / "profiles" / "examples" / "hpipe-paper.toml"
+
+
+def test_the_default_cache_is_float16_and_every_count_halves(tiny_models, tmp_path):
+    path = tiny_models["llama"]
+    config = models.load_config(path)
+    plans = {}
+    for kv in (None, "float32"):
+        out = tmp_path / f"plan-{kv}.json"
+        assert main(["plan", "--model", str(path), "--stages", "2", "-o", str(out)] +
+                    (["--kv-dtype", kv] if kv else [])) == 0
+        plans[kv] = formats.load_plan(out)
+    assert plans[None].kv_dtype == formats.KV_DTYPE == "float16"
+    assert json.loads((tmp_path / "plan-None.json").read_text())["kv_dtype"] == "float16"
+    # a token's cache by the config's own numbers: keys and values, each KV head's head_dim elements
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_layer = 2 * config.num_key_value_heads * head_dim
+    table = models.unit_bytes(config, "float32", kv_dtype="float16")
+    assert sum(table["kv_per_token_per_unit"]) == config.num_hidden_layers * per_layer * 2
+    assert sum(models.unit_bytes(config, "float32")["kv_per_token_per_unit"]) == config.num_hidden_layers * per_layer * 4
+    # the launch preflight counts the plan's: 1,000 tokens take half the bytes
+    need = {kv: device_needs(p, config, "local", 1000, 16)["cpu"] for kv, p in plans.items()}
+    assert need["float32"] - need[None] == config.num_hidden_layers * per_layer * 2 * 1000
+    # and the stage's pool holds float16 pages: half the bytes for the same pages
+    pools = {}
+    for kv in ("float16", "float32"):
+        runner = StageRunner(path, config, range(models.num_units(config)), kv_dtype=kv)
+        runner.kv.allocate(8)
+        runner.forward(runner.prepare_inputs([Segment(0, 0, 0, 5, True)]), torch.tensor([5, 6, 7, 8, 9]))
+        assert all(t.dtype == getattr(torch, kv) for t in runner.kv.keys.values())
+        pools[kv] = runner.kv.bytes()
+    assert pools["float32"] == 2 * pools["float16"] > 0
+
+
+def test_a_float16_cache_holds_the_float32_runs_keys_rounded_once(tiny_models):
+    """Layer 0's keys depend only on the prompt: the float16 pool holds exactly the float32 pool's
+    values rounded to float16."""
+    path = tiny_models["qwen2"]
+    config = models.load_config(path)
+    ids = torch.tensor([random.Random(1).randrange(3, VOCAB) for _ in range(20)])
+    pools = {}
+    for kv in ("float16", "float32"):
+        runner = StageRunner(path, config, range(3), kv_dtype=kv)
+        runner.kv.allocate(8)
+        runner.forward(runner.prepare_inputs([Segment(0, 0, 0, 20, True)]), ids)
+        pools[kv] = (runner.kv.keys[0], runner.kv.values[0])
+    for half, full in zip(pools["float16"], pools["float32"]):
+        assert torch.equal(half, full.to(torch.float16))
+        assert full.abs().sum() > 0
+
+
+@pytest.mark.parametrize("b,kv_heads,group,d,n", [(1, 3, 3, 64, 1000), (2, 8, 4, 64, 300), (3, 2, 1, 128, 9),
+                                                  (2, 1, 16, 32, 600)])
+def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_heads, group, d, n):
+    """`hpipe::attend_f16` (both routes: the C++ op and its Python twin) against float64 SDPA over
+    the same float16 keys and values, with and without a mask (a row with nothing to attend gives
+    zeros, as torch's flash kernel), its pages read at a pool's strides (a view, not a copy)."""
+    if cpu_kernels.kernels()[0] is None:
+        pytest.skip(cpu_kernels.kernels()[1])
+    cpu_kernels.ops()
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(b, kv_heads, group, d, generator=gen) * 3
+    pool = torch.randn(2, kv_heads, b, n + 7, d, generator=gen).half()     # [k/v, heads, rows, positions, d]
+    k, v = pool[0].transpose(0, 1)[:, :, 3:3 + n], pool[1].transpose(0, 1)[:, :, 3:3 + n]
+    mask = torch.rand(b, 1, 1, n, generator=gen) > 0.3
+    mask[0, ..., : min(n, 700)] = False
+    for m in (None, mask):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                               attn_mask=m, scale=d ** -0.5).nan_to_num(0.0)
+        for got in (torch.ops.hpipe.attend_f16(q, k, v, m, d ** -0.5), cpu_kernels.attend_f16(q, k, v, m, d ** -0.5)):
+            assert got.dtype == torch.float32 and got.shape == q.shape
+            assert float((got - ref).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_every_attention_path_over_a_float16_cache_is_within_its_rounding(attn, tiny_models, reference_models):
+    """2 stages of a grouped-query model, batches of 1-3 rows through prefill slices and decode
+    steps (the float16 decode kernel, the float32 copy of multi-row steps; eager attention's copy),
+    against transformers' float32 forward: within the cache's rounding, greedy tokens equal."""
+    path = tiny_models["llama"]
+    config = models.load_config(path)
+    rng = random.Random(f"f16-{attn}")
+    requests = [Request(i, f"p{i}", tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 40))),
+                        max_new_tokens=10, eos_ids=frozenset()) for i in range(3)]
+    n = models.num_units(config)
+    runners = [StageRunner(path, config, range(a, b), attn_implementation=attn, kv_dtype="float16")
+               for a, b in ((0, 4), (4, n))]
+    results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
+                            pages=POOL)
+    check(reference_models["llama"], requests, results)
+
+
+def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_models, reference_models, monkeypatch):
+    """`--compile on`: the graphs hold `hpipe::attend_f16` (one opaque call); their steps are within
+    the cache's rounding of transformers' forward, and warm-up compiled every graph the run calls."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
+    path = tiny_models["llama"]
+    config = models.load_config(path)
+    rng = random.Random("f16-compiled")
+    requests = [Request(i, f"p{i}", tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))),
+                        max_new_tokens=8 + 4 * i, eos_ids=frozenset()) for i in range(3)]
+    n = models.num_units(config)
+    runners = [StageRunner(path, config, range(a, b), compile="on", kv_dtype="float16") for a, b in ((0, 4), (4, n))]
+    for runner in runners:
+        runner.kv.allocate(POOL)
+        stage_module.warm_up(runner, 16, print)
+    graphs = counters["stats"]["unique_graphs"]
+    results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
+                            pages=POOL)
+    assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled a graph warm-up had not"
+    check(reference_models["llama"], requests, results)
+
+
+def check(reference, requests, results) -> None:
+    for r in requests:
+        out = results[r.id]["output_ids"]
+        ref = reference_logits(reference, list(r.input_ids), out)
+        assert float((results[r.id]["logits"] - ref).abs().max()) < F16_TOL, r.id
+        assert_greedy_equal(reference, list(r.input_ids), out,
+                            reference_greedy(reference, list(r.input_ids), r.max_new_tokens, None), tie=F16_TOL)
+
+
+def test_a_kv_dtype_hpipe_cannot_keep_is_refused_in_one_line(tiny_models, tmp_path, capsys):
+    path = str(tiny_models["llama"])
+    assert main(["plan", "--model", path, "--stages", "2", "--kv-dtype", "int8", "-o", str(tmp_path / "p.json")]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpipe: error:")]
+    assert len(err) == 1 and "--kv-dtype 'int8'" in err[0] and "float16" in err[0]
+    assert not (tmp_path / "p.json").exists()
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", path, "--stages", "2", "-o", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    data["kv_dtype"] = "fp8"
+    with pytest.raises(formats.HpipeError, match=r"kv_dtype.*'fp8' is not one of"):
+        formats.parse_plan(data, "plan.json")
+    # a plan from a profile keeps the profile's cache type: another is refused, saying what to do
+    profile = tmp_path / "profile.json"
+    assert main(["profile", "--estimate", "--cluster", str(EXAMPLE_INVENTORY), "--model", "llama-7b",
+                 "-o", str(profile)]) == 0
+    assert json.loads(profile.read_text())["kv_dtype"] == "float16"
+    capsys.readouterr()
+    assert main(["plan", "--profile", str(profile), "--seq-len", "128", "--model", "llama-7b", "--kv-dtype",
+                 "float32", "-o", str(tmp_path / "q.json")]) != 0
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hpipe: error:")]
+    assert len(err) == 1 and "measured with --kv-dtype float16, not float32" in err[0]
+
