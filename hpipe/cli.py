@@ -771,9 +771,21 @@ def warmup(
     threads: str | None = typer.Option(None, "--threads", help="the CPU threads of the stages that will run here, "
                                        "comma-separated (inductor builds its kernels for one count; a launch gives "
                                        "each CPU stage the host's cores over its CPU stages); default: all cores"),
+    cluster: str | None = typer.Option(None, "--cluster", help="every host of this inventory at once, over SSH "
+                                       "(each with the threads its stages run with)"),
+    plan_path: str | None = typer.Option(None, "--plan", help="with --cluster: the plan's hosts, model, weights, "
+                                         "dtypes and threads"),
+    accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
 ):
-    """Compile a model's decode graphs on this host once: later launches and servers of it with
-    --compile auto (the default) run them (about 0.7x an eager step), loading them in ~7 s a stage."""
+    """Compile a model's decode graphs on this host (or every host of --cluster) once: later launches
+    and servers of it with --compile auto (the default) run them (about 0.7x an eager step), loading
+    them in ~7 s a stage."""
+    if cluster is not None:
+        _warm_cluster(cluster, plan_path, model, quantize, dtype, kv_dtype, threads, accept_new_host_keys)
+        return
+    if plan_path is not None:
+        raise HpipeError("--plan goes with --cluster FILE (the plan's hosts); on this host give --model, --quantize, "
+                         "--dtype and --kv-dtype")
     import time
 
     from hpipe import quant, runtime
@@ -788,6 +800,29 @@ def warmup(
     typer.echo(f"{source.name}: {graphs} decode graphs compiled and warm on this host ({time.time() - t:.0f} s; "
                f"weights {weights}, {dtype}, KV {kv_dtype}, {' and '.join(map(str, counts))} threads); runs with "
                f"--compile auto (the default) use them")
+
+
+def _warm_cluster(cluster: str, plan_path: str | None, model: str, quantize, dtype, kv_dtype, threads,
+                  accept_new_keys: bool) -> None:
+    """`hpipe warmup --cluster`: the plan's settings (or the options) on every host at once."""
+    if threads is not None:
+        raise HpipeError("--threads is each host's with --cluster: the inventory's `threads`, else its cores over "
+                         "its CPU stages")
+    inventory = formats.load_inventory(cluster)
+    plan = formats.load_plan(plan_path) if plan_path is not None else None
+    if plan is not None:
+        if (quantize, dtype, kv_dtype) != (None, None, None):
+            raise HpipeError("--plan sets --quantize, --dtype and --kv-dtype; leave them out")
+        model, quantize, dtype, kv_dtype = plan.model.name, plan.weights, plan.dtype, plan.kv_dtype
+        launcher.plan_hosts(plan, inventory)           # every stage's host is in the inventory
+    settings = {"--quantize": str(_weights(model, quantize)), "--dtype": _dtype(dtype),
+                "--kv-dtype": _kv_dtype(kv_dtype)}
+    import time
+
+    t = time.time()
+    done = launcher.warm_hosts(inventory, model, settings, plan, accept_new_keys, typer.echo)
+    typer.echo(f"{len(done)} host(s) warm in {time.time() - t:.0f} s; launches and servers with --compile auto use "
+               f"their graphs")
 
 
 def _thread_counts(text: str | None) -> list[int]:

@@ -73,6 +73,62 @@ def plan_hosts(plan: formats.Plan, inventory: formats.Inventory) -> list[str]:
     return names
 
 
+def stage_threads(plan: formats.Plan, st: formats.StagePlan, host: formats.Host, cores: int) -> int:
+    """The threads a stage gets on its host: the inventory's `threads`, else the host's cores (less
+    one per GPU stage, which keeps a core busy) over its CPU stages; 1 for a GPU stage."""
+    n_cpu = sum(1 for s in plan.stages if s.host == st.host and s.device == "cpu")
+    n_gpu = sum(1 for s in plan.stages if s.host == st.host and s.device != "cpu")
+    return host.threads or (max(1, (cores - n_gpu) // max(1, n_cpu)) if st.device == "cpu" else 1)
+
+
+def warm_hosts(inventory: formats.Inventory, model_spec: str, settings: dict, plan: formats.Plan | None,
+               accept_new_keys: bool, log) -> dict[str, str]:
+    """`hpipe warmup --cluster`: every host (the plan's, with one) compiles the model's decode graphs
+    at once over SSH, `hpipe warmup` on each with the threads its CPU stages will run with (the
+    plan's, else the host's `threads` or cores) and `settings` (--quantize, --dtype, --kv-dtype: the
+    plan's where it has them). Each host's lines are logged as they come, prefixed with its name.
+    Returns host -> its last line; HpipeError naming the hosts that failed."""
+    names = plan_hosts(plan, inventory) if plan is not None else [h.name for h in inventory.hosts]
+    hosts = {h.name: h for h in inventory.hosts}
+    conns = ssh.connect_all(inventory, names, accept_new_keys, log=log)
+    lines: queue.Queue = queue.Queue()
+    procs, last, failed = {}, {}, []
+    try:
+        for name in names:
+            cores = ssh.probe(conns[name]).get("cores") or 1
+            counts = sorted({stage_threads(plan, st, hosts[name], cores) for st in plan.stages
+                             if st.host == name and st.device == "cpu"}) if plan is not None else \
+                [hosts[name].threads or cores]
+            if not counts:
+                last[name] = "no CPU stage: nothing to compile"
+                continue
+            argv = [hosts[name].python, "-m", "hpipe", "warmup", "--model", model_spec,
+                    "--threads", ",".join(map(str, counts))] + [a for k, v in settings.items() for a in (k, v)]
+            procs[name] = ssh.RemoteProcess(conns[name], argv, {**hosts[name].env, "PYTHONUNBUFFERED": "1"}, lines,
+                                            name, timeout_s=600)
+            log(f"{name}: compiling for {' and '.join(map(str, counts))} thread(s)")
+        open_streams = 2 * len(procs)
+        while open_streams:
+            name, _, line = lines.get()
+            if line is None:
+                open_streams -= 1
+            elif line.strip():
+                last[name] = line.strip()
+                log(f"{name}: {line.strip()}")
+        for name, proc in procs.items():
+            code = proc.wait(timeout=30)
+            if code not in (0, None):
+                failed.append(f"{name} ({proc.describe_exit(code)}: {last.get(name, '')})")
+    finally:
+        for proc in procs.values():
+            proc.close()
+        for conn in conns.values():
+            conn.close()
+    if failed:
+        raise HpipeError(f"warmup failed on {len(failed)} host(s): {'; '.join(failed)}")
+    return last
+
+
 def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, microbatch_tokens: int) -> dict:
     """Bytes each device of the host needs for its stages: the planner's memory model
     (hpipe.memory), for kv_tokens tokens of KV cache and micro-batches of up to microbatch_tokens."""
@@ -342,10 +398,7 @@ def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory
         lines: queue.Queue = queue.Queue()
         for rank, st in enumerate(plan.stages):
             host = hosts[st.host]
-            cores = by_name[st.host].info.get("cores") or 1
-            n_cpu = sum(1 for s in plan.stages if s.host == st.host and s.device == "cpu")
-            n_gpu = sum(1 for s in plan.stages if s.host == st.host and s.device != "cpu")
-            threads = host.threads or (max(1, (cores - n_gpu) // max(1, n_cpu)) if st.device == "cpu" else 1)
+            threads = stage_threads(plan, st, host, by_name[st.host].info.get("cores") or 1)
             logits = f"{remote_tmp}/logits.npz" if settings.logits_out and rank == world - 1 else None
             argv = worker_command(host.python, f"{remote_tmp}/plan.json", rank, world, master.address, port,
                                   model_on[st.host], None if settings.serve else f"{remote_tmp}/requests.jsonl",

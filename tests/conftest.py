@@ -167,6 +167,17 @@ def assert_greedy_equal(model, prompt: list[int], ours: list[int], theirs: list[
                        f"{ours} vs {theirs}"
 
 
+def assert_run_matches(reference, requests, results, tol: float) -> None:
+    """Every request of an in-process run (`run_inprocess(..., keep_logits=True)`): its logits within
+    `tol` of one transformers forward and its greedy tokens `generate`'s (near-ties within `tol` aside)."""
+    for r in requests:
+        out = results[r.id]["output_ids"]
+        ref = reference_logits(reference, list(r.input_ids), out)
+        assert float((results[r.id]["logits"] - ref).abs().max()) < tol, r.id
+        assert_greedy_equal(reference, list(r.input_ids), out,
+                            reference_greedy(reference, list(r.input_ids), r.max_new_tokens, None), tie=tol)
+
+
 def write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe", seed: int = 0, hidden: int = 256,
                    experts: int = 8, used: int = 2, ff: int = 256, heads: int = 4,
                    kv_heads: int = 2, head_dim: int = 64) -> Path:

@@ -1,7 +1,8 @@
-"""`hpipe serve` with --compile auto (the default) gets its decode graphs beside it
-(hpipe.runtime.background_compile): the stages serve at once, eagerly, while a child of each
-compiles the graphs at the lowest CPU priority (a cold host) and a thread loads them; the stages
-then run them."""
+"""A cold host (no `hpipe warmup`) under --compile auto (the default): `hpipe serve` gets its
+decode graphs beside it (hpipe.runtime.background_compile): the stages serve at once, eagerly, while
+a child of each compiles the graphs at the lowest CPU priority and a thread loads them; the stages
+then run them. A batch job compiles first only where its decode pays for the compile
+(hpipe.runtime.compile_choice)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import pytest
 import torch
 
 from conftest import assert_greedy_equal
+from hpipe import models
 from hpipe.cli import main
+from hpipe.runtime import compile_choice
+from hpipe.runtime.stage import StageRunner, compile_if_it_pays, record_compile, warm_key, warm_up
 from test_serve import client, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -123,3 +127,39 @@ def test_a_server_gets_its_graphs_beside_it_compiled_on_a_cold_host_loaded_on_a_
 
     text = serve(loading)
     assert text.count("decode graphs loaded in") == 2 and "compiled in the background" not in text, text
+
+
+def test_a_cold_batch_job_compiles_first_only_where_its_decode_pays_for_it(tiny_models, tmp_path, monkeypatch):
+    """A cold stage: a short job's choice is to decode eagerly, a long one's to compile first, each
+    said in one line with its numbers; the compile then marks the graphs warm on this host (a later
+    stage here is not cold) and records its cost, which the next choice uses instead of the
+    estimate."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))      # a host that compiled nothing
+    path = tiny_models["llama"]
+    config = models.load_config(path)
+    units = range(models.num_units(config))
+
+    def stage():
+        runner = StageRunner(path, config, units, compile="auto")
+        runner.kv.allocate(16)
+        return runner
+
+    runner, lines = stage(), []
+    assert runner.compile_cold
+    short = compile_if_it_pays(runner, 10, 40, lines.append)
+    assert not short.compile and not short.measured and runner.decode_halves is runner.eager
+    assert "decode runs eagerly: compiling" in lines[-1] and "(estimated)" in lines[-1], lines
+    assert short.saved_s == pytest.approx(short.decode_s * (1 - compile_choice.COMPILED_SHARE))
+    long = compile_if_it_pays(runner, 1e9, 40, lines.append)
+    assert long.compile and "compiling its decode graphs first" in lines[-1], lines
+    took = warm_up(runner, 40, lines.append)
+    assert took is not None and runner.decode_halves is not runner.eager
+    record_compile(runner, took, 40)
+    kept = compile_choice.recorded(warm_key(runner))
+    assert kept["compile_s"] == pytest.approx(took, abs=0.01) and 0 < kept["share"]
+    again = stage()
+    assert not again.compile_cold and again.compile_refused is None      # warm here now
+    # the next cold choice for these graphs uses the measured cost and share
+    choice = compile_choice.choose(warm_key(runner), 4, 1e6, 1e-3)
+    assert choice.measured and choice.cost_s == kept["compile_s"]
+    assert choice.saved_s == pytest.approx(1e6 * 1e-3 * (1 - kept["share"]))

@@ -277,3 +277,13 @@ def test_a_compile_that_fails_leaves_the_run_eager_with_one_line(tiny_models, tm
         assert all("No working C++ compiler" in line for line in failed), failed
         outputs[setting] = json.loads(out.read_text().splitlines()[0])["output_ids"]
     assert outputs["on"] == outputs["off"]
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["warmup", "--plan", "plan.json"], ("--plan goes with --cluster",)),
+    (["warmup", "--cluster", "c.toml", "--threads", "2"], ("--threads is each host's with --cluster",)),
+    (["warmup", "--kv-dtype", "int8"], ("--kv-dtype 'int8'", "float16"))])
+def test_warmup_options_that_do_not_go_together_are_one_line(capsys, argv, needles):
+    code, err = run_cli(capsys, *argv)
+    assert code != 0
+    one_error_line(err, *needles)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VOCAB, assert_greedy_equal, reference_greedy, reference_logits
+from conftest import VOCAB, assert_run_matches
 from hpipe import cpu_kernels, formats, models
 from hpipe.cli import main
 from hpipe.formats import Slicing
@@ -116,7 +116,7 @@ def test_every_attention_path_over_a_float16_cache_is_within_its_rounding(attn, 
                for a, b in ((0, 4), (4, n))]
     results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
                             pages=POOL)
-    check(reference_models["llama"], requests, results)
+    assert_run_matches(reference_models["llama"], requests, results, F16_TOL)
 
 
 def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_models, reference_models, monkeypatch):
@@ -139,16 +139,7 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
                             pages=POOL)
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled a graph warm-up had not"
-    check(reference_models["llama"], requests, results)
-
-
-def check(reference, requests, results) -> None:
-    for r in requests:
-        out = results[r.id]["output_ids"]
-        ref = reference_logits(reference, list(r.input_ids), out)
-        assert float((results[r.id]["logits"] - ref).abs().max()) < F16_TOL, r.id
-        assert_greedy_equal(reference, list(r.input_ids), out,
-                            reference_greedy(reference, list(r.input_ids), r.max_new_tokens, None), tie=F16_TOL)
+    assert_run_matches(reference_models["llama"], requests, results, F16_TOL)
 
 
 def test_a_kv_dtype_hpipe_cannot_keep_is_refused_in_one_line(tiny_models, tmp_path, capsys):

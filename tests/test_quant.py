@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from torch._dynamo.utils import counters
 
-from conftest import VOCAB, assert_greedy_equal, reference_greedy, reference_logits
+from conftest import VOCAB, assert_greedy_equal, assert_run_matches, reference_greedy, reference_logits
 from hpipe import cpu_kernels, models, quant
 from hpipe.cli import main
 from hpipe.formats import Slicing
@@ -614,13 +614,4 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
                                 keep_logits=True, static=static, pages=POOL)
         if not static and device == "cpu":
             assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled a graph warm-up had not"
-        check_against_reference(reference, requests, results, tol)
-
-
-def check_against_reference(reference, requests, results, tol):
-    for r in requests:
-        out = results[r.id]["output_ids"]
-        ref = reference_logits(reference, list(r.input_ids), out)
-        assert float((results[r.id]["logits"] - ref).abs().max()) < tol, r.id
-        assert_greedy_equal(reference, list(r.input_ids), out,
-                            reference_greedy(reference, list(r.input_ids), r.max_new_tokens, None), tie=tol)
+        assert_run_matches(reference, requests, results, tol)

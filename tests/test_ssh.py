@@ -522,7 +522,8 @@ def test_push_model_sends_each_host_a_gguf_of_its_own_stages(cluster, tmp_path):
     source = models.resolve_model(str(path))
     config = models.load_config(source.path)
     plan = formats.load_plan(tmp_path / "plan.json")
-    runners = [StageRunner(source, config, range(*st.units), weights=quant.WeightFormat("gguf"), kv_dtype="float32") for st in plan.stages]
+    runners = [StageRunner(source, config, range(*st.units), weights=quant.WeightFormat("gguf"), kv_dtype=plan.kv_dtype)
+               for st in plan.stages]
     want = run_inprocess(runners, [Request(i, f"p{i}", tuple(p), max_new_tokens=6, eos_ids=frozenset())
                                    for i, p in enumerate(prompts)], plan.slicing.slices_for, max_batch=2)
     for name, ids in got.items():        # a stop at an end-of-text token leaves a prefix
@@ -765,3 +766,29 @@ def test_serve_goes_on_through_a_lost_host_and_takes_it_back(cluster, tmp_path):
     finally:
         served.stop()
     assert wait_until_clean(cluster, 5.0) == [], served.text()
+
+
+def test_warmup_on_every_host_at_once_then_the_default_launch_runs_compiled(cluster, tiny_models, tmp_path):
+    """`hpipe warmup --cluster FILE --plan plan.json`: each host of the plan compiles its graphs with
+    the plan's settings and the threads its stage will run with, a line per host as it goes; a
+    launch with default flags then finds every host warm (no stage says it decodes eagerly) and
+    runs compiled graphs."""
+    plan = tmp_path / "plan.json"
+    hpipe("plan", "--model", tiny_models["llama"], "--cluster", cluster.inventory_path, "-o", plan, cwd=tmp_path,
+          check=True)
+    r = hpipe("warmup", "--cluster", cluster.inventory_path, "--plan", plan, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hosts = [st["host"] for st in json.loads(plan.read_text())["stages"]]
+    for host in hosts:
+        assert f"{host}: compiling for 1 thread(s)" in r.stdout, r.stdout
+        assert any(line.startswith(f"{host}: ") and "decode graphs compiled and warm" in line
+                   for line in r.stdout.splitlines()), r.stdout
+    assert f"{len(set(hosts))} host(s) warm" in r.stdout
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "input_ids": [5, 6, 7, 8, 9]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", tmp_path / "p.jsonl", "--out", out,
+              "--max-new-tokens", "4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "decode runs eagerly" not in r.stderr + r.stdout and "hpipe warmup" not in r.stdout
+    options = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]["options"]
+    assert options["compiled"] and not options["compile_cold"]

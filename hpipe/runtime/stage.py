@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hpipe import experts, heap, models, quant
+from hpipe.runtime import compile_choice
 from hpipe.config import DEFAULTS
 from hpipe.formats import KV_DTYPE
 from hpipe.runtime.kv import BatchCache, KVStore
@@ -506,12 +507,14 @@ def decode_shapes(n: int, page_size: int) -> list[list[Segment]]:
             [Segment(i, 0, n - 1 - i, 1, True) for i in range(3)]]
 
 
-def warm_up(runner, max_len: int, log) -> None:
+def warm_up(runner, max_len: int, log) -> float | None:
     """Before the clock starts (the KV pool is allocated): one small slice through the stage's units
     (kernel selection, thread pools, first-touch allocations); with compiled halves, the decode
     steps that compile every graph a run calls (`decode_shapes`). A compile that fails (no C++
-    compiler, an inductor bug) leaves the stage eager, said in one line."""
+    compiler, an inductor bug) leaves the stage eager, said in one line. Returns the compile's
+    seconds (None: nothing compiled)."""
     n = max(1, min(WARM_TOKENS, max_len))
+    took = None
     warm_step(runner, [Segment(0, 0, 0, n, True)])
     if runner.decode_halves is not runner.eager and n > 3:
         t = time.time()
@@ -524,10 +527,65 @@ def warm_up(runner, max_len: int, log) -> None:
             log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode runs eagerly, its compile failed "
                 f"(--compile off skips it): {type(e).__name__}: {first}")
         else:
-            log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode compiled in {time.time() - t:.1f} s "
+            took = time.time() - t
+            log(f"stage {runner.units.start}-{runner.units.stop - 1}: decode compiled in {took:.1f} s "
                 f"({runner.decode_halves.graphs} graphs: runs of whole blocks, single ones, halves of cut ones)")
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
+    return took
+
+
+def decode_step_s(runner, halves: Halves, n: int) -> float:
+    """One row's decode step after n - 1 tokens through `halves`: the least of 3 (the warm-up's
+    context: a cost the compile choice compares, eager against compiled)."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        warm_step(runner, decode_shapes(n, runner.kv.page_size)[0], halves)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def compile_if_it_pays(runner, steps: float, max_len: int, log) -> compile_choice.CompileChoice:
+    """A cold CPU stage of a batch job (`--compile auto`, no `hpipe warmup` here): its eager decode
+    step measured, the choice made (`hpipe.runtime.compile_choice`) and said in one line; where
+    compiling pays, the stage's graphs are compiled by the warm-up that follows, as under
+    `--compile on` (`record_compile` then marks them warm and keeps the cost)."""
+    n = max(1, min(WARM_TOKENS, max_len))
+    warm_step(runner, [Segment(0, 0, 0, n, True)])
+    graphs = len({key for _, key in graph_plan(runner).values()})
+    choice = compile_choice.choose(warm_key(runner), graphs, steps, decode_step_s(runner, runner.eager, n))
+    log(choice.line(f"stage {runner.units.start}-{runner.units.stop - 1}"))
+    if choice.compile:
+        runner.compile_refused = None
+        runner.decode_halves = CompiledHalves(runner)
+    return choice
+
+
+def record_compile(runner, compile_s: float | None, max_len: int) -> None:
+    """After a warm-up compiled the stage's graphs: marked warm for later `--compile auto` runs on
+    this host, and the compile's cost and the compiled step's share kept for later choices."""
+    if compile_s is None or runner.decode_halves is runner.eager:
+        return
+    mark_warm(runner)
+    n = max(1, min(WARM_TOKENS, max_len))
+    compile_choice.record(warm_key(runner), compile_s, decode_step_s(runner, runner.eager, n),
+                          decode_step_s(runner, runner.decode_halves, n))
+
+
+def warm_key(runner) -> str:
+    """The stage's graphs as this host's records name them: its warm marks, together."""
+    import hashlib
+
+    return hashlib.sha256("".join(sorted(m.name for m in _warm_marks(runner))).encode()).hexdigest()[:24]
+
+
+def mark_warm(runner) -> list[Path]:
+    marks = _warm_marks(runner)
+    for m in marks:
+        m.parent.mkdir(parents=True, exist_ok=True)
+        m.touch()
+    return marks
 
 
 @torch.inference_mode()      # as the run prepares and computes (a compiled graph tells the two apart)
@@ -585,12 +643,10 @@ def warm_layout(model: models.ModelSource, config, weights, dtype: str, log, uni
     own = _warm_marks(runner)
     if not all(m.exists() for m in own):
         runner.kv.allocate(4)
-        warm_up(runner, 16, log)
+        took = warm_up(runner, 16, log)
         if runner.decode_halves is runner.eager:
             raise HpipeError(f"{model.name}: the compile failed (the line above says why); runs stay eager")
-        for m in own:
-            m.parent.mkdir(parents=True, exist_ok=True)
-            m.touch()
+        record_compile(runner, took, 16)
     return own
 
 

@@ -49,7 +49,7 @@ from hpipe.runtime.scheduler import Policy, Scheduler
 from hpipe.runtime.sequence import Sequence
 from hpipe.runtime.sidp import Replica, Seat, run_replica, runs_plain
 from hpipe.runtime.speculative import SPEC_ROWS
-from hpipe.runtime.stage import StageRunner, warm_up
+from hpipe.runtime.stage import StageRunner, compile_if_it_pays, record_compile, warm_up
 from hpipe.runtime.static_decode import StaticDecode, unsupported
 from hpipe.sampling import RequestSampler
 
@@ -354,7 +354,7 @@ class StageWorker:
         self.background = BackgroundCompile.for_server(
             runner, args.model or plan.model.name, self.stage_plan.weights, plan.dtype, config,
             f"stage {self.rank}", plan.kv_dtype) if args.background_compile and not self.grouped else None
-        warm_up(runner, self.requests.max_len, log)
+        self._warm_up(runner, args.serve)
         static_decode = StaticDecode(runner, config.max_batch, self.modes.cuda_graphs,
                                      self.requests.max_len) if static else None
         self.graphs = static_decode.capture() if static_decode is not None else 0
@@ -405,6 +405,16 @@ class StageWorker:
             static = False
             modes = dataclasses.replace(modes, cuda_graphs=False)
         return modes, static
+
+    def _warm_up(self, runner, serving: bool) -> None:
+        """`warm_up`; before it, a batch job on a host without `hpipe warmup` chooses to compile first
+        where the job's decode pays for it (`compile_if_it_pays`), and keeps what the compile cost."""
+        choice = compile_if_it_pays(runner, sum(r.max_new_tokens for r in self.requests.requests) /
+                                    self.requests.sequences, self.requests.max_len, log) \
+            if runner.compile_cold and not serving and not self.grouped else None
+        compiled_s = warm_up(runner, self.requests.max_len, log)
+        if choice is not None and choice.compile:
+            record_compile(runner, compiled_s, self.requests.max_len)
 
     def _agree_kv_pages(self) -> int:
         """This stage's KV pool, then the smallest over the stages (stage 0 hands out what every stage holds)."""

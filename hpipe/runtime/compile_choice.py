@@ -1,0 +1,84 @@
+"""Whether a batch job on a cold host compiles a stage's decode graphs before it starts (`--compile
+auto`, the default): when the decode time the graphs save this job exceeds what compiling them
+costs on this host. Every stage decides for itself, at the same moment (the job's start), from:
+
+- the job's decode steps: each request's `max_new_tokens`, `--max-batch` sequences at a time;
+- an eager decode step's time, measured at the stage's warm-up (one row);
+- a compiled step's share of an eager one and the compile's seconds: what this host recorded the
+  last time it compiled this stage's graphs (`hpipe warmup`, or a job that chose to compile;
+  `compile-costs.json` beside the graphs' warm marks), else `COMPILED_SHARE` and
+  `COMPILE_S_PER_GRAPH` (SmolLM2's stages, 2 threads, an AVX2 EPYC: 0.6-0.75x, 10-20 s a graph).
+
+A server never waits: it compiles beside itself (`hpipe.runtime.background_compile`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpipe.config import cache_dir
+
+__all__ = ["COMPILED_SHARE", "COMPILE_S_PER_GRAPH", "CompileChoice", "choose", "record"]
+
+COMPILED_SHARE = 0.7
+COMPILE_S_PER_GRAPH = 15.0
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    compile: bool
+    decode_s: float         # the job's decode on this stage, eager, predicted
+    saved_s: float          # what compiled graphs would save of it
+    cost_s: float           # what compiling them costs here
+    measured: bool          # cost and share as this host recorded them (else the defaults)
+
+    def line(self, stage: str) -> str:
+        cost = f"{self.cost_s:.0f} s{'' if self.measured else ' (estimated)'}"
+        if self.compile:
+            return (f"{stage}: compiling its decode graphs first ({cost}, once on this host): predicted to save "
+                    f"{self.saved_s:.0f} s of this job's {self.decode_s:.0f} s of decode")
+        return (f"{stage}: decode runs eagerly: compiling ({cost}) would save {self.saved_s:.0f} s of this job's "
+                f"{self.decode_s:.0f} s; `hpipe warmup` compiles once for every later job")
+
+
+def _records() -> Path:
+    """Beside the graphs' warm marks, in inductor's cache (hpipe's, unless the user set their own)."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_dir() / "inductor")) / "hpipe-warm" / \
+        "compile-costs.json"
+
+
+def recorded(key: str) -> dict | None:
+    try:
+        return json.loads(_records().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def record(key: str, compile_s: float, eager_step_s: float, compiled_step_s: float) -> None:
+    """Keeps what one compile of a stage's graphs cost here (atomically; the last writer wins)."""
+    path = _records()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {"compile_s": round(compile_s, 2), "share": round(compiled_step_s / max(eager_step_s, 1e-9), 3),
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def choose(key: str, graphs: int, steps: float, eager_step_s: float) -> CompileChoice:
+    """Compile when the job's `steps` eager decode steps of `eager_step_s` would save more than the
+    compile of `graphs` graphs costs (this host's record under `key`, else the defaults)."""
+    known = recorded(key)
+    share = known["share"] if known else COMPILED_SHARE
+    cost = known["compile_s"] if known else COMPILE_S_PER_GRAPH * graphs
+    decode = steps * eager_step_s
+    saved = decode * (1 - share)
+    return CompileChoice(saved > cost, decode, saved, cost, known is not None)
