@@ -771,8 +771,8 @@ def warmup(
     threads: str | None = typer.Option(None, "--threads", help="the CPU threads of the stages that will run here, "
                                        "comma-separated (inductor builds its kernels for one count; a launch gives "
                                        "each CPU stage the host's cores over its CPU stages); default: all cores"),
-    cluster: str | None = typer.Option(None, "--cluster", help="every host of this inventory at once, over SSH "
-                                       "(each with the threads its stages run with)"),
+    cluster: str | None = typer.Option(None, "--cluster", help="every host of this inventory with a CPU at once, "
+                                       "over SSH (with --plan: the plan's hosts, each with its stages' threads)"),
     plan_path: str | None = typer.Option(None, "--plan", help="with --cluster: the plan's hosts, model, weights, "
                                          "dtypes and threads"),
     accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
@@ -820,7 +820,8 @@ def _warm_cluster(cluster: str, plan_path: str | None, model: str, quantize, dty
     import time
 
     t = time.time()
-    done = launcher.warm_hosts(inventory, model, settings, plan, accept_new_keys, typer.echo)
+    spec = launcher.remote_model_spec(models.resolve_model(model, progress=_note))
+    done = launcher.warm_hosts(inventory, spec, settings, plan, accept_new_keys, typer.echo)
     typer.echo(f"{len(done)} host(s) warm in {time.time() - t:.0f} s; launches and servers with --compile auto use "
                f"their graphs")
 

@@ -292,7 +292,7 @@ def attend_f16(q, k, v, mask, scale: float):
     b, h, g, d = q.shape
     n = k.shape[2]
     q = q.float().contiguous()
-    _check_attend(k, v, n, d)
+    _check_attend(k, v, b, h, n, d)
     m = None if mask is None else mask.expand(b, 1, 1, n).reshape(b, n).to(torch.uint8).contiguous()
     out = torch.empty(b, h, g, d, dtype=torch.float32)
     rc = kernels()[0].hpipe_attend_f16(q.data_ptr(), b, h, g, d, k.data_ptr(), v.data_ptr(), k.stride(0),
@@ -305,12 +305,12 @@ def attend_f16(q, k, v, mask, scale: float):
     return out
 
 
-def _check_attend(k, v, n: int, d: int) -> None:
+def _check_attend(k, v, b: int, h: int, n: int, d: int) -> None:
     import torch
 
     if k.dtype != torch.float16 or v.dtype != torch.float16 or k.stride() != v.stride() or k.stride(3) != 1:
         raise ValueError("attention kernel: k and v must be float16 at the same strides, the last 1")
-    if v.shape[2] != n or k.shape[3] != d:
+    if k.dim() != 4 or tuple(k.shape) != (b, h, n, d) or tuple(v.shape) != (b, h, n, d):
         raise ValueError(f"attention kernel: k {tuple(k.shape)} and v {tuple(v.shape)} do not match the query")
 
 

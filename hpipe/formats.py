@@ -384,7 +384,7 @@ class Plan:
     predicted: dict[str, Any] | None = None
     created_by: str = ""
     version: int = PLAN_VERSION
-    kv_dtype: str = KV_DTYPE
+    kv_dtype: str = KV_DTYPE   # a plan file without it was made before 16-bit caches: float32, as planned
     weights: str = "none"   # asked for: none, gguf, int8 or int4:G (each stage says what it runs)
     mode: str = "pipeline"  # "pipeline": the stages cut the model; "sidp": each stage is a whole replica
     sidp: tuple[SidpGroupPlan, ...] = ()   # mode "sidp": one group per host
@@ -501,8 +501,8 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
         contexts[int(k)] = tuple(v)
     slicing = Slicing(count=count, lengths=tuple(lengths), granularity=granularity, by_seq_len=table,
                       by_context=contexts)
-    dtype, kv_dtype = (_expect(path, key, data.get(key, default), str, "a dtype name")
-                       for key, default in (("dtype", "float32"), ("kv_dtype", KV_DTYPE)))
+    dtype, kv_dtype = (_expect(path, key, data.get(key, "float32"), str, "a dtype name")
+                       for key in ("dtype", "kv_dtype"))
     predicted = _expect(path, "predicted", data.get("predicted"), (dict, type(None)), "an object or null")
     weights = _expect(path, "weights", data.get("weights", "none"), str, "a weight format")
     mode = _expect(path, "mode", data.get("mode", "pipeline"), str, "'pipeline' or 'sidp'")

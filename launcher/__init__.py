@@ -4,8 +4,8 @@ their reports into the results file; `serving` runs the same workers as a servic
 `api` puts the OpenAI HTTP API in front of it (`hpipe serve`); `elastic` keeps a cluster going when
 a host drops out or comes back."""
 
-from hpipe.launcher.cluster import (check_table, launch_cluster, plan_hosts, preflight, refuse_failed, start_cluster,
-                                    warm_hosts)
+from hpipe.launcher.cluster import (check_table, launch_cluster, plan_hosts, preflight, refuse_failed,
+                                    remote_model_spec, start_cluster, warm_hosts)
 from hpipe.launcher.jobs import (HEARTBEAT_TIMEOUT_S, TOLERANCE, Launch, LaunchSettings, PreparedJob, busy_fractions, decode_check, encode_prompt, plan_check,
                                  prepare, prepare_model, write_run_summary)
 from hpipe.launcher.local import launch_local, prestart_local, start_local, threads_per_stage
@@ -15,4 +15,4 @@ from hpipe.launcher.run_chart import check_timeline_out, predicted_timeline, wri
 
 __all__ = ["HEARTBEAT_TIMEOUT_S", "TOLERANCE", "Launch", "LaunchSettings", "PreparedJob", "ReplicaReport", "check_replicas", "launch_replicas", "write_mode_trace", "busy_fractions", "check_table", "check_timeline_out", "decode_check", "decode_terms", "encode_prompt",
            "launch_cluster", "launch_local", "plan_check", "plan_hosts", "prestart_local", "predicted_timeline", "preflight", "prepare", "prepare_model",
-           "refuse_failed", "start_cluster", "start_local", "threads_per_stage", "warm_hosts", "write_run_summary", "write_run_timeline"]
+           "refuse_failed", "remote_model_spec", "start_cluster", "start_local", "threads_per_stage", "warm_hosts", "write_run_summary", "write_run_timeline"]

@@ -74,21 +74,23 @@ def plan_hosts(plan: formats.Plan, inventory: formats.Inventory) -> list[str]:
 
 
 def stage_threads(plan: formats.Plan, st: formats.StagePlan, host: formats.Host, cores: int) -> int:
-    """The threads a stage gets on its host: the inventory's `threads`, else the host's cores (less
-    one per GPU stage, which keeps a core busy) over its CPU stages; 1 for a GPU stage."""
+    """The threads a stage gets on its host: the inventory's `threads` where it gives them, else the
+    host's cores (less one per GPU stage, which keeps a core busy) over its CPU stages, and 1 for
+    a GPU stage."""
     n_cpu = sum(1 for s in plan.stages if s.host == st.host and s.device == "cpu")
     n_gpu = sum(1 for s in plan.stages if s.host == st.host and s.device != "cpu")
     return host.threads or (max(1, (cores - n_gpu) // max(1, n_cpu)) if st.device == "cpu" else 1)
 
 
 def warm_hosts(inventory: formats.Inventory, model_spec: str, settings: dict, plan: formats.Plan | None,
-               accept_new_keys: bool, log) -> dict[str, str]:
-    """`hpipe warmup --cluster`: every host (the plan's, with one) compiles the model's decode graphs
-    at once over SSH, `hpipe warmup` on each with the threads its CPU stages will run with (the
-    plan's, else the host's `threads` or cores) and `settings` (--quantize, --dtype, --kv-dtype: the
-    plan's where it has them). Each host's lines are logged as they come, prefixed with its name.
-    Returns host -> its last line; HpipeError naming the hosts that failed."""
-    names = plan_hosts(plan, inventory) if plan is not None else [h.name for h in inventory.hosts]
+               accept_new_keys: bool, log, silence_s: float = 60.0) -> dict[str, str]:
+    """`hpipe warmup --cluster`: every host with a CPU stage (the plan's; without a plan, every host
+    that lists a CPU) compiles the model's decode graphs at once over SSH: `hpipe warmup` with the
+    threads its CPU stages will run with (the plan's; else the host's `threads` or its cores, what
+    one CPU stage alone gets) and `settings` (--quantize, --dtype, --kv-dtype). Each host's lines
+    are logged as they come, prefixed with its name. Returns host -> its last line, for the hosts
+    that compiled; HpipeError naming the hosts that failed or fell silent for `silence_s`."""
+    names = plan_hosts(plan, inventory) if plan is not None else [h.name for h in inventory.hosts if "cpu" in h.devices]
     hosts = {h.name: h for h in inventory.hosts}
     conns = ssh.connect_all(inventory, names, accept_new_keys, log=log)
     lines: queue.Queue = queue.Queue()
@@ -100,25 +102,13 @@ def warm_hosts(inventory: formats.Inventory, model_spec: str, settings: dict, pl
                              if st.host == name and st.device == "cpu"}) if plan is not None else \
                 [hosts[name].threads or cores]
             if not counts:
-                last[name] = "no CPU stage: nothing to compile"
-                continue
+                continue                   # only GPU stages there: nothing of theirs compiles ahead
             argv = [hosts[name].python, "-m", "hpipe", "warmup", "--model", model_spec,
                     "--threads", ",".join(map(str, counts))] + [a for k, v in settings.items() for a in (k, v)]
             procs[name] = ssh.RemoteProcess(conns[name], argv, {**hosts[name].env, "PYTHONUNBUFFERED": "1"}, lines,
-                                            name, timeout_s=600)
+                                            name, timeout_s=silence_s)
             log(f"{name}: compiling for {' and '.join(map(str, counts))} thread(s)")
-        open_streams = 2 * len(procs)
-        while open_streams:
-            name, _, line = lines.get()
-            if line is None:
-                open_streams -= 1
-            elif line.strip():
-                last[name] = line.strip()
-                log(f"{name}: {line.strip()}")
-        for name, proc in procs.items():
-            code = proc.wait(timeout=30)
-            if code not in (0, None):
-                failed.append(f"{name} ({proc.describe_exit(code)}: {last.get(name, '')})")
+        _follow_warmups(procs, lines, last, failed, silence_s, log)
     finally:
         for proc in procs.values():
             proc.close()
@@ -126,7 +116,34 @@ def warm_hosts(inventory: formats.Inventory, model_spec: str, settings: dict, pl
             conn.close()
     if failed:
         raise HpipeError(f"warmup failed on {len(failed)} host(s): {'; '.join(failed)}")
-    return last
+    return {name: last.get(name, "") for name in procs}
+
+
+def _follow_warmups(procs: dict, lines: queue.Queue, last: dict, failed: list, silence_s: float, log) -> None:
+    """Logs the hosts' lines until every host's process has ended or fallen silent (its wrapper
+    reports every second while it runs); `failed` gets each host that did not end well."""
+    open_streams = {name: 2 for name in procs}
+    while any(open_streams.values()):
+        try:
+            name, _, line = lines.get(timeout=1.0)
+        except queue.Empty:
+            for name, proc in procs.items():
+                if open_streams[name] and proc.silent_s() > silence_s:
+                    failed.append(f"{name} (silent for {silence_s:g} s)")
+                    open_streams[name] = 0
+            continue
+        if line is None:
+            open_streams[name] = max(0, open_streams[name] - 1)
+        elif line.strip():
+            last[name] = line.strip()
+            log(f"{name}: {line.strip()}")
+    for name, proc in procs.items():
+        if any(f.startswith(f"{name} ") for f in failed):
+            continue
+        code = proc.wait(timeout=30)
+        if code != 0:
+            why = "no exit status" if code is None else proc.describe_exit(code)
+            failed.append(f"{name} ({why}: {last.get(name, '')})")
 
 
 def device_needs(plan: formats.Plan, config, host_name: str, kv_tokens: int, microbatch_tokens: int) -> dict:

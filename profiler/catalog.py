@@ -76,10 +76,12 @@ def _expert_width(config) -> int:
     return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
-def unit_cost(config, kind: str, s, c, elem: int, welem: float | None = None):
+def unit_cost(config, kind: str, s, c, elem: int, welem: float | None = None, kv_elem: int | None = None):
     """(flops, bytes moved) of one unit of `kind` for s tokens after c tokens of context (numpy-friendly);
-    `welem`: bytes per weight when they differ from the activations' (quantized)."""
+    `welem`: bytes per weight when they differ from the activations' (quantized); `kv_elem`: bytes
+    per KV-cache element (the plan's `kv_dtype`) when they differ."""
     welem = elem if welem is None else welem
+    kv_elem = elem if kv_elem is None else kv_elem
     hidden, heads, head_dim, kv_heads, inter, mlp_mats, vocab = _dims(config)
     act = 4 * s * hidden * elem
     if kind == "embed":
@@ -87,7 +89,7 @@ def unit_cost(config, kind: str, s, c, elem: int, welem: float | None = None):
     if kind == "attn":
         qkv = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
         flops = 2 * s * qkv + 4 * s * heads * head_dim * (c + (s + 1) / 2)
-        return flops, qkv * welem + (c + s) * 2 * kv_heads * head_dim * elem + act
+        return flops, qkv * welem + (c + s) * 2 * kv_heads * head_dim * kv_elem + act
     if kind == "mlp" and models.is_moe(config):
         # the router on every row, each row through its k experts (and a shared expert where the family
         # has one), and the weights of every distinct expert the s rows touch read once
@@ -111,25 +113,28 @@ def link_gbs(name: str) -> float:
     return LINKS_GBS[key] * LINK_EFFICIENCY
 
 
-def decode_unit_time(config, kind: str, rows, context, device: DeviceSpec, dtype: str, weights: str = "none"):
+def decode_unit_time(config, kind: str, rows, context, device: DeviceSpec, dtype: str, weights: str = "none",
+                     kv_dtype: str | None = None):
     """Roofline estimate of one unit of `kind` in a decode step of `rows` sequences, each one new
     token after `context` tokens: the weights are read once for all rows, each row reads its own KV."""
-    flops, nbytes = unit_cost(config, kind, rows, 0, _elem(dtype), _welem(weights))
+    kv_elem = _elem(kv_dtype or dtype)
+    flops, nbytes = unit_cost(config, kind, rows, 0, _elem(dtype), _welem(weights), kv_elem)
     if kind == "attn":
         hidden, heads, head_dim, kv_heads, *_ = _dims(config)
         flops = flops + 4 * rows * heads * head_dim * context
-        nbytes = nbytes + rows * context * 2 * kv_heads * head_dim * _elem(dtype)
+        nbytes = nbytes + rows * context * 2 * kv_heads * head_dim * kv_elem
     return _roofline(flops, nbytes, device, dtype)
 
 
 DECODE_BATCHES = (1, 4, 16, 64, 256, 1024)
 
 
-def estimated_decode_table(config, device: DeviceSpec, dtype: str, max_seq_len: int, weights: str = "none") -> dict:
+def estimated_decode_table(config, device: DeviceSpec, dtype: str, max_seq_len: int, weights: str = "none",
+                           kv_dtype: str | None = None) -> dict:
     """The profile's decode table (seconds per unit kind at [batch][context]) from the roofline."""
     contexts = sorted({128, max_seq_len // 2, max_seq_len})
     return {"batch": list(DECODE_BATCHES), "context": contexts,
-            "t": {kind: [[float(decode_unit_time(config, kind, b, c, device, dtype, weights)) for c in contexts]
+            "t": {kind: [[float(decode_unit_time(config, kind, b, c, device, dtype, weights, kv_dtype)) for c in contexts]
                          for b in DECODE_BATCHES] for kind in ("attn", "mlp", "head")}}
 
 
@@ -150,7 +155,10 @@ def _roofline(flops, nbytes, device: DeviceSpec, dtype: str):
     return np.maximum(flops / peak, nbytes / bandwidth) + device.overhead_us * 1e-6
 
 
-def unit_time(config, kind: str, s, c, device: DeviceSpec, dtype: str, weights: str = "none"):
+def unit_time(config, kind: str, s, c, device: DeviceSpec, dtype: str, weights: str = "none",
+              kv_dtype: str | None = None):
     """Roofline estimate in seconds (s, c may be numpy arrays); quantized weights move fewer bytes
-    (their packed size, `hpipe.quant.packed_bytes`) and compute at the activations' rate."""
-    return _roofline(*unit_cost(config, kind, s, c, _elem(dtype), _welem(weights)), device, dtype)
+    (their packed size, `hpipe.quant.packed_bytes`) and compute at the activations' rate; the KV
+    cache's reads are in `kv_dtype`'s elements (else `dtype`'s)."""
+    return _roofline(*unit_cost(config, kind, s, c, _elem(dtype), _welem(weights), _elem(kv_dtype or dtype)),
+                     device, dtype)

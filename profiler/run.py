@@ -409,14 +409,16 @@ def _measure_remote_link(profile, progress, conns, host_a, host_b, a: dict, b: d
 # Estimated profiles
 
 
-def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: int, weights: str = "none") -> dict:
+def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: int, weights: str = "none",
+                     kv_dtype: str | None = None) -> dict:
     from hpipe.profiler.measure import grid
 
     s_grid, c_grid = grid(max_seq_len, quick=False)
     tables = {}
     for kind in formats.UNIT_KINDS:
         cs = c_grid if kind == "attn" else [0]
-        t = [[float(catalog.unit_time(config, kind, s, c, spec, dtype, weights)) if s + c <= max_seq_len else None
+        t = [[float(catalog.unit_time(config, kind, s, c, spec, dtype, weights, kv_dtype)) if s + c <= max_seq_len
+              else None
               for c in cs] for s in s_grid]
         tables[kind] = {"s": s_grid, "c": cs, "t": t}
     return tables
@@ -436,10 +438,11 @@ def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dt
         for device, dtype_name in zip(host.devices, host.device_types):
             spec = catalog.spec(dtype_name)
             if dtype_name not in by_type:
-                tables = estimated_tables(config, spec, dtype, n, weights)
+                tables = estimated_tables(config, spec, dtype, n, weights, kv_dtype)
                 by_type[dtype_name] = {"compute": tables, "fit_error": {k: heldout_error(v["s"], v["c"], v["t"])
                                                                         for k, v in tables.items()},
-                                       "decode": catalog.estimated_decode_table(config, spec, dtype, n, weights)}
+                                       "decode": catalog.estimated_decode_table(config, spec, dtype, n, weights,
+                                                                                kv_dtype)}
             profile["devices"].append({
                 "id": f"{host.name}/{device}", "host": host.name, "device": device, "type": dtype_name,
                 "source": "estimated", "identity": {"name": spec.name, "catalog": dtype_name},

@@ -99,6 +99,11 @@ def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_he
         for got in (torch.ops.hpipe.attend_f16(q, k, v, m, d ** -0.5), cpu_kernels.attend_f16(q, k, v, m, d ** -0.5)):
             assert got.dtype == torch.float32 and got.shape == q.shape
             assert float((got - ref).abs().max()) < 1e-5
+    for attend in (torch.ops.hpipe.attend_f16, cpu_kernels.attend_f16):      # shapes that do not match: refused
+        other = torch.zeros(b, kv_heads + 1, n, d, dtype=torch.float16)      # another number of KV heads
+        for bad_k, bad_v in ((other, other), (k, v[..., : d // 2]), (k.float(), v.float())):
+            with pytest.raises((RuntimeError, ValueError), match="attention kernel"):
+                attend(q, bad_k, bad_v, None, d ** -0.5)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -154,6 +159,8 @@ def test_a_kv_dtype_hpipe_cannot_keep_is_refused_in_one_line(tiny_models, tmp_pa
     data["kv_dtype"] = "fp8"
     with pytest.raises(formats.HpipeError, match=r"kv_dtype.*'fp8' is not one of"):
         formats.parse_plan(data, "plan.json")
+    del data["kv_dtype"]          # a plan made before 16-bit caches runs the float32 cache it was planned with
+    assert formats.parse_plan(data, "plan.json").kv_dtype == "float32"
     # a plan from a profile keeps the profile's cache type: another is refused, saying what to do
     profile = tmp_path / "profile.json"
     assert main(["profile", "--estimate", "--cluster", str(EXAMPLE_INVENTORY), "--model", "llama-7b",

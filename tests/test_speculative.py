@@ -151,7 +151,7 @@ def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_models, tmp_pat
 
     draft_path = tiny_models["qwen2"]
     reference = AutoModelForCausalLM.from_pretrained(draft_path).eval()
-    proposer = DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB, "cpu", "float32", 21, 4)
+    proposer = DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB, "cpu", "float32", 21, 4, "float32")
     rng = random.Random(9)
     seqs = [Sequence(Request(i, f"p{i}", tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(18, 26)))), 0.0)
             for i in range(3)]
@@ -173,7 +173,7 @@ def test_a_draft_model_proposes_its_own_greedy_continuation(tiny_models, tmp_pat
         proposer.forget(seq.index)
     assert proposer.pool.available == proposer.pool.usable
     with pytest.raises(HpipeError, match="vocabulary"):
-        DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB + 1, "cpu", "float32", 21, 4)
+        DraftProposer(Speculation("draft", 3, str(draft_path)), VOCAB + 1, "cpu", "float32", 21, 4, "float32")
     for bad in ("draft", "draft:", "draft:m:0", "ngram:x", "eagle:3"):
         with pytest.raises(HpipeError, match="--speculative"):
             Speculation.parse(bad)

@@ -117,8 +117,8 @@ at::Tensor attend_f16(const at::Tensor &q, const at::Tensor &k, const at::Tensor
     auto qc = q.to(at::kFloat).contiguous();
     TORCH_CHECK(k.scalar_type() == at::kHalf && v.scalar_type() == at::kHalf && k.strides() == v.strides() &&
                 k.stride(3) == 1, "attention kernel: k and v must be float16 at the same strides, the last 1");
-    TORCH_CHECK(v.size(2) == n && k.size(3) == d, "attention kernel: k ", k.sizes(), " and v ", v.sizes(),
-                " do not match the query");
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == b && k.size(1) == h &&
+                k.size(3) == d, "attention kernel: k ", k.sizes(), " and v ", v.sizes(), " do not match the query");
     at::Tensor m;
     if (mask.has_value())
         m = mask->expand({b, 1, 1, n}).reshape({b, n}).to(at::kByte).contiguous();

@@ -4,10 +4,11 @@ costs on this host. Every stage decides for itself, at the same moment (the job'
 
 - the job's decode steps: each request's `max_new_tokens`, `--max-batch` sequences at a time;
 - an eager decode step's time, measured at the stage's warm-up (one row);
-- a compiled step's share of an eager one and the compile's seconds: what this host recorded the
-  last time it compiled this stage's graphs (`hpipe warmup`, or a job that chose to compile;
-  `compile-costs.json` beside the graphs' warm marks), else `COMPILED_SHARE` and
-  `COMPILE_S_PER_GRAPH` (SmolLM2's stages, 2 threads, an AVX2 EPYC: 0.6-0.75x, 10-20 s a graph).
+- a compiled step's share of an eager one and the compile's seconds: what this host recorded for
+  each of the stage's graphs the last time it compiled one like it (the same modules, threads and
+  settings; `hpipe warmup` or a job that chose to compile; `compile-costs.json` beside the graphs'
+  warm marks), else `COMPILED_SHARE` and `COMPILE_S_PER_GRAPH` (SmolLM2's stages, 2 threads, an
+  AVX2 EPYC: 0.6-0.75x, 10-20 s a graph).
 
 A server never waits: it compiles beside itself (`hpipe.runtime.background_compile`).
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from hpipe.config import cache_dir
 
-__all__ = ["COMPILED_SHARE", "COMPILE_S_PER_GRAPH", "CompileChoice", "choose", "record"]
+__all__ = ["COMPILED_SHARE", "COMPILE_S_PER_GRAPH", "CompileChoice", "choose", "record", "recorded"]
 
 COMPILED_SHARE = 0.7
 COMPILE_S_PER_GRAPH = 15.0
@@ -51,34 +52,53 @@ def _records() -> Path:
         "compile-costs.json"
 
 
-def recorded(key: str) -> dict | None:
+def _read() -> dict:
+    """The host's records, graph -> {"compile_s", "share"}; nothing where the file is missing or not
+    the records' form (a cost is an estimate's input, never a job's failure)."""
     try:
-        return json.loads(_records().read_text()).get(key)
+        data = json.loads(_records().read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict) and
+            all(isinstance(v.get(f), (int, float)) for f in ("compile_s", "share"))} if isinstance(data, dict) else {}
 
 
-def record(key: str, compile_s: float, eager_step_s: float, compiled_step_s: float) -> None:
-    """Keeps what one compile of a stage's graphs cost here (atomically; the last writer wins)."""
-    path = _records()
+def record(graphs: list[str], compile_s: float, eager_step_s: float, compiled_step_s: float) -> None:
+    """Keeps what one compile of a stage's `graphs` cost here, shared equally among them (they compile
+    in one warm-up), and its compiled step's share of an eager one. Stages of one host that compile
+    at once each rewrite the file under a lock; a failure to write loses the record, not the job."""
+    import fcntl
+
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    data[key] = {"compile_s": round(compile_s, 2), "share": round(compiled_step_s / max(eager_step_s, 1e-9), 3),
-                 "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+        _records().parent.mkdir(parents=True, exist_ok=True)
+        with open(_records().with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _read()
+            share = round(compiled_step_s / max(eager_step_s, 1e-9), 3)
+            for g in graphs:
+                data[g] = {"compile_s": round(compile_s / max(1, len(graphs)), 2), "share": share,
+                           "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            tmp = _records().with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, _records())
+    except OSError:
+        pass
 
 
-def choose(key: str, graphs: int, steps: float, eager_step_s: float) -> CompileChoice:
-    """Compile when the job's `steps` eager decode steps of `eager_step_s` would save more than the
-    compile of `graphs` graphs costs (this host's record under `key`, else the defaults)."""
-    known = recorded(key)
-    share = known["share"] if known else COMPILED_SHARE
-    cost = known["compile_s"] if known else COMPILE_S_PER_GRAPH * graphs
+def choose(graphs: list[str], steps: float, eager_step_s: float) -> CompileChoice:
+    """Compile when the job's `steps` eager decode steps of `eager_step_s` would save more than
+    compiling `graphs` costs: each graph's recorded cost on this host (a graph of the same modules,
+    threads and settings, compiled by `hpipe warmup` or an earlier job, in whatever stage layout),
+    else `COMPILE_S_PER_GRAPH`; the recorded share, else `COMPILED_SHARE`."""
+    known = _read()
+    seen = [known[g] for g in graphs if g in known]
+    cost = sum(known[g]["compile_s"] if g in known else COMPILE_S_PER_GRAPH for g in graphs)
+    share = sum(r["share"] for r in seen) / len(seen) if seen else COMPILED_SHARE
     decode = steps * eager_step_s
     saved = decode * (1 - share)
-    return CompileChoice(saved > cost, decode, saved, cost, known is not None)
+    return CompileChoice(saved > cost, decode, saved, cost, bool(graphs) and len(seen) == len(graphs))
+
+
+def recorded(graph: str) -> dict | None:
+    """One graph's record on this host, or None."""
+    return _read().get(graph)

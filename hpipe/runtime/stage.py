@@ -35,6 +35,11 @@ from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
 F16_DECODE_KERNEL = False
 
 
+def f16_kernel(runner) -> bool:
+    """Whether the stage's decode steps attend through `hpipe::attend_f16` (its graphs hold the op)."""
+    return F16_DECODE_KERNEL and runner.device.type == "cpu" and runner.kv.dtype == torch.float16
+
+
 def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' SDPA attention over the KV pool's pages as they are, one query per row against
     grouped KV heads (a decode step) on a CPU with the query heads packed per KV head, [b, kv heads,
@@ -46,7 +51,8 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     - float16 on a CPU: a decode step goes to `hpipe::attend_f16`, which reads them where they lie
       (torch's flash kernel takes float16 at 2-5x float32's time on CPUs without AVX-512 FP16, and a
       float32 copy costs more than the attention: bench/kv_dtype.py); other steps (prefill slices,
-      speculative rows, mixed batches) and CPUs without the kernel attend over a float32 copy;
+      speculative rows, mixed batches) and CPUs without the kernel attend over a copy in the
+      activations' dtype;
     - otherwise (bfloat16; CUDA) the query goes to the pages' dtype and the output comes back."""
     b, heads, length, d = query.shape
     kv_heads = key.shape[1]
@@ -75,9 +81,10 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
                                   is_causal=is_causal, **kwargs)
 
 
-def register_decode_sdpa(device: torch.device) -> None:
+def register_decode_sdpa(device: torch.device, kv_dtype: str) -> None:
     """`decode_sdpa` as this process's "sdpa" attention on every device (it hands every other call
-    to transformers'), with hpipe's float16 decode attention where this CPU runs the kernels."""
+    to transformers'), with hpipe's float16 decode attention where a CPU stage's pages are float16
+    and this CPU runs the kernels (built at their first use)."""
     global F16_DECODE_KERNEL
     from transformers import AttentionInterface
 
@@ -90,7 +97,7 @@ def register_decode_sdpa(device: torch.device) -> None:
         # after a context (prefill slices, speculative steps): 3 tokens after 1,700 took 4-5x one
         # token's time. Torch's CPU kernels take masked GQA as it is (CUDA's fall back to math).
         os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
-        if not F16_DECODE_KERNEL and cpu_kernels.kernels()[0] is not None:
+        if kv_dtype == "float16" and not F16_DECODE_KERNEL and cpu_kernels.kernels()[0] is not None:
             cpu_kernels.ops()
             F16_DECODE_KERNEL = True
 
@@ -143,7 +150,7 @@ class StageRunner:
         self.units = units
         heap.keep_freed_memory()     # activations reuse freed memory, in the profiler's runs as in the job's
         self.device = torch.device(device)
-        register_decode_sdpa(self.device)
+        register_decode_sdpa(self.device, kv_dtype)
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
         self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights,
@@ -471,7 +478,7 @@ def _warm_marks(runner) -> list[Path]:
     shapes = decode_shapes(WARM_TOKENS, runner.kv.page_size)
     for fn, key in graph_plan(runner).values():
         text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, BatchCache.write_read.__code__.co_code,
-                     key, runner.attn_implementation, str(runner.kv.dtype),
+                     key, runner.attn_implementation, str(runner.kv.dtype), f16_kernel(runner),
                      runner.kv.page_size, torch.get_num_threads(), shapes, DYNAMO_SETTINGS))
         marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
     return marks
@@ -553,8 +560,7 @@ def compile_if_it_pays(runner, steps: float, max_len: int, log) -> compile_choic
     `--compile on` (`record_compile` then marks them warm and keeps the cost)."""
     n = max(1, min(WARM_TOKENS, max_len))
     warm_step(runner, [Segment(0, 0, 0, n, True)])
-    graphs = len({key for _, key in graph_plan(runner).values()})
-    choice = compile_choice.choose(warm_key(runner), graphs, steps, decode_step_s(runner, runner.eager, n))
+    choice = compile_choice.choose(graph_keys(runner), steps, decode_step_s(runner, runner.eager, n))
     log(choice.line(f"stage {runner.units.start}-{runner.units.stop - 1}"))
     if choice.compile:
         runner.compile_refused = None
@@ -569,15 +575,19 @@ def record_compile(runner, compile_s: float | None, max_len: int) -> None:
         return
     mark_warm(runner)
     n = max(1, min(WARM_TOKENS, max_len))
-    compile_choice.record(warm_key(runner), compile_s, decode_step_s(runner, runner.eager, n),
+    compile_choice.record(graph_keys(runner), compile_s, decode_step_s(runner, runner.eager, n),
                           decode_step_s(runner, runner.decode_halves, n))
 
 
-def warm_key(runner) -> str:
-    """The stage's graphs as this host's records name them: its warm marks, together."""
+def graph_keys(runner) -> list[str]:
+    """The stage's distinct graphs as this host's compile records name them: what each graph bakes in
+    but the versions (`_warm_marks` less torch's and hpipe's and the code's), so that a record
+    outlives the marks an upgrade makes cold, and serves any stage layout holding the same graph."""
     import hashlib
 
-    return hashlib.sha256("".join(sorted(m.name for m in _warm_marks(runner))).encode()).hexdigest()[:24]
+    keys = {repr((key, runner.attn_implementation, str(runner.kv.dtype), f16_kernel(runner), runner.kv.page_size,
+                  torch.get_num_threads())) for _, key in graph_plan(runner).values()}
+    return sorted(hashlib.sha256(k.encode()).hexdigest()[:24] for k in keys)
 
 
 def mark_warm(runner) -> list[Path]:
