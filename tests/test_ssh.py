@@ -325,8 +325,8 @@ def test_every_switch_combination_gives_the_same_tokens_on_hosts(cluster, plan_a
     their inputs to bf16, where a float32 difference of summation order can pick the other of two
     near-equal tokens (the quantized switches are checked on one machine in test_quant.py)."""
     plan = tmp_path / "plan.json"
-    hpipe("plan", "--model", "smollm2", "--cluster", cluster.inventory_path, "--quantize", "none", "-o", plan,
-          cwd=tmp_path, check=True)
+    hpipe("plan", "--model", "smollm2", "--cluster", cluster.inventory_path, "--quantize", "none", "--kv-dtype",
+          "float32", "-o", plan, cwd=tmp_path, check=True)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"s{i}", "prompt": p, "stop_token_ids": list(range(30, 300))}) + "\n"
                                for i, p in enumerate(["Name a river.", "Say something about cats.",
