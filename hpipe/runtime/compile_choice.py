@@ -36,6 +36,7 @@ class CompileChoice:
     saved_s: float          # what compiled graphs would save of it
     cost_s: float           # what compiling them costs here
     measured: bool          # cost and share as this host recorded them (else the defaults)
+    eager_step_s: float     # the eager decode step it was measured from
 
     def line(self, stage: str) -> str:
         cost = f"{self.cost_s:.0f} s{'' if self.measured else ' (estimated)'}"
@@ -96,7 +97,7 @@ def choose(graphs: list[str], steps: float, eager_step_s: float) -> CompileChoic
     share = sum(r["share"] for r in seen) / len(seen) if seen else COMPILED_SHARE
     decode = steps * eager_step_s
     saved = decode * (1 - share)
-    return CompileChoice(saved > cost, decode, saved, cost, bool(graphs) and len(seen) == len(graphs))
+    return CompileChoice(saved > cost, decode, saved, cost, bool(graphs) and len(seen) == len(graphs), eager_step_s)
 
 
 def recorded(graph: str) -> dict | None:

@@ -520,7 +520,7 @@ def warm_up(runner, max_len: int, log) -> float | None:
     steps that compile every graph a run calls (`decode_shapes`). A compile that fails (no C++
     compiler, an inductor bug) leaves the stage eager, said in one line. Returns the compile's
     seconds (None: nothing compiled)."""
-    n = max(1, min(WARM_TOKENS, max_len))
+    n = warm_tokens(max_len)
     took = None
     warm_step(runner, [Segment(0, 0, 0, n, True)])
     if runner.decode_halves is not runner.eager and n > 3:
@@ -542,6 +542,11 @@ def warm_up(runner, max_len: int, log) -> float | None:
     return took
 
 
+def warm_tokens(max_len: int) -> int:
+    """The warm-up's slice: WARM_TOKENS, or the longest request where that is shorter."""
+    return max(1, min(WARM_TOKENS, max_len))
+
+
 def decode_step_s(runner, halves: Halves, n: int) -> float:
     """One row's decode step after n - 1 tokens through `halves`: the least of 3 (the warm-up's
     context: a cost the compile choice compares, eager against compiled)."""
@@ -558,7 +563,7 @@ def compile_if_it_pays(runner, steps: float, max_len: int, log) -> compile_choic
     step measured, the choice made (`hpipe.runtime.compile_choice`) and said in one line; where
     compiling pays, the stage's graphs are compiled by the warm-up that follows, as under
     `--compile on` (`record_compile` then marks them warm and keeps the cost)."""
-    n = max(1, min(WARM_TOKENS, max_len))
+    n = warm_tokens(max_len)
     warm_step(runner, [Segment(0, 0, 0, n, True)])
     choice = compile_choice.choose(graph_keys(runner), steps, decode_step_s(runner, runner.eager, n))
     log(choice.line(f"stage {runner.units.start}-{runner.units.stop - 1}"))
@@ -568,15 +573,16 @@ def compile_if_it_pays(runner, steps: float, max_len: int, log) -> compile_choic
     return choice
 
 
-def record_compile(runner, compile_s: float | None, max_len: int) -> None:
+def record_compile(runner, compile_s: float | None, max_len: int, eager_step_s: float | None = None) -> None:
     """After a warm-up compiled the stage's graphs: marked warm for later `--compile auto` runs on
-    this host, and the compile's cost and the compiled step's share kept for later choices."""
+    this host, and the compile's cost and the compiled step's share kept for later choices (the
+    eager step measured here unless the choice to compile already did)."""
     if compile_s is None or runner.decode_halves is runner.eager:
         return
     mark_warm(runner)
-    n = max(1, min(WARM_TOKENS, max_len))
-    compile_choice.record(graph_keys(runner), compile_s, decode_step_s(runner, runner.eager, n),
-                          decode_step_s(runner, runner.decode_halves, n))
+    n = warm_tokens(max_len)
+    eager = eager_step_s if eager_step_s is not None else decode_step_s(runner, runner.eager, n)
+    compile_choice.record(graph_keys(runner), compile_s, eager, decode_step_s(runner, runner.decode_halves, n))
 
 
 def graph_keys(runner) -> list[str]:

@@ -414,7 +414,7 @@ class StageWorker:
             if runner.compile_cold and not serving and not self.grouped else None
         compiled_s = warm_up(runner, self.requests.max_len, log)
         if choice is not None and choice.compile:
-            record_compile(runner, compiled_s, self.requests.max_len)
+            record_compile(runner, compiled_s, self.requests.max_len, choice.eager_step_s)
 
     def _agree_kv_pages(self) -> int:
         """This stage's KV pool, then the smallest over the stages (stage 0 hands out what every stage holds)."""
