@@ -429,6 +429,31 @@ def unit_name(config, u: int) -> str:
     return f"block{b}.{'attn' if half == 0 else 'mlp'}"
 
 
+def units_text(config, start: int, end: int) -> str:
+    """Units [start, end) as a reader says them: "embed, blocks 0-3, block 4 attention", "block 4
+    MLP, blocks 5-7, head"."""
+    last = num_units(config) - 1
+    parts, whole = ["embed"] if start == 0 else [], []
+
+    def close_run() -> None:
+        if whole:
+            parts.append(f"block {whole[0]}" if len(whole) == 1 else f"blocks {whole[0]}-{whole[-1]}")
+            whole.clear()
+
+    for b in range((max(start, 1) - 1) // 2, (min(end, last) - 1 + 1) // 2):
+        halves = [u for u in (1 + 2 * b, 2 + 2 * b) if start <= u < end]
+        if len(halves) == 2:
+            whole.append(b)
+            continue
+        close_run()
+        if halves:
+            parts.append(f"block {b} {'attention' if halves[0] % 2 else 'MLP'}")
+    close_run()
+    if end > last:
+        parts.append("head")
+    return ", ".join(parts)
+
+
 def unit_kind(config, u: int) -> str:
     """'embed', 'attn', 'mlp' or 'head'."""
     return unit_name(config, u).split(".")[-1] if 0 < u < num_units(config) - 1 else unit_name(config, u)

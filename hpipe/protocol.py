@@ -13,6 +13,7 @@ Out of every worker (report lines `@@hpipe {json}` on stdout, `hpipe.reports`' e
     Stats      queue, KV pages, preemptions and the recent micro-batches (serving, a few times a second)
     Error      the stage's one-line cause, before it exits non-zero
     Notice     a line for the user even from a quiet launch (a server's stage compiling in the background)
+    Pulse      a stage's last second while it runs: its compute seconds, its memory, its micro-batches
     IntervalsReport  the stage's measured intervals and figures, at its end (kind "timeline")
     Summary    stage 0's run figures and the config it ran with, at its end
 
@@ -32,7 +33,8 @@ from typing import ClassVar
 from hpipe.reports import emit, parse
 from hpipe.request import Request
 
-__all__ = ["Abort", "Add", "Close", "Error", "Notice", "Ready", "Rejected", "Result", "Stats", "Summary", "IntervalsReport",
+__all__ = ["Abort", "Add", "Close", "Error", "Notice", "Pulse", "Ready", "Rejected", "Result", "Stats", "Summary",
+           "IntervalsReport",
            "Tokens", "op_line", "read_op", "read_report", "send"]
 
 
@@ -158,6 +160,27 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class Pulse:
+    """Every stage, every PULSE_S while it runs (a batch job or a server): the window's compute
+    seconds (its busy time, as the run chart counts it), the memory it holds of its device's, and
+    the window's micro-batch intervals [what, start, end, mb, kind, tokens] (at most PULSE_INTERVALS)
+    for the live run chart."""
+    KIND: ClassVar[str] = "pulse"
+    rank: int
+    t: float                   # wall-clock end of the window
+    window_s: float
+    busy_s: float
+    held_bytes: int            # what the stage holds: resident memory on a CPU, the allocator's on a GPU
+    device_bytes: int          # its device's memory (a host's RAM; a GPU's)
+    kv_bytes: int
+    intervals: list = field(default_factory=list)
+
+
+PULSE_S = 1.0
+PULSE_INTERVALS = 256
+
+
+@dataclass(frozen=True)
 class IntervalsReport:
     KIND: ClassVar[str] = "timeline"
     rank: int
@@ -196,7 +219,8 @@ class Summary:
     spec_accepted_tokens: int = 0
 
 
-REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Notice, IntervalsReport, Summary)}
+REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Notice, Pulse,
+                                     IntervalsReport, Summary)}
 
 
 def send(record) -> None:

@@ -3,12 +3,15 @@
     GET  /v1/models             the served model
     POST /v1/completions        prompt (text or token ids) -> text; "stream": true as server-sent events
     POST /v1/chat/completions   messages through the model's chat template -> the assistant's reply
+    GET  /                      the live page: hosts, plan, stages' busy, requests, events, a chat box
+                                (launcher/dashboard.py; it polls /hpipe/state, behind --api-key)
     GET  /health                200 while the pipeline runs ("ok", or "recovering" while a lost host's
                                 pipeline is planned again), 503 when degraded (the hosts up cannot
                                 hold the model) or once it failed
     GET  /metrics               Prometheus text: queue, running, KV pages, preemptions, TTFT/TPOT, micro-batch sizes
     GET  /hpipe/microbatches    the recent micro-batches' (time, decode tokens, prefill tokens), for benchmarks
     GET  /hpipe/events          hosts lost and taken back, each event's phases (notice, re-plan, start, re-prefill)
+    GET  /hpipe/state           what the page shows, as one JSON object (behind --api-key)
     GET  /openapi.json, /docs   the request bodies (launcher/bodies.py), as FastAPI describes them
 
 The OpenAI sampling fields map onto hpipe's (temperature, top_p, max_tokens / max_completion_tokens,
@@ -37,11 +40,12 @@ from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hpipe import grammar as grammars
 from hpipe.errors import HpipeError
+from hpipe.launcher import dashboard
 from hpipe.launcher.bodies import (SEED_BITS, ApiRuleError, ChatCompletionRequest, CompletionRequest, SamplingRequest,
                                    describe)
 from hpipe.launcher.output import RequestOutput
@@ -120,7 +124,9 @@ def create_app(client: PipelineClient, tokenizer, model_name: str, vocab: int, a
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.get("/", include_in_schema=False)(page)
     app.get("/health")(health)
+    app.get("/hpipe/state", dependencies=[Depends(authorize)])(state)
     app.get("/metrics")(metrics)
     app.get("/hpipe/microbatches")(microbatches)
     app.get("/hpipe/events")(events)
@@ -191,12 +197,19 @@ def served(st: ServerState, body: SamplingRequest) -> None:
 
 
 async def health(request: Request):
-    client = _state(request).client
-    if client.failure is not None:
-        return JSONResponse({"status": "failed", "error": client.failure}, status_code=503)
-    if client.degraded is not None:
-        return JSONResponse({"status": "degraded", "error": client.degraded}, status_code=503)
-    return {"status": "ok" if client.accepting else "recovering"}
+    status, body = _state(request).client.health()
+    return JSONResponse(body, status_code=status)
+
+
+async def page(request: Request):
+    """The live page (launcher/dashboard.py): public, as it holds no data; it asks for the key."""
+    return HTMLResponse(dashboard.PAGE.html, headers={"Content-Security-Policy": dashboard.PAGE.policy,
+                                                      "Cache-Control": "no-store"})
+
+
+async def state(request: Request):
+    st = _state(request)
+    return dashboard.state(st.client, st.model_name)
 
 
 async def metrics(request: Request):

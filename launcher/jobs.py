@@ -20,6 +20,7 @@ from hpipe import formats, models, protocol
 from hpipe.config import RuntimeConfig
 from hpipe.errors import HpipeError
 from hpipe.launcher.overheads import decode_terms
+from hpipe.launcher.pulses import Pulses
 from hpipe.launcher.run_chart import predicted_timeline, stage_table, write_run_timeline
 from hpipe.planner import simulate
 from hpipe.request import BATCH_SAMPLING, MAX_NEW_TOKENS, Request, SamplingParams, sequence_seed
@@ -143,19 +144,23 @@ class StageReports:
     peers_lost: set[int] = field(default_factory=set)     # stages that fell because a neighbour died
     events: list = field(default_factory=list)            # hosts lost and the plans that went on (launcher/elastic.py)
     notices: list[tuple[int, str]] = field(default_factory=list)     # (rank, text) not yet shown
+    pulses: Pulses = field(default_factory=Pulses)        # the stages' last minute (launcher/pulses.py)
 
     def restart(self) -> None:
         """Another pipeline starts (a lost host's recovery): the last one's stage reports go."""
         self.timelines.clear()
         self.errors.clear()
         self.peers_lost.clear()
+        self.pulses.clear()
 
     def take(self, rank: int, line: str) -> bool:
         """Handles one stdout line of a worker; False if it is not a report (a log line)."""
         report = protocol.read_report(line)
         if report is None:
             return False
-        if isinstance(report, protocol.IntervalsReport):
+        if isinstance(report, protocol.Pulse):
+            self.pulses.take(report)
+        elif isinstance(report, protocol.IntervalsReport):
             self.timelines[report.rank] = protocol.as_dict(report)
         elif isinstance(report, protocol.Summary):
             self.summary = protocol.as_dict(report)

@@ -95,6 +95,18 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile as Prometheus's histogram_quantile() reads it from these buckets: linear
+        within the bucket it falls in (the largest bound past the last). None before any value."""
+        if not self.count:
+            return None
+        rank, lower, below = q * self.count, 0.0, 0
+        for bound, count in zip(self.buckets, self.counts):
+            if count >= rank:
+                return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+            lower, below = bound, count
+        return float(self.buckets[-1])
+
     def lines(self, name: str, labels: str = "") -> list[str]:
         sep = "," if labels else ""
         out = [f'{name}_bucket{{{labels}{sep}le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
@@ -338,6 +350,14 @@ class PipelineClient:
     def load(self) -> int:
         with self.lock:
             return len(self.open)
+
+    def health(self) -> tuple[int, dict]:
+        """/health's status code and body: failed or degraded (503), serving or recovering (200)."""
+        if self.failure is not None:
+            return 503, {"status": "failed", "error": self.failure}
+        if self.degraded is not None:
+            return 503, {"status": "degraded", "error": self.degraded}
+        return 200, {"status": "ok" if self.accepting else "recovering"}
 
     def request(self, input_ids: list[int], params: SamplingParams, max_tokens: int, stop_ids: frozenset[int],
                 ignore_eos: bool) -> Request:

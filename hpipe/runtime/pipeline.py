@@ -61,17 +61,24 @@ class Modes:
 
 class Intervals:
     """Measured intervals of one stage: compute, prepare, wait, send, sample. Threads append.
-    `bounded` (serving, which runs for hours) keeps the latest 100,000."""
+    `bounded` (serving, which runs for hours) keeps the latest 100,000. `computed_s` (compute
+    seconds since the start) and `recent` (the latest PULSE_INTERVALS) are what the stage's pulse
+    reads from another thread: a float and a short deque, copied whole."""
 
     def __init__(self, bounded: bool = False):
         self.intervals = collections.deque(maxlen=100_000 if bounded else None)
+        self.recent = collections.deque(maxlen=protocol.PULSE_INTERVALS)
+        self.computed_s = 0.0
 
     def add(self, what: str, start: float, end: float, mb: int | None = None, kind: str | None = None,
             tokens: int | None = None):
         rec = {"what": what, "start": start, "end": end}
         if mb is not None:
             rec.update(mb=mb, kind=kind, tokens=tokens)
+        if what == "compute":
+            self.computed_s += end - start
         self.intervals.append(rec)
+        self.recent.append(rec)
 
 
 class Turn:

@@ -41,6 +41,7 @@ from hpipe.runtime import comm, invariant
 from hpipe.runtime.background_compile import BackgroundCompile
 from hpipe.runtime.draft import proposer_for
 from hpipe.runtime.pages import pages_needed
+from hpipe.runtime.pulse import StagePulse
 from hpipe.runtime.pipeline import (Driver, Executors, LogprobReports, Modes, PoolSampling, Sampling, ThreadSampling,
                                     Intervals, run_first_stage, run_later_stage)
 from hpipe.runtime.sampler_pool import SamplerPool
@@ -459,6 +460,7 @@ class StageWorker:
             self.background.start()
         summary = None
         sampling = None
+        pulse = StagePulse(self.rank, self.ex.timeline, self.runner.device, self.runner.kv.bytes).start()
         try:
             if self.first:
                 summary = self._run_first()
@@ -466,6 +468,7 @@ class StageWorker:
                 sampling = self._sampling(self.ex.transport.send_ids)
                 run_later_stage(self.ex, sampling)
         finally:
+            pulse.stop()
             if sampling is not None:
                 sampling.close()
         t_end = time.time()

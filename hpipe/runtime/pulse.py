@@ -1,0 +1,71 @@
+"""A stage's pulse: every `protocol.PULSE_S` while it runs, what the last second was (its compute
+seconds, the memory it holds of its device's, its micro-batch intervals), as one `protocol.Pulse`
+report. The launcher keeps the last minute of them (`hpipe.launcher.pulses`): the live page of
+`hpipe serve` and the progress of `hpipe launch` read the stages' busy fractions there.
+
+A daemon thread reads what the executors' threads write (`Intervals.computed_s`, a float, and
+`Intervals.recent`, a short deque copied whole); it takes nothing from the forward but a report
+line a second."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from hpipe import protocol
+
+__all__ = ["StagePulse"]
+
+
+def held_bytes(device: torch.device) -> int:
+    """What this process holds: the CUDA allocator's reservation on a GPU, resident memory on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def device_bytes(device: torch.device) -> int:
+    """The device's memory: a GPU's, or the host's RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return 0
+
+
+def interval_row(rec: dict) -> list:
+    return [rec["what"], round(rec["start"], 5), round(rec["end"], 5), rec.get("mb"), rec.get("kind"),
+            rec.get("tokens")]
+
+
+class StagePulse:
+    def __init__(self, rank: int, timeline, device: torch.device, kv_bytes, every_s: float = protocol.PULSE_S):
+        self.rank, self.timeline, self.device, self.kv_bytes = rank, timeline, device, kv_bytes
+        self.every_s = every_s
+        self.total = device_bytes(device)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"hpipe-pulse-{rank}", daemon=True)
+
+    def start(self) -> StagePulse:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        t, computed = time.time(), self.timeline.computed_s
+        while not self.stopped.wait(self.every_s):
+            now, busy = time.time(), self.timeline.computed_s
+            recent = [interval_row(r) for r in list(self.timeline.recent) if r["end"] > t]
+            protocol.send(protocol.Pulse(self.rank, round(now, 5), round(now - t, 5), round(busy - computed, 5),
+                                         held_bytes(self.device), self.total, int(self.kv_bytes()), recent))
+            t, computed = now, busy
