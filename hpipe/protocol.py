@@ -162,14 +162,15 @@ class Notice:
 @dataclass(frozen=True)
 class Pulse:
     """Every stage, every PULSE_S while it runs (a batch job or a server): the window's compute
-    seconds (its busy time, as the run chart counts it), the memory it holds of its device's, and
-    the window's micro-batch intervals [what, start, end, mb, kind, tokens] (at most PULSE_INTERVALS)
-    for the live run chart."""
+    seconds (its busy time, as the run chart counts it) and tokens by micro-batch kind, the memory
+    it holds of its device's, and the window's micro-batch intervals [what, start, end, mb, kind,
+    tokens] (at most PULSE_INTERVALS) for the live run chart."""
     KIND: ClassVar[str] = "pulse"
     rank: int
     t: float                   # wall-clock end of the window
     window_s: float
     busy_s: float
+    kinds: dict                # kind -> [compute seconds, tokens] in the window
     held_bytes: int            # what the stage holds: resident memory on a CPU, the allocator's on a GPU
     device_bytes: int          # its device's memory (a host's RAM; a GPU's)
     kv_bytes: int

@@ -28,6 +28,7 @@ from hpipe.launcher.elastic import Recovery, Replanner, ssh_answers, stage_names
 from hpipe.launcher.jobs import (
     HEARTBEAT_TIMEOUT_S,
     JobOutput,
+    job_output,
     StageFailure,
     Launch,
     StageReports,
@@ -244,13 +245,14 @@ def push_model(conns: dict[str, ssh.Connection], checks: dict[str, HostCheck], j
         DownloadColumn,
         Progress,
         TextColumn,
+        TimeRemainingColumn,
         TransferSpeedColumn,
     )
 
     fp = job.plan.model.fingerprint
     remote_dirs = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  transient=False) as progress:
+                  TimeRemainingColumn(), transient=False) as progress:
         for name, conn in conns.items():
             units = [u for st in job.plan.stages if st.host == name for u in range(*st.units)]
             files = models.files_for_units(job.source, job.config, range(min(units), max(units) + 1))
@@ -302,10 +304,21 @@ def launch_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventor
     run there: the job finishes without --resume, every id once (`output.events` says what
     happened); the report's `plan` is the one the job finished on."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    output = JobOutput(out_path, job.tokenizer, job.requests)
+    output = job_output(job, out_path, log, quiet)
     if not job.requests:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
+    try:
+        return _run_on_hosts(job, plan_path, inventory, out_path, settings, output, accept_new_keys, push,
+                             host_timeout_s, log, quiet, recover)
+    finally:
+        output.close_progress()
+
+
+def _run_on_hosts(job: PreparedJob, plan_path: str, inventory: formats.Inventory, out_path: str,
+                  settings: LaunchSettings, output: JobOutput, accept_new_keys: bool, push: bool,
+                  host_timeout_s: float, log, quiet: bool, recover: bool) -> LaunchReport:
+    """launch_cluster's runs: the plan's, then after each lost host the one planned without it."""
     replanner = Replanner(job.plan, job.config, job.plan.model.name, inventory, log) if recover else None
     lost: set[str] = set()
     checked: set[str] = set()

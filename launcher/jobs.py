@@ -20,6 +20,7 @@ from hpipe import formats, models, protocol
 from hpipe.config import RuntimeConfig
 from hpipe.errors import HpipeError
 from hpipe.launcher.overheads import decode_terms
+from hpipe.launcher.progress import JobProgress
 from hpipe.launcher.pulses import Pulses
 from hpipe.launcher.run_chart import predicted_timeline, stage_table, write_run_timeline
 from hpipe.planner import simulate
@@ -160,6 +161,7 @@ class StageReports:
             return False
         if isinstance(report, protocol.Pulse):
             self.pulses.take(report)
+            self.on_pulse()
         elif isinstance(report, protocol.IntervalsReport):
             self.timelines[report.rank] = protocol.as_dict(report)
         elif isinstance(report, protocol.Summary):
@@ -177,6 +179,9 @@ class StageReports:
     def take_report(self, report) -> None:
         pass
 
+    def on_pulse(self) -> None:
+        pass
+
     def done_line(self) -> str:
         return "no request had finished"
 
@@ -189,12 +194,26 @@ class JobOutput(StageReports):
     tokenizer: object = None
     requests: list[Request] = field(default_factory=list)   # the job's, by index (a result names its index)
     results: list[dict] = field(default_factory=list)
+    progress: JobProgress | None = None                     # shown while it runs (launcher/progress.py)
 
     def done_line(self) -> str:
         return f"{len(self.results)} results were written"
 
+    def lost_hosts(self) -> tuple[str, ...]:
+        return tuple(e.host for e in self.events if e.kind == "lost")
+
+    def on_pulse(self) -> None:
+        if self.progress is not None:
+            self.progress.update(self.pulses, self.lost_hosts())
+
+    def close_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.close(self.pulses, self.lost_hosts())
+
     def take_report(self, report) -> None:
         if isinstance(report, protocol.Result):
+            if self.progress is not None:
+                self.progress.finished(self.requests[report.index].id, len(report.output_ids))
             ids = report.output_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None
             fields = protocol.as_dict(report)
@@ -202,6 +221,12 @@ class JobOutput(StageReports):
             record = {"id": self.requests[report.index].id, "output_ids": ids, "text": text, **fields}
             formats.append_result(self.out_path, record)
             self.results.append(record)
+
+
+def job_output(job: PreparedJob, out_path: str, log, quiet: bool) -> JobOutput:
+    """A batch job's reports, with its progress shown as `log` and `quiet` choose (launcher/progress.py)."""
+    return JobOutput(out_path, job.tokenizer, job.requests,
+                     progress=JobProgress(job.requests, job.plan, JobProgress.display_for(log, quiet)))
 
 
 def trim_logits(path: str, results: list[dict]) -> None:

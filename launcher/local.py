@@ -29,6 +29,7 @@ from hpipe.net import free_port
 from hpipe.request import write_requests
 from hpipe.launcher.jobs import (
     JobOutput,
+    job_output,
     GroupSeat,
     Launch,
     LaunchSettings,
@@ -60,13 +61,16 @@ def launch_local(job: PreparedJob, plan_path: str, out_path: str, settings: Laun
                  log=None, quiet: bool = False) -> LaunchReport:
     """Runs the batch job until every worker has ended."""
     log = log or _stderr
-    output = JobOutput(out_path, job.tokenizer, job.requests)
+    output = job_output(job, out_path, log, quiet)
     if not job.requests:
         log(f"hpipe: nothing to run: all {len(job.skipped)} prompts are already in {out_path}")
         return LaunchReport(output, 0.0)
     launch = start_local(job, plan_path, settings, output, log, quiet)
     launch.where = f" to {out_path}"
-    return LaunchReport(output, launch.wait())
+    try:
+        return LaunchReport(output, launch.wait())
+    finally:
+        output.close_progress()
 
 
 def forked(device: str) -> bool:

@@ -18,6 +18,8 @@ class Pulses:
     def __init__(self):
         self.lock = threading.Lock()
         self.by_rank: dict[int, collections.deque] = {}
+        self.totals: dict[int, dict[str, list]] = {}      # since the start: kind -> [compute seconds, tokens]
+        self.first_busy: float | None = None              # when any stage first computed (wall clock)
 
     def take(self, pulse: protocol.Pulse) -> None:
         with self.lock:
@@ -25,11 +27,25 @@ class Pulses:
             kept.append(pulse)
             while kept and kept[0].t < pulse.t - WINDOW_S:
                 kept.popleft()
+            totals = self.totals.setdefault(pulse.rank, {})
+            for kind, (seconds, tokens) in pulse.kinds.items():
+                total = totals.setdefault(kind, [0.0, 0])
+                total[0] += seconds
+                total[1] += tokens
+            if pulse.busy_s > 0 and self.first_busy is None:
+                self.first_busy = pulse.t - pulse.window_s
 
     def clear(self) -> None:
-        """Another pipeline starts (a recovery): its stages are not the last one's."""
+        """Another pipeline starts (a recovery): its stages are not the last one's (the totals of
+        the work done stay: a resumed request's tokens were computed once already)."""
         with self.lock:
             self.by_rank.clear()
+
+    def total(self, rank: int, kind: str) -> tuple[float, int]:
+        """Compute seconds and tokens of the stage's micro-batches of `kind` since the start."""
+        with self.lock:
+            seconds, tokens = self.totals.get(rank, {}).get(kind, (0.0, 0))
+        return seconds, tokens
 
     def _kept(self, rank: int, window_s: float) -> list[protocol.Pulse]:
         with self.lock:
@@ -50,10 +66,15 @@ class Pulses:
 
     def tokens_per_s(self, rank: int, kind: str, window_s: float = WINDOW_S) -> float | None:
         """Tokens per compute second of the stage's micro-batches of `kind` in the window (None: none)."""
-        rows = [(end - start, tokens or 0) for p in self._kept(rank, window_s)
-                for what, start, end, _mb, k, tokens in p.intervals if what == "compute" and k == kind]
-        seconds = sum(t for t, _ in rows)
+        rows = [p.kinds[kind] for p in self._kept(rank, window_s) if kind in p.kinds]
+        seconds = sum(s for s, _ in rows)
         return sum(n for _, n in rows) / seconds if seconds > 0 else None
+
+    def rate(self, rank: int, kind: str, window_s: float) -> float | None:
+        """Tokens of `kind` the stage computed per wall second in the window (None: no pulse yet)."""
+        kept = self._kept(rank, window_s)
+        span = sum(p.window_s for p in kept)
+        return sum(p.kinds.get(kind, (0.0, 0))[1] for p in kept) / span if span > 0 else None
 
     def intervals(self, rank: int, window_s: float) -> list[list]:
         return [row for p in self._kept(rank, window_s) for row in p.intervals]

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from hpipe import __version__, formats, models, ssh
 from hpipe.errors import HpipeError
@@ -137,7 +137,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     step = (lambda text: None) if console.is_terminal else \
         (lambda text: console.print(f"{datetime.datetime.now():%H:%M:%S} {text}", highlight=False))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console) as progress:
+                  TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console) as progress:
         for d in devices:
             dev_id = f"{host}/{d}"
             if names[d] in measured:
@@ -308,7 +308,7 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
         if problems:
             raise HpipeError("preflight failed, nothing was measured: " + "; ".join(problems))
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console) as progress:
+                      TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console) as progress:
             first: dict[str, dict] = {}
             for host in inventory.hosts:
                 conn = conns[host.name]

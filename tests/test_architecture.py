@@ -387,7 +387,6 @@ LONG_FUNCTIONS = {
     "launcher/serving.py:prometheus": 68,
     "hpipe/cli.py:launch": 63,
     "hpipe/runtime/worker.py:build": 66,
-    "launcher/cluster.py:launch_cluster": 64,
     "hpipe/runtime/stage.py:__init__": 63,
     "planner/slicing.py:slice_sequence": 61,
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -32,7 +33,7 @@ def read_results(path):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_random_plan_multiprocess_matches_transformers(family, tiny_models, reference_models, tmp_path):
+def test_random_plan_multiprocess_matches_transformers(family, tiny_models, reference_models, tmp_path, capfd):
     rng = random.Random(f"launch-{family}")
     path = tiny_models[family]
     n_units = models.num_units(models.load_config(path))
@@ -47,6 +48,10 @@ def test_random_plan_multiprocess_matches_transformers(family, tiny_models, refe
     assert main(["launch", str(plan), "--local", "--prompts", str(prompts_file), "--out", str(out),
                  "--max-new-tokens", str(NEW_TOKENS), "--logits-out", str(logits), "--max-batch", "3",
                  "--quiet"]) == 0
+    # not a terminal: the progress (launcher/progress.py) in plain lines, the last at the end
+    last = [x for x in capfd.readouterr().err.splitlines() if re.match(r"hpipe: \d+/\d+ prompts", x)][-1]
+    assert re.match(rf"hpipe: {len(prompts)}/{len(prompts)} prompts, .* ETA 0s; stages busy "
+                    rf"(\d+%|–)(, (\d+%|–)){{{n_stages - 1}}}$", last), last
     results = read_results(out)
     saved = np.load(logits)
     ref_model = reference_models[family]

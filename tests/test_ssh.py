@@ -8,6 +8,7 @@ reason otherwise (`.ci/run` installs openssh-server, so CI runs these).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from browser import browser, open_page, wait_until
+from browser import unavailable_reason as browser_missing
 from netns_hosts import (HostSpec, elastic_profile, hpipe_processes, process_cmdline, namespace_pids, set_link, start_cluster,
                          stop_cluster, unavailable_reason, write_inventory)
 
@@ -730,10 +733,18 @@ def test_serve_goes_on_through_a_lost_host_and_takes_it_back(cluster, tmp_path):
           "64", "-o", plan, cwd=tmp_path, check=True)
     assert [s["host"] for s in json.loads(plan.read_text())["stages"]] == ["h0", "h1", "h2"]
     served = Served(cluster, plan, tmp_path, "--heartbeat-timeout", "3", "--log-dir", str(tmp_path / "stages"))
+    pages = contextlib.ExitStack()
     try:
         undisturbed = served.chats(QUESTIONS)
+        # the live page (tests/test_dashboard.py) watches: the lost host's event row comes
+        page = open_page(pages.enter_context(browser()), f"http://127.0.0.1:{served.port}", None) \
+            if browser_missing() is None else None
         assert served.chats(QUESTIONS, during=lambda: kill_worker(cluster, "h1")) == undisturbed
         assert served.metric("hpipe_recoveries_total") == 1 and served.metric("hpipe_requests_resumed_total") >= 1
+        if page is not None:
+            wait_until(page, "document.querySelector(\"#events tr[data-kind='lost'][data-host='h1']\") !== null")
+            row = page.inner_text("#events tr[data-kind='lost']")
+            assert "lost h1" in row and "h1/cpu" in row and page.problems == [], row
         served.until(lambda: served.metric("hpipe_rejoins_total") == 1, 120, "h1 was not taken back")
         assert "hpipe: h1 answers again" in served.text()     # (the next round runs on the three hosts)
 
@@ -764,6 +775,7 @@ def test_serve_goes_on_through_a_lost_host_and_takes_it_back(cluster, tmp_path):
         assert served.chats(QUESTIONS[:4]) == undisturbed[:4]
         assert "Traceback" not in served.text()
     finally:
+        pages.close()
         served.stop()
     assert wait_until_clean(cluster, 5.0) == [], served.text()
 

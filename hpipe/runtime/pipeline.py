@@ -61,14 +61,14 @@ class Modes:
 
 class Intervals:
     """Measured intervals of one stage: compute, prepare, wait, send, sample. Threads append.
-    `bounded` (serving, which runs for hours) keeps the latest 100,000. `computed_s` (compute
-    seconds since the start) and `recent` (the latest PULSE_INTERVALS) are what the stage's pulse
-    reads from another thread: a float and a short deque, copied whole."""
+    `bounded` (serving, which runs for hours) keeps the latest 100,000. `computed` (compute seconds
+    and tokens since the start, by micro-batch kind) and `recent` (the latest PULSE_INTERVALS) are
+    what the stage's pulse reads from another thread: copied whole."""
 
     def __init__(self, bounded: bool = False):
         self.intervals = collections.deque(maxlen=100_000 if bounded else None)
         self.recent = collections.deque(maxlen=protocol.PULSE_INTERVALS)
-        self.computed_s = 0.0
+        self.computed: dict[str, tuple[float, int]] = {}
 
     def add(self, what: str, start: float, end: float, mb: int | None = None, kind: str | None = None,
             tokens: int | None = None):
@@ -76,7 +76,8 @@ class Intervals:
         if mb is not None:
             rec.update(mb=mb, kind=kind, tokens=tokens)
         if what == "compute":
-            self.computed_s += end - start
+            seconds, n = self.computed.get(kind, (0.0, 0))
+            self.computed = {**self.computed, kind: (seconds + end - start, n + (tokens or 0))}
         self.intervals.append(rec)
         self.recent.append(rec)
 

@@ -3,8 +3,8 @@ seconds, the memory it holds of its device's, its micro-batch intervals), as one
 report. The launcher keeps the last minute of them (`hpipe.launcher.pulses`): the live page of
 `hpipe serve` and the progress of `hpipe launch` read the stages' busy fractions there.
 
-A daemon thread reads what the executors' threads write (`Intervals.computed_s`, a float, and
-`Intervals.recent`, a short deque copied whole); it takes nothing from the forward but a report
+A daemon thread reads what the executors' threads write (`Intervals.computed`, a small dict
+replaced at each change, and `Intervals.recent`, a short deque copied whole); it takes nothing from the forward but a report
 line a second."""
 
 from __future__ import annotations
@@ -62,10 +62,13 @@ class StagePulse:
         self.stopped.set()
 
     def _run(self) -> None:
-        t, computed = time.time(), self.timeline.computed_s
+        t, before = time.time(), self.timeline.computed
         while not self.stopped.wait(self.every_s):
-            now, busy = time.time(), self.timeline.computed_s
+            now, computed = time.time(), self.timeline.computed      # (a new dict at each change)
+            kinds = {k: [round(s - before.get(k, (0.0, 0))[0], 5), n - before.get(k, (0.0, 0))[1]]
+                     for k, (s, n) in computed.items()}
             recent = [interval_row(r) for r in list(self.timeline.recent) if r["end"] > t]
-            protocol.send(protocol.Pulse(self.rank, round(now, 5), round(now - t, 5), round(busy - computed, 5),
-                                         held_bytes(self.device), self.total, int(self.kv_bytes()), recent))
-            t, computed = now, busy
+            protocol.send(protocol.Pulse(self.rank, round(now, 5), round(now - t, 5),
+                                         round(sum(s for s, _ in kinds.values()), 5), kinds, held_bytes(self.device),
+                                         self.total, int(self.kv_bytes()), recent))
+            t, before = now, computed
