@@ -627,7 +627,7 @@ def serve(
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
         _note(f"serving {name} on http://{host}:{port}/v1 ({len(job.plan.stages)} stages, policy {runtime.policy}, "
               f"KV pool {ready.kv_pages} pages x {ready.page_size} tokens, max model length {ready.max_model_len}); "
-              f"Ctrl-C stops every stage")
+              f"the live page at http://{host}:{port}/; Ctrl-C stops every stage")
         if client.failure is None:
             server.run()
     finally:

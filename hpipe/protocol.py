@@ -162,15 +162,16 @@ class Notice:
 @dataclass(frozen=True)
 class Pulse:
     """Every stage, every PULSE_S while it runs (a batch job or a server): the window's compute
-    seconds (its busy time, as the run chart counts it) and tokens by micro-batch kind, the memory
-    it holds of its device's, and the window's micro-batch intervals [what, start, end, mb, kind,
-    tokens] (at most PULSE_INTERVALS) for the live run chart."""
+    seconds (its busy time, as the run chart counts it), tokens and micro-batches by kind, the
+    memory it holds of its device's, and the window's compute intervals [what, start, end, mb,
+    kind, tokens] (the latest PULSE_INTERVALS) for the live run chart. Times are the stage's
+    clock; the launcher moves them onto its own as they arrive (launcher/pulses.py)."""
     KIND: ClassVar[str] = "pulse"
     rank: int
     t: float                   # wall-clock end of the window
     window_s: float
     busy_s: float
-    kinds: dict                # kind -> [compute seconds, tokens] in the window
+    kinds: dict                # kind -> [compute seconds, tokens, micro-batches] in the window
     held_bytes: int            # what the stage holds: resident memory on a CPU, the allocator's on a GPU
     device_bytes: int          # its device's memory (a host's RAM; a GPU's)
     kv_bytes: int

@@ -369,7 +369,7 @@ def _run_on_hosts(job: PreparedJob, plan_path: str, inventory: formats.Inventory
         formats.write_plan(plan, plan_path)
         job = dataclasses.replace(job, plan=plan, requests=left)
         output.requests = left
-        output.restart()
+        output.restart(plan)
 
 
 def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory, settings: LaunchSettings,

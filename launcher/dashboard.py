@@ -35,7 +35,7 @@ class Page:
 
     @classmethod
     def load(cls) -> Page:
-        html = (resources.files("hpipe") / "data" / "dashboard.html").read_text()
+        html = (resources.files("hpipe") / "data" / "dashboard.html").read_text(encoding="utf-8")
 
         def hashes(tag: str) -> str:
             return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()}'"

@@ -147,8 +147,8 @@ class StageReports:
     notices: list[tuple[int, str]] = field(default_factory=list)     # (rank, text) not yet shown
     pulses: Pulses = field(default_factory=Pulses)        # the stages' last minute (launcher/pulses.py)
 
-    def restart(self) -> None:
-        """Another pipeline starts (a lost host's recovery): the last one's stage reports go."""
+    def restart(self, plan: formats.Plan | None = None) -> None:
+        """Another pipeline starts (a lost host's recovery), on `plan`: the last one's stage reports go."""
         self.timelines.clear()
         self.errors.clear()
         self.peers_lost.clear()
@@ -205,6 +205,11 @@ class JobOutput(StageReports):
     def on_pulse(self) -> None:
         if self.progress is not None:
             self.progress.update(self.pulses, self.lost_hosts())
+
+    def restart(self, plan: formats.Plan | None = None) -> None:
+        super().restart(plan)
+        if self.progress is not None and plan is not None:
+            self.progress.restart(self.pulses, self.requests, plan)
 
     def close_progress(self) -> None:
         if self.progress is not None:

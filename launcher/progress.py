@@ -3,11 +3,13 @@ time left, each stage's busy fraction, and the hosts lost on the way.
 
 The time left weighs the work left against the work done, in decode tokens: a prompt's token
 costs `ratio` of a decode token (the plan's predicted decode rate over its prefill rate, else the
-busiest stage's measured compute per token of each kind), and a prompt not finished is expected to
-generate what the finished ones did of their `max_new_tokens` (all of it before any finished). The
-rate is the work done over the seconds since the stages first computed, started from the plan's
-predicted decode rate as if it had been seen for PRIOR_S seconds; the work done is stage 0's
-prefilled and decoded tokens (its pulses, launcher/pulses.py).
+busiest stage's measured compute per token of each kind); a request's first token comes with its
+prefill, and a request not finished is expected to generate the share of its `max_new_tokens`
+the finished ones did (all of it before any finished). The work done is stage 0's prefilled and
+decoded tokens (its pulses, launcher/pulses.py) since this pipeline started; the rate is that
+work over the seconds since its stages first computed, started from the plan's predicted decode
+rate as if it had been seen for PRIOR_S seconds. After a lost host the job goes on, on a new
+plan, with the prompts left: the count starts again there (`restart`).
 
 The display is chosen once: a rich live bar on a terminal; plain lines (every PLAIN_EVERY_S and at
 the end) when stderr is not a terminal or with --quiet.
@@ -25,6 +27,7 @@ __all__ = ["JobProgress", "Progress"]
 
 PRIOR_S = 3.0            # the plan's predicted rate counts as this many seconds of the run
 PLAIN_EVERY_S = 10.0     # a plain progress line at most this often
+BAR_EVERY_S = 0.25       # the bar's refresh
 RATE_WINDOW_S = 10.0     # output tokens/s over the last seconds
 PREFILLED = ("prefill", "mixed")   # micro-batch kinds whose tokens are (mostly) prompt tokens
 
@@ -60,15 +63,29 @@ class JobProgress:
         self.prompt_tokens = {r.id: len(r.input_ids) for r in requests}      # by id: a re-plan renumbers them
         self.max_new = {r.id: r.max_new_tokens - len(r.output_ids) for r in requests}
         self.outputs: dict[str, int] = {}
+        self.display = display
+        self.t0 = time.time()
+        self._run_on(plan, set(self.max_new), (0, 0))
+
+    def _run_on(self, plan: formats.Plan, running: set[str], baseline: tuple[int, int]) -> None:
         self.stages = len(plan.stages)
+        self.running = running             # the ids this pipeline was given
+        self.baseline = baseline           # stage 0's (prefilled, decoded) tokens when it started
         pr = plan.predicted or {}
         decode_rate, prefill_rate = (pr.get("decode") or {}).get("tokens_per_s"), pr.get("throughput_tokens_per_s")
         self.predicted_rate = decode_rate
         self.predicted_ratio = decode_rate / prefill_rate if decode_rate and prefill_rate else None
-        self.display = display
+
+    def restart(self, pulses, requests: list, plan: formats.Plan) -> None:
+        """A lost host's stages were planned again: `requests` run on `plan` from their start."""
+        self._run_on(plan, {r.id for r in requests}, self.stage0_tokens(pulses))
 
     def finished(self, request_id: str, output_tokens: int) -> None:
         self.outputs[request_id] = output_tokens
+
+    @staticmethod
+    def stage0_tokens(pulses) -> tuple[int, int]:
+        return sum(pulses.total(0, k)[1] for k in PREFILLED), pulses.total(0, "decode")[1]
 
     def ratio(self, pulses) -> float | None:
         """What one prompt token costs in decode tokens: the plan's, else the busiest stage's measured."""
@@ -88,9 +105,10 @@ class JobProgress:
             return None
         used = [n / max(1, self.max_new[i]) for i, n in self.outputs.items()]
         share = sum(used) / len(used) if used else 1.0
-        expected = sum(self.outputs.get(i, m * share) for i, m in self.max_new.items())
-        work = ratio * sum(self.prompt_tokens.values()) + expected
-        done = ratio * sum(pulses.total(0, k)[1] for k in PREFILLED) + pulses.total(0, "decode")[1]
+        work = sum(ratio * self.prompt_tokens[i] + max(0.0, self.outputs.get(i, self.max_new[i] * share) - 1)
+                   for i in self.running)
+        prefilled, decoded = self.stage0_tokens(pulses)
+        done = ratio * (prefilled - self.baseline[0]) + decoded - self.baseline[1]
         elapsed = now - pulses.first_busy if pulses.first_busy is not None else 0.0
         prior = PRIOR_S if self.predicted_rate else 0.0
         seconds = elapsed + prior
@@ -99,12 +117,13 @@ class JobProgress:
 
     def snapshot(self, pulses, lost: tuple[str, ...] = (), now: float | None = None) -> Progress:
         now = time.time() if now is None else now
-        elapsed = now - pulses.first_busy if pulses.first_busy is not None else 0.0
         return Progress(len(self.outputs), len(self.max_new), pulses.rate(0, "decode", RATE_WINDOW_S),
-                        self.eta_s(pulses, now), elapsed, tuple(pulses.busy(r) for r in range(self.stages)), lost)
+                        self.eta_s(pulses, now), now - self.t0, tuple(pulses.busy(r) for r in range(self.stages)),
+                        lost)
 
     def update(self, pulses, lost: tuple[str, ...] = ()) -> None:
-        self.display.show(self.snapshot(pulses, lost))
+        if self.display.due():             # (a snapshot walks the requests: only when it is shown)
+            self.display.show(self.snapshot(pulses, lost))
 
     def close(self, pulses, lost: tuple[str, ...] = ()) -> None:
         self.display.close(self.snapshot(pulses, lost))
@@ -119,11 +138,12 @@ class PlainLines:
     def __init__(self, log, every_s: float = PLAIN_EVERY_S):
         self.log, self.every_s, self.last = log, every_s, 0.0
 
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= self.every_s
+
     def show(self, p: Progress) -> None:
-        now = time.monotonic()
-        if now - self.last >= self.every_s:
-            self.last = now
-            self.log(f"hpipe: {p.line()}")
+        self.last = time.monotonic()
+        self.log(f"hpipe: {p.line()}")
 
     def close(self, p: Progress) -> None:
         self.log(f"hpipe: {p.line()}")
@@ -139,8 +159,13 @@ class LiveBar:
         self.bar = Bar(TextColumn("prompts"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rest]}"),
                        console=Console(stderr=True), refresh_per_second=4)
         self.task = None
+        self.last = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= BAR_EVERY_S
 
     def show(self, p: Progress) -> None:
+        self.last = time.monotonic()
         rest = p.line().split(" prompts, ", 1)[1]
         if self.task is None:
             self.bar.start()

@@ -1,11 +1,18 @@
 """The stages' pulses of the last minute (`hpipe.protocol.Pulse`, one a second from every stage),
 kept by the launch's report reader and read by the live page of `hpipe serve` and by the progress
-of `hpipe launch`: each stage's busy fraction, the memory it holds, its latest micro-batches."""
+of `hpipe launch`: each stage's busy fraction, the memory it holds, its latest micro-batches.
+
+A host's clock is not the launcher's: each pulse is moved onto the launcher's clock as it arrives
+(its end is when it came, its intervals shifted by as much), so figures from several hosts line up
+on one time axis (a pulse's trip, milliseconds, is the error). Reports arrive on the launch's
+reader thread and are read from the server's: one lock."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
+import time
 
 from hpipe import protocol
 
@@ -18,33 +25,38 @@ class Pulses:
     def __init__(self):
         self.lock = threading.Lock()
         self.by_rank: dict[int, collections.deque] = {}
-        self.totals: dict[int, dict[str, list]] = {}      # since the start: kind -> [compute seconds, tokens]
-        self.first_busy: float | None = None              # when any stage first computed (wall clock)
+        self.totals: dict[int, dict[str, list]] = {}      # since the start: kind -> [seconds, tokens, micro-batches]
+        self.first_busy: float | None = None              # when a stage of this pipeline first computed
 
-    def take(self, pulse: protocol.Pulse) -> None:
+    def take(self, pulse: protocol.Pulse, received: float | None = None) -> None:
+        received = time.time() if received is None else received
+        shift = received - pulse.t
+        pulse = dataclasses.replace(pulse, t=received, intervals=[
+            [what, start + shift, end + shift, *rest] for what, start, end, *rest in pulse.intervals])
         with self.lock:
             kept = self.by_rank.setdefault(pulse.rank, collections.deque())
             kept.append(pulse)
             while kept and kept[0].t < pulse.t - WINDOW_S:
                 kept.popleft()
             totals = self.totals.setdefault(pulse.rank, {})
-            for kind, (seconds, tokens) in pulse.kinds.items():
-                total = totals.setdefault(kind, [0.0, 0])
-                total[0] += seconds
-                total[1] += tokens
+            for kind, figures in pulse.kinds.items():
+                total = totals.setdefault(kind, [0.0, 0, 0])
+                for i, x in enumerate(figures):
+                    total[i] += x
             if pulse.busy_s > 0 and self.first_busy is None:
                 self.first_busy = pulse.t - pulse.window_s
 
     def clear(self) -> None:
-        """Another pipeline starts (a recovery): its stages are not the last one's (the totals of
-        the work done stay: a resumed request's tokens were computed once already)."""
+        """Another pipeline starts (a recovery): its stages are not the last one's. The totals of the
+        work done stay (a batch job's progress takes its baseline there: launcher/progress.py)."""
         with self.lock:
             self.by_rank.clear()
+            self.first_busy = None
 
     def total(self, rank: int, kind: str) -> tuple[float, int]:
         """Compute seconds and tokens of the stage's micro-batches of `kind` since the start."""
         with self.lock:
-            seconds, tokens = self.totals.get(rank, {}).get(kind, (0.0, 0))
+            seconds, tokens, _ = self.totals.get(rank, {}).get(kind, (0.0, 0, 0))
         return seconds, tokens
 
     def _kept(self, rank: int, window_s: float) -> list[protocol.Pulse]:
@@ -58,23 +70,25 @@ class Pulses:
         span = sum(p.window_s for p in kept)
         return min(1.0, sum(p.busy_s for p in kept) / span) if span > 0 else None
 
+    def _kind(self, rank: int, kind: str, window_s: float) -> tuple[float, int, int]:
+        rows = [p.kinds[kind] for p in self._kept(rank, window_s) if kind in p.kinds]
+        return sum(r[0] for r in rows), sum(r[1] for r in rows), sum(r[2] for r in rows)
+
     def step_s(self, rank: int, kind: str, window_s: float = WINDOW_S) -> float | None:
         """The mean compute seconds of the stage's micro-batches of `kind` in the window (None: none)."""
-        times = [end - start for p in self._kept(rank, window_s)
-                 for what, start, end, _mb, k, _tokens in p.intervals if what == "compute" and k == kind]
-        return sum(times) / len(times) if times else None
+        seconds, _, mbs = self._kind(rank, kind, window_s)
+        return seconds / mbs if mbs else None
 
     def tokens_per_s(self, rank: int, kind: str, window_s: float = WINDOW_S) -> float | None:
         """Tokens per compute second of the stage's micro-batches of `kind` in the window (None: none)."""
-        rows = [p.kinds[kind] for p in self._kept(rank, window_s) if kind in p.kinds]
-        seconds = sum(s for s, _ in rows)
-        return sum(n for _, n in rows) / seconds if seconds > 0 else None
+        seconds, tokens, _ = self._kind(rank, kind, window_s)
+        return tokens / seconds if seconds > 0 else None
 
     def rate(self, rank: int, kind: str, window_s: float) -> float | None:
         """Tokens of `kind` the stage computed per wall second in the window (None: no pulse yet)."""
         kept = self._kept(rank, window_s)
         span = sum(p.window_s for p in kept)
-        return sum(p.kinds.get(kind, (0.0, 0))[1] for p in kept) / span if span > 0 else None
+        return sum(p.kinds.get(kind, (0.0, 0, 0))[1] for p in kept) / span if span > 0 else None
 
     def intervals(self, rank: int, window_s: float) -> list[list]:
         return [row for p in self._kept(rank, window_s) for row in p.intervals]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import urllib.request
 
 import openai
 import pytest
@@ -61,6 +62,9 @@ def chats(base: str, n: int, max_tokens: int) -> list[threading.Thread]:
 def test_the_page_asks_for_the_key_and_then_shows_the_plans_stages(served, chromium):
     base, plan = served
     assert request(base, "GET", "/hpipe/state", key=None)[0] == 401
+    with urllib.request.urlopen(base + "/", timeout=30) as r:      # the page: its own script alone may run
+        policy = r.headers["Content-Security-Policy"]
+    assert "script-src 'sha256-" in policy and "unsafe" not in policy and "connect-src 'self'" in policy, policy
     page = chromium.new_page()
     page.goto(base + "/")
     page.wait_for_selector("#key", state="visible")
@@ -95,7 +99,7 @@ def test_under_load_its_numbers_follow_metrics_and_the_busy_bars_move(served, ch
     compared = drawn = 0
     while any(t.is_alive() for t in threads):
         before = metric(base, "hpipe_generation_tokens_total")
-        wait_polls(page, 1)
+        wait_polls(page, 2)          # the second one fetched after `before` was read
         shown = page_value(page, "hpipe_generation_tokens_total")
         after = metric(base, "hpipe_generation_tokens_total")
         assert before <= shown <= after, (before, shown, after)

@@ -109,7 +109,8 @@ class KVStore:
         return t
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())
+        """(Read by the stage's pulse thread too, while the first forward may add layers: a copy.)"""
+        return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in list(s.values()))
 
 
 def flat_positions(pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -61,14 +61,15 @@ class Modes:
 
 class Intervals:
     """Measured intervals of one stage: compute, prepare, wait, send, sample. Threads append.
-    `bounded` (serving, which runs for hours) keeps the latest 100,000. `computed` (compute seconds
-    and tokens since the start, by micro-batch kind) and `recent` (the latest PULSE_INTERVALS) are
-    what the stage's pulse reads from another thread: copied whole."""
+    `bounded` (serving, which runs for hours) keeps the latest 100,000. `computed` (compute seconds,
+    tokens and micro-batches since the start, by micro-batch kind) and `recent` (the latest
+    PULSE_INTERVALS compute intervals) are what the stage's pulse reads from another thread: copied
+    whole."""
 
     def __init__(self, bounded: bool = False):
         self.intervals = collections.deque(maxlen=100_000 if bounded else None)
         self.recent = collections.deque(maxlen=protocol.PULSE_INTERVALS)
-        self.computed: dict[str, tuple[float, int]] = {}
+        self.computed: dict[str, tuple[float, int, int]] = {}
 
     def add(self, what: str, start: float, end: float, mb: int | None = None, kind: str | None = None,
             tokens: int | None = None):
@@ -76,10 +77,10 @@ class Intervals:
         if mb is not None:
             rec.update(mb=mb, kind=kind, tokens=tokens)
         if what == "compute":
-            seconds, n = self.computed.get(kind, (0.0, 0))
-            self.computed = {**self.computed, kind: (seconds + end - start, n + (tokens or 0))}
+            seconds, n, mbs = self.computed.get(kind, (0.0, 0, 0))
+            self.computed = {**self.computed, kind: (seconds + end - start, n + (tokens or 0), mbs + 1)}
+            self.recent.append(rec)
         self.intervals.append(rec)
-        self.recent.append(rec)
 
 
 class Turn:
