@@ -46,6 +46,17 @@ def hpipe(*args, cwd: Path, env: dict | None = None) -> str:
     return done.stdout
 
 
+def plan_on_hosts(cluster, work: Path, env: dict, name: str = "plan.json") -> Path:
+    """The default model planned over the emulated hosts (tests/netns_hosts.py) from the measured
+    one-thread profile put on each (`elastic_profile`), for 64-token prompts: a plan with predictions."""
+    from netns_hosts import elastic_profile
+
+    profile = elastic_profile([h.spec.name for h in cluster.hosts], work / "profile.json")
+    hpipe("plan", "--model", "smollm2", "--cluster", cluster.inventory_path, "--profile", profile, "--seq-len", "64",
+          "-o", work / name, cwd=work, env=env)
+    return work / name
+
+
 def launch_checked(plan: Path, prompts: Path, work: Path, tag: str, new_tokens: int, where: list,
                    env: dict | None = None) -> tuple[dict, dict, str]:
     """One `hpipe launch` of a plan on a one-prompt file with a timeline: the prompt's result, the

@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
+from bench.common import plan_on_hosts  # noqa: E402
+
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.",
              "Tell me about the sea.", "What is 2 + 2?", "Why is the sky blue?"]
 
@@ -45,8 +47,7 @@ def main() -> None:
     import openai
 
     from hpipe.net import free_port
-    from netns_hosts import (HostSpec, elastic_profile, namespace_pids, process_cmdline, start_cluster,
-                             stop_cluster, unavailable_reason)
+    from netns_hosts import HostSpec, namespace_pids, process_cmdline, start_cluster, stop_cluster, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -58,10 +59,7 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = None
     try:
-        profile = elastic_profile([h.spec.name for h in cluster.hosts], work / "profile.json")
-        subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--cluster",
-                        str(cluster.inventory_path), "--profile", str(profile), "--seq-len", "64", "-o",
-                        str(work / "plan.json")], check=True, env=env, capture_output=True)
+        plan_on_hosts(cluster, work, env)
         port = free_port()
         log = open(work / "serve.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(work / "plan.json"), "--cluster",

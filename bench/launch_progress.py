@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path)
 
-from bench.common import cpu_flags, cpu_name  # noqa: E402
+from bench.common import cpu_flags, cpu_name, plan_on_hosts  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.", "What is 2 + 2?",
              "Tell me about the sea.", "Why is the sky blue?", "Name a large animal.", "Write a haiku about rain."]
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("-o", "--out", default=str(ROOT / "bench" / "results" / "launch_progress.json"))
     args = ap.parse_args()
-    from netns_hosts import HostSpec, elastic_profile, start_cluster, stop_cluster, unavailable_reason
+    from netns_hosts import HostSpec, start_cluster, stop_cluster, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -56,14 +56,11 @@ def main() -> None:
     cluster = start_cluster(work / "hosts", [HostSpec(f"h{i}", rate_mbit=1000) for i in range(3)])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
-        profile = elastic_profile([h.spec.name for h in cluster.hosts], work / "profile.json")
-        subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--cluster",
-                        str(cluster.inventory_path), "--profile", str(profile), "--seq-len", "64", "-o",
-                        str(work / "plan.json")], check=True, env=env, capture_output=True)
+        plan = plan_on_hosts(cluster, work, env)
         prompts = work / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"}) + "\n"
                                    for i in range(args.prompts)))
-        proc = subprocess.Popen([sys.executable, "-m", "hpipe", "launch", str(work / "plan.json"), "--cluster",
+        proc = subprocess.Popen([sys.executable, "-m", "hpipe", "launch", str(plan), "--cluster",
                                  str(cluster.inventory_path), "--prompts", str(prompts), "--out", str(work / "out.jsonl"),
                                  "--max-new-tokens", str(args.max_new_tokens), "--compile", "off", "--quiet"],
                                 stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)

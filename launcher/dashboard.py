@@ -64,7 +64,8 @@ def stage_view(rank: int, stage: formats.StagePlan, config, pulses) -> dict:
     return {"rank": rank, "host": stage.host, "device": stage.device, "units": list(stage.units),
             "blocks": models.units_text(config, *stage.units), "weights": stage.weights,
             "host_experts": stage.host_experts, "busy": pulses.busy(rank),
-            "decode_step_s": pulses.step_s(rank, "decode"), "prefill_tokens_per_s": pulses.tokens_per_s(rank, "prefill"),
+            "decode_step_s": pulses.step_s(rank, "decode"), "decode_rows": pulses.rows(rank, "decode"),
+            "prefill_tokens_per_s": pulses.tokens_per_s(rank, "prefill"),
             "held_bytes": last.held_bytes if last else None, "device_bytes": last.device_bytes if last else None,
             "kv_bytes": last.kv_bytes if last else None, "seen_s_ago": round(time.time() - last.t, 2) if last else None}
 

@@ -79,6 +79,11 @@ class Pulses:
         seconds, _, mbs = self._kind(rank, kind, window_s)
         return seconds / mbs if mbs else None
 
+    def rows(self, rank: int, kind: str, window_s: float = WINDOW_S) -> float | None:
+        """The mean tokens of the stage's micro-batches of `kind` in the window (a decode step's rows)."""
+        _, tokens, mbs = self._kind(rank, kind, window_s)
+        return tokens / mbs if mbs else None
+
     def tokens_per_s(self, rank: int, kind: str, window_s: float = WINDOW_S) -> float | None:
         """Tokens per compute second of the stage's micro-batches of `kind` in the window (None: none)."""
         seconds, tokens, _ = self._kind(rank, kind, window_s)

@@ -1,5 +1,5 @@
 """`hpipe launch`'s progress (launcher/progress.py): its time left against the model its docstring
-states, worked by hand here from stage 0's pulses; the lines a launch prints: tests/test_launch_local.py."""
+states, worked by hand here; the lines a launch prints: tests/test_launch_local.py."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ def requests(n: int, prompt: int, max_new: int) -> list[Request]:
     return [Request(i, f"q{i}", tuple(range(1, prompt + 1)), max_new_tokens=max_new) for i in range(n)]
 
 
-def take(pulses: Pulses, rank: int, t: float, kinds: dict) -> None:
-    """A pulse of the window ending at t, come at t (one clock); kinds: kind -> [seconds, tokens]."""
-    kinds = {k: [s, n, 1] for k, (s, n) in kinds.items()}
-    pulses.take(protocol.Pulse(rank, t, 1.0, sum(s for s, _, _ in kinds.values()), kinds, 0, 0, 0, []), received=t)
+def take(pulses: Pulses, rank: int, t: float, busy_s: float, decoded: int = 4) -> None:
+    """A pulse of the window (t - 1, t], come at t (one clock), with `decoded` decode tokens."""
+    pulses.take(protocol.Pulse(rank, t, 1.0, busy_s, {"decode": [busy_s, decoded, 1]}, 0, 0, 0, []), received=t)
 
 
 class Shown:
@@ -32,62 +31,60 @@ class Shown:
 
     close = show
 
+    def due(self):
+        return True
 
-def test_time_left_weighs_prompt_tokens_by_the_measured_cost_and_outputs_by_what_finished_ones_used():
-    plan = SimpleNamespace(stages=[None, None], predicted=None)
-    progress = JobProgress(requests(4, 100, 50), plan, Shown())
+
+def plan(stages: int, predicted=None):
+    return SimpleNamespace(stages=[None] * stages, predicted=predicted)
+
+
+def test_time_left_is_the_prompts_left_at_the_rate_they_finish():
+    progress = JobProgress(requests(8, 100, 50), plan(2), Shown())
     pulses = Pulses()
-    assert progress.eta_s(pulses, 10.0) is None                   # nothing measured, nothing predicted
-    take(pulses, 0, 11.0, {"prefill": [0.5, 400]})           # stage 0: every prompt prefilled
-    take(pulses, 1, 11.0, {"prefill": [0.8, 400]})           # stage 1 is the busier one
-    take(pulses, 0, 12.0, {"decode": [0.6, 60]})
-    take(pulses, 1, 12.0, {"decode": [0.9, 60]})
-    progress.finished("q0", 25)                                    # it used half its max_new_tokens
-    # a prompt token costs (0.8 / 400) / (0.9 / 60) decode tokens on the busiest stage
-    ratio = (0.8 / 400) / (0.9 / 60)
-    work = ratio * 400 + (25 - 1) + 3 * (50 * 0.5 - 1)               # a first token comes with the prefill
-    done = ratio * 400 + 60
-    elapsed = 14.0 - 10.0                                          # since the first pulse's window began
-    assert progress.eta_s(pulses, 14.0) == pytest.approx((work - done) / (done / elapsed))
+    assert progress.eta_s(pulses, 10.0) is None                # nothing finished, nothing predicted
+    take(pulses, 0, 11.0, 0.5)                                 # the stages first computed at 10.0
+    take(pulses, 1, 11.0, 0.8)
+    # stage 0 decoded 4 tokens: 4 / 50 of an answer under way, in 2 s
+    assert progress.eta_s(pulses, 12.0) == pytest.approx((8 - 0.08) / (0.08 / 2.0))
+    progress.finished("q0", 25)
+    progress.finished("q1", 50)
+    # stage 0 decoded 4 tokens so far, fewer than the answers' 24 + 49 (a first token comes with the prefill)
+    assert progress.eta_s(pulses, 14.0) == pytest.approx(6 / (2 / 4.0))
+    take(pulses, 0, 14.0, 0.5, decoded=73 + 75 - 4)           # 75 under way: 1.5 answers of the longest, 50
+    assert progress.eta_s(pulses, 14.0) == pytest.approx((6 - 1.5) / ((2 + 1.5) / 4.0))
     snap = progress.snapshot(pulses, ("h1",), now=14.0)
-    assert (snap.done, snap.total, snap.lost) == (1, 4, ("h1",))
-    assert "1/4 prompts" in snap.line() and "hosts lost: h1" in snap.line()
-    for r in ("q1", "q2", "q3"):
-        progress.finished(r, 50)
+    assert (snap.done, snap.total, snap.lost) == (2, 8, ("h1",))
+    assert "2/8 prompts" in snap.line() and "hosts lost: h1" in snap.line()
+    for i in range(2, 8):
+        progress.finished(f"q{i}", 50)
     assert progress.eta_s(pulses, 15.0) == 0.0
 
 
-def test_the_plans_prediction_starts_the_rate_and_sets_the_cost_of_a_prompt_token():
-    plan = SimpleNamespace(stages=[None], predicted={"throughput_tokens_per_s": 2000.0,
-                                                      "decode": {"tokens_per_s": 50.0}})
-    progress = JobProgress(requests(2, 100, 40), plan, Shown())
+def test_the_plans_prediction_starts_the_rate():
+    predicted = {"throughput_tokens_per_s": 2000.0, "decode": {"tokens_per_s": 50.0}}
+    progress = JobProgress(requests(4, 100, 40), plan(1, predicted), Shown())
     pulses = Pulses()
-    ratio = 50.0 / 2000.0
-    work = ratio * 200 + 2 * (40 - 1)
-    assert progress.eta_s(pulses, 0.0) == pytest.approx(work / 50.0)                   # the plan's alone
-    take(pulses, 0, 2.0, {"prefill": [0.1, 200], "decode": [0.5, 10]})
-    done = ratio * 200 + 10
-    rate = (done + PRIOR_S * 50.0) / (1.0 + PRIOR_S)
-    assert progress.eta_s(pulses, 2.0) == pytest.approx((work - done) / rate)
+    rate = 4 / (4 * (100 / 2000.0 + 40 / 50.0))                 # prompts a second, as the plan predicts them
+    assert progress.eta_s(pulses, 0.0) == pytest.approx(4 / rate)
+    take(pulses, 0, 2.0, 0.9)
+    progress.finished("q0", 40)
+    assert progress.eta_s(pulses, 3.0) == pytest.approx(3 / ((1 + PRIOR_S * rate) / (2.0 + PRIOR_S)))
 
 
 def test_after_a_lost_host_the_prompts_left_count_from_where_the_new_pipeline_starts():
-    plan = SimpleNamespace(stages=[None, None], predicted=None)
-    reqs = requests(3, 10, 20)
-    progress = JobProgress(reqs, plan, Shown())
+    reqs = requests(4, 10, 20)
+    progress = JobProgress(reqs, plan(3), Shown())
     pulses = Pulses()
-    take(pulses, 0, 1.0, {"prefill": [0.1, 30], "decode": [0.4, 20]})
-    take(pulses, 1, 1.0, {"prefill": [0.1, 30], "decode": [0.4, 20]})
+    take(pulses, 0, 1.0, 0.5)
     progress.finished("q0", 20)
-    pulses.clear()                                     # the new pipeline: 2 stages, q1 and q2 from their start
-    progress.restart(pulses, reqs[1:], SimpleNamespace(stages=[None, None], predicted=None))
-    assert progress.eta_s(pulses, 5.0) is None        # no stage of it computed yet
-    take(pulses, 0, 6.0, {"prefill": [0.1, 20], "decode": [0.4, 10]})
-    take(pulses, 1, 6.0, {"prefill": [0.1, 20], "decode": [0.4, 10]})
-    ratio = (0.2 / 50) / (0.8 / 30)                    # the busiest stage's, over the whole job
-    work = 2 * (ratio * 10 + (20 - 1))
-    done = ratio * 20 + 10
-    assert progress.eta_s(pulses, 7.0) == pytest.approx((work - done) / (done / 2.0))
+    pulses.clear()                                             # the new pipeline: 2 stages, q1..q3 from their start
+    progress.restart(pulses, reqs[1:], plan(2))
+    assert progress.eta_s(pulses, 5.0) is None                 # none of them finished on it yet
+    take(pulses, 0, 6.0, 0.5)                                  # it first computed at 5.0
+    progress.finished("q1", 20)
+    assert progress.eta_s(pulses, 9.0) == pytest.approx(2 / (1 / 4.0))
+    assert len(progress.snapshot(pulses, now=9.0).busy) == 2
 
 
 def test_durations_read_as_people_write_them():
