@@ -635,12 +635,15 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
     auto`. Returns how many graphs are warm."""
     n = models.num_units(config)
     marks: set[Path] = set()
-    before = torch.get_num_threads()
+    before, t0 = torch.get_num_threads(), time.time()
+    # a cut block's halves, then whole blocks, at each thread count; the time left from the layouts done
+    layouts = [(count, units) for count in threads for units in (range(2), range(2, n), range(n))]
     try:
-        for count in threads:
+        for i, (count, units) in enumerate(layouts):
+            left = f", about {(time.time() - t0) / i * (len(layouts) - i):.0f} s left" if i else ""
+            log(f"warmup {i + 1}/{len(layouts)}: units {units.start}-{units.stop - 1}, {count} thread(s){left}")
             torch.set_num_threads(count)
-            for units in (range(2), range(2, n), range(n)):      # a cut block's halves, then whole blocks
-                marks.update(warm_layout(model, config, weights, dtype, log, units, kv_dtype=kv_dtype))
+            marks.update(warm_layout(model, config, weights, dtype, log, units, kv_dtype=kv_dtype))
     finally:
         torch.set_num_threads(before)
     return len(marks)
