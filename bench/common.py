@@ -4,6 +4,7 @@ synthetic prompts as token ids, and `hpipe` run as a child process."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,20 @@ def hpipe(*args, cwd: Path, env: dict | None = None) -> str:
     if done.returncode:
         raise SystemExit(f"hpipe {' '.join(map(str, args[:2]))} failed (exit {done.returncode}; its stderr is above)")
     return done.stdout
+
+
+def three_hosts(tag: str) -> tuple[object, Path]:
+    """3 emulated hosts (tests/netns_hosts.py: network namespaces with real sshd, 1 Gbit/s links)
+    and a new work folder, $TMPDIR/hpipe-TAG-PID, their files in it; the benchmark ends with the
+    reason where they cannot run."""
+    from netns_hosts import HostSpec, start_cluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"emulated hosts: {reason}")
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpipe-{tag}-{os.getpid()}"
+    work.mkdir(parents=True)
+    return start_cluster(work / "hosts", [HostSpec(f"h{i}", rate_mbit=1000) for i in range(3)]), work
 
 
 def plan_on_hosts(cluster, work: Path, env: dict, name: str = "plan.json") -> Path:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path)
 
 from browser import browser, open_page, wait_until  # noqa: E402  (tests/browser.py)
-from bench.common import cpu_flags, cpu_name, plan_on_hosts  # noqa: E402
+from bench.common import cpu_flags, cpu_name, plan_on_hosts, three_hosts  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.", "What is 2 + 2?",
              "Tell me about the sea.", "Why is the sky blue?", "Name a large animal.", "What is a pipeline?"]
@@ -130,15 +130,12 @@ def overhead(args, work: Path, env: dict, out_dir: Path) -> dict:
 
 
 def lost_host(args, work: Path, env: dict, out_dir: Path) -> dict:
-    from netns_hosts import HostSpec, namespace_pids, process_cmdline, start_cluster, stop_cluster, unavailable_reason
+    from netns_hosts import namespace_pids, process_cmdline, stop_cluster
 
-    reason = unavailable_reason()
-    if reason:
-        raise SystemExit(f"emulated hosts: {reason}")
-    cluster = start_cluster(work / "hosts", [HostSpec(f"h{i}", rate_mbit=1000) for i in range(3)])
+    cluster, hosts_work = three_hosts("dashboard")
     proc = None
     try:
-        plan = plan_on_hosts(cluster, work, env, "hosts-plan.json")
+        plan = plan_on_hosts(cluster, hosts_work, env, "hosts-plan.json")
         proc, base = serve(plan, work / "hosts-serve.log", env, "--cluster",
                            str(cluster.inventory_path), "--heartbeat-timeout", "3")
         with browser() as b:

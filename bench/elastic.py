@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import plan_on_hosts  # noqa: E402
+from bench.common import plan_on_hosts, three_hosts  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.",
              "Tell me about the sea.", "What is 2 + 2?", "Why is the sky blue?"]
@@ -47,15 +47,9 @@ def main() -> None:
     import openai
 
     from hpipe.net import free_port
-    from netns_hosts import HostSpec, namespace_pids, process_cmdline, start_cluster, stop_cluster, unavailable_reason
+    from netns_hosts import namespace_pids, process_cmdline, stop_cluster
 
-    reason = unavailable_reason()
-    if reason:
-        raise SystemExit(f"emulated hosts: {reason}")
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpipe-elastic-{os.getpid()}"
-    work.mkdir(parents=True)
-    cluster = start_cluster(work, [HostSpec("h0", rate_mbit=1000), HostSpec("h1", rate_mbit=1000),
-                                   HostSpec("h2", rate_mbit=1000)])
+    cluster, work = three_hosts("elastic")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = None
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path)
 
-from bench.common import cpu_flags, cpu_name, plan_on_hosts  # noqa: E402
+from bench.common import cpu_flags, cpu_name, plan_on_hosts, three_hosts  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Count from one to ten.", "What is 2 + 2?",
              "Tell me about the sea.", "Why is the sky blue?", "Name a large animal.", "Write a haiku about rain."]
@@ -46,14 +46,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("-o", "--out", default=str(ROOT / "bench" / "results" / "launch_progress.json"))
     args = ap.parse_args()
-    from netns_hosts import HostSpec, start_cluster, stop_cluster, unavailable_reason
+    from netns_hosts import stop_cluster
 
-    reason = unavailable_reason()
-    if reason:
-        raise SystemExit(f"emulated hosts: {reason}")
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpipe-progress-{os.getpid()}"
-    work.mkdir(parents=True)
-    cluster = start_cluster(work / "hosts", [HostSpec(f"h{i}", rate_mbit=1000) for i in range(3)])
+    cluster, work = three_hosts("progress")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
         plan = plan_on_hosts(cluster, work, env)
