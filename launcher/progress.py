@@ -8,10 +8,12 @@ seconds: a prompt's predicted seconds are its prompt tokens at the plan's prefil
 decode tokens not yet in a finished answer, over the longest answer one may still give): the
 answers end in waves, and the count alone would jump with them. Prompts, not tokens: a job's first
 answers to end are its short ones, so the tokens the finished ones used would promise the rest too
-little. Measured (bench/launch_progress.py, 64 prompts over 3 emulated hosts, the error of the ETA
-after a quarter of them): by the finished answers' tokens -45 %, by the prompts alone +20 %, by the
-prompts with those under way counted so -18 % (-14 to -28 % over the job: its last answers, a
-batch draining, come slower than the rate so far). After a lost host the job goes on, on a new plan, with the prompts
+little. And the job's last answers do not end at the rate so far: the batch in flight (stage 0's
+mean decode rows) drains over about one answer's time, its longest answer last, so the time left
+counts DRAIN of a batch more. Measured (bench/launch_progress.py, 64 prompts over 3 emulated
+hosts, the ETA's error after a quarter of them): by the finished answers' tokens -45 %, by the
+prompts alone +20 %, by the prompts with those under way counted -18 % and -28 % (two runs), with
+the drain too: see docs/benchmarks.md. After a lost host the job goes on, on a new plan, with the prompts
 left: the count starts again there (`restart`).
 
 The display is chosen once: a rich live bar on a terminal; plain lines (every PLAIN_EVERY_S and at
@@ -32,6 +34,8 @@ PRIOR_S = 3.0            # the plan's predicted rate counts as this many seconds
 PLAIN_EVERY_S = 10.0     # a plain progress line at most this often
 BAR_EVERY_S = 0.25       # the bar's refresh
 RATE_WINDOW_S = 10.0     # output tokens/s over the last seconds
+DRAIN = 0.5              # the last answers in flight end over about one answer's time (Little's law: as many
+                         # as are in flight over the rate), the longest of them later: half a batch more
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,8 @@ class JobProgress:
         prior = PRIOR_S if self.predicted_rate else 0.0
         seconds = elapsed + prior
         rate = (len(answers) + partial + prior * (self.predicted_rate or 0.0)) / seconds if seconds > 0 else 0.0
-        return (left - partial) / rate if rate > 0 else None
+        in_flight = min(left, pulses.rows(0, "decode", RATE_WINDOW_S) or 0.0)
+        return (left - partial + DRAIN * in_flight) / rate if rate > 0 else None
 
     def snapshot(self, pulses, lost: tuple[str, ...] = (), now: float | None = None) -> Progress:
         now = time.time() if now is None else now

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from hpipe import protocol
-from hpipe.launcher.progress import PRIOR_S, JobProgress, duration
+from hpipe.launcher.progress import DRAIN, PRIOR_S, JobProgress, duration
 from hpipe.launcher.pulses import Pulses
 from hpipe.request import Request
 
@@ -45,14 +45,15 @@ def test_time_left_is_the_prompts_left_at_the_rate_they_finish():
     assert progress.eta_s(pulses, 10.0) is None                # nothing finished, nothing predicted
     take(pulses, 0, 11.0, 0.5)                                 # the stages first computed at 10.0
     take(pulses, 1, 11.0, 0.8)
-    # stage 0 decoded 4 tokens: 4 / 50 of an answer under way, in 2 s
-    assert progress.eta_s(pulses, 12.0) == pytest.approx((8 - 0.08) / (0.08 / 2.0))
+    # stage 0 decoded 4 tokens: 4 / 50 of an answer under way, in 2 s; a step of 4 rows: 4 in flight
+    assert progress.eta_s(pulses, 12.0) == pytest.approx((8 - 0.08 + DRAIN * 4) / (0.08 / 2.0))
     progress.finished("q0", 25)
     progress.finished("q1", 50)
     # stage 0 decoded 4 tokens so far, fewer than the answers' 24 + 49 (a first token comes with the prefill)
-    assert progress.eta_s(pulses, 14.0) == pytest.approx(6 / (2 / 4.0))
+    assert progress.eta_s(pulses, 14.0) == pytest.approx((6 + DRAIN * 4) / (2 / 4.0))
     take(pulses, 0, 14.0, 0.5, decoded=73 + 75 - 4)           # 75 under way: 1.5 answers of the longest, 50
-    assert progress.eta_s(pulses, 14.0) == pytest.approx((6 - 1.5) / ((2 + 1.5) / 4.0))
+    # steps of 74 rows on average now: no more in flight than the 6 left
+    assert progress.eta_s(pulses, 14.0) == pytest.approx((6 - 1.5 + DRAIN * 6) / ((2 + 1.5) / 4.0))
     snap = progress.snapshot(pulses, ("h1",), now=14.0)
     assert (snap.done, snap.total, snap.lost) == (2, 8, ("h1",))
     assert "2/8 prompts" in snap.line() and "hosts lost: h1" in snap.line()
@@ -69,7 +70,7 @@ def test_the_plans_prediction_starts_the_rate():
     assert progress.eta_s(pulses, 0.0) == pytest.approx(4 / rate)
     take(pulses, 0, 2.0, 0.9)
     progress.finished("q0", 40)
-    assert progress.eta_s(pulses, 3.0) == pytest.approx(3 / ((1 + PRIOR_S * rate) / (2.0 + PRIOR_S)))
+    assert progress.eta_s(pulses, 3.0) == pytest.approx((3 + DRAIN * 3) / ((1 + PRIOR_S * rate) / (2.0 + PRIOR_S)))
 
 
 def test_after_a_lost_host_the_prompts_left_count_from_where_the_new_pipeline_starts():
@@ -83,7 +84,7 @@ def test_after_a_lost_host_the_prompts_left_count_from_where_the_new_pipeline_st
     assert progress.eta_s(pulses, 5.0) is None                 # none of them finished on it yet
     take(pulses, 0, 6.0, 0.5)                                  # it first computed at 5.0
     progress.finished("q1", 20)
-    assert progress.eta_s(pulses, 9.0) == pytest.approx(2 / (1 / 4.0))
+    assert progress.eta_s(pulses, 9.0) == pytest.approx((2 + DRAIN * 2) / (1 / 4.0))
     assert len(progress.snapshot(pulses, now=9.0).busy) == 2
 
 
