@@ -49,12 +49,15 @@ class Progress:
     lost: tuple[str, ...]            # hosts lost so far
 
     def line(self) -> str:
+        return f"{self.done}/{self.total} prompts, {self.rest()}"
+
+    def rest(self) -> str:
+        """All but the count (the bar draws that)."""
         eta = "–" if self.eta_s is None else duration(self.eta_s)
         rate = "–" if self.tokens_per_s is None else f"{self.tokens_per_s:.0f}"
         busy = ", ".join("–" if b is None else f"{b:.0%}" for b in self.busy)
         lost = f"; hosts lost: {', '.join(self.lost)}" if self.lost else ""
-        return (f"{self.done}/{self.total} prompts, {rate} tokens/s out, {duration(self.elapsed_s)} elapsed, "
-                f"ETA {eta}; stages busy {busy}{lost}")
+        return f"{rate} tokens/s out, {duration(self.elapsed_s)} elapsed, ETA {eta}; stages busy {busy}{lost}"
 
 
 def duration(s: float) -> str:
@@ -85,7 +88,7 @@ class JobProgress:
 
     def restart(self, pulses, requests: list, plan: formats.Plan) -> None:
         """A lost host's stages were planned again: `requests` run on `plan` from their start."""
-        self._run_on(plan, {r.id for r in requests}, pulses.total(0, "decode")[1])
+        self._run_on(plan, {r.id for r in requests}, pulses.computed(0, "decode"))
 
     def finished(self, request_id: str, output_tokens: int) -> None:
         self.outputs[request_id] = output_tokens
@@ -95,7 +98,7 @@ class JobProgress:
         left = len(self.running) - len(answers)
         if left == 0:
             return 0.0
-        under_way = pulses.total(0, "decode")[1] - self.decoded - sum(n - 1 for n in answers)
+        under_way = pulses.computed(0, "decode") - self.decoded - sum(n - 1 for n in answers)
         longest = max(self.max_new[i] for i in self.running if i not in self.outputs)
         partial = min(0.9 * left, max(0, under_way) / longest)
         elapsed = now - pulses.first_busy if pulses.first_busy is not None else 0.0
@@ -156,7 +159,7 @@ class LiveBar:
 
     def show(self, p: Progress) -> None:
         self.last = time.monotonic()
-        rest = p.line().split(" prompts, ", 1)[1]
+        rest = p.rest()
         if self.task is None:
             self.bar.start()
             self.task = self.bar.add_task("job", total=p.total, rest=rest)

@@ -25,7 +25,7 @@ class Pulses:
     def __init__(self):
         self.lock = threading.Lock()
         self.by_rank: dict[int, collections.deque] = {}
-        self.totals: dict[int, dict[str, list]] = {}      # since the start: kind -> [seconds, tokens, micro-batches]
+        self.tokens: dict[int, dict[str, int]] = {}       # since the start: kind -> tokens
         self.first_busy: float | None = None              # when a stage of this pipeline first computed
 
     def take(self, pulse: protocol.Pulse, received: float | None = None) -> None:
@@ -38,37 +38,39 @@ class Pulses:
             kept.append(pulse)
             while kept and kept[0].t < pulse.t - WINDOW_S:
                 kept.popleft()
-            totals = self.totals.setdefault(pulse.rank, {})
-            for kind, figures in pulse.kinds.items():
-                total = totals.setdefault(kind, [0.0, 0, 0])
-                for i, x in enumerate(figures):
-                    total[i] += x
+            tokens = self.tokens.setdefault(pulse.rank, {})
+            for kind, (_, n, _) in pulse.kinds.items():
+                tokens[kind] = tokens.get(kind, 0) + n
             if pulse.busy_s > 0 and self.first_busy is None:
                 self.first_busy = pulse.t - pulse.window_s
 
     def clear(self) -> None:
-        """Another pipeline starts (a recovery): its stages are not the last one's. The totals of the
-        work done stay (a batch job's progress takes its baseline there: launcher/progress.py)."""
+        """Another pipeline starts (a recovery): its stages are not the last one's. The tokens
+        computed stay (a batch job's progress takes its baseline there: launcher/progress.py)."""
         with self.lock:
             self.by_rank.clear()
             self.first_busy = None
 
-    def total(self, rank: int, kind: str) -> tuple[float, int]:
-        """Compute seconds and tokens of the stage's micro-batches of `kind` since the start."""
+    def computed(self, rank: int, kind: str) -> int:
+        """Tokens of the stage's micro-batches of `kind` since the start."""
         with self.lock:
-            seconds, tokens, _ = self.totals.get(rank, {}).get(kind, (0.0, 0, 0))
-        return seconds, tokens
+            return self.tokens.get(rank, {}).get(kind, 0)
 
     def _kept(self, rank: int, window_s: float) -> list[protocol.Pulse]:
         with self.lock:
             kept = list(self.by_rank.get(rank, ()))
         return [p for p in kept if p.t > kept[-1].t - window_s] if kept else []
 
-    def busy(self, rank: int, window_s: float = WINDOW_S) -> float | None:
-        """Compute seconds over wall seconds of the stage's pulses in the window (None: none came yet)."""
+    def _per_second(self, rank: int, window_s: float, figure) -> float | None:
+        """figure(pulse) summed over the stage's pulses in the window, per wall second (None: none came)."""
         kept = self._kept(rank, window_s)
         span = sum(p.window_s for p in kept)
-        return min(1.0, sum(p.busy_s for p in kept) / span) if span > 0 else None
+        return sum(map(figure, kept)) / span if span > 0 else None
+
+    def busy(self, rank: int, window_s: float = WINDOW_S) -> float | None:
+        """Compute seconds over wall seconds of the stage's pulses in the window (None: none came yet)."""
+        busy = self._per_second(rank, window_s, lambda p: p.busy_s)
+        return None if busy is None else min(1.0, busy)
 
     def _kind(self, rank: int, kind: str, window_s: float) -> tuple[float, int, int]:
         rows = [p.kinds[kind] for p in self._kept(rank, window_s) if kind in p.kinds]
@@ -91,9 +93,7 @@ class Pulses:
 
     def rate(self, rank: int, kind: str, window_s: float) -> float | None:
         """Tokens of `kind` the stage computed per wall second in the window (None: no pulse yet)."""
-        kept = self._kept(rank, window_s)
-        span = sum(p.window_s for p in kept)
-        return sum(p.kinds.get(kind, (0.0, 0, 0))[1] for p in kept) / span if span > 0 else None
+        return self._per_second(rank, window_s, lambda p: p.kinds.get(kind, (0.0, 0, 0))[1])
 
     def intervals(self, rank: int, window_s: float) -> list[list]:
         return [row for p in self._kept(rank, window_s) for row in p.intervals]

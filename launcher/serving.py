@@ -537,6 +537,10 @@ class PipelineClient:
             self._kv_bytes = (plan, sum(table["kv_per_token_per_unit"]))
         return self._kv_bytes[1]
 
+    def pages_free(self) -> int:
+        """Stage 0's free KV pages (the whole pool before its first stats)."""
+        return self.stats.get("pages_free", self.info.kv_pages if self.info else 0)
+
     def prometheus(self) -> str:
         s, m = self.stats, self.metrics
         lines = [
@@ -548,8 +552,7 @@ class PipelineClient:
             "# TYPE hpipe_requests_open gauge", f"hpipe_requests_open {self.load()}",
             "# HELP hpipe_kv_pages_used KV pages held by sequences (every stage holds the same table).",
             "# TYPE hpipe_kv_pages_used gauge", f"hpipe_kv_pages_used {s.get('pages_used', 0)}",
-            *metric("hpipe_kv_pages_free", "gauge", "KV pages free.",
-                    s.get("pages_free", self.info.kv_pages if self.info else 0)),
+            *metric("hpipe_kv_pages_free", "gauge", "KV pages free.", self.pages_free()),
             *metric("hpipe_kv_bytes_per_token", "gauge", "A token's KV cache, over every stage (the plan's "
                     "--kv-dtype).", self.kv_bytes_per_token()),
             *metric("hpipe_kv_cache_info", "gauge", "The KV cache's element type.", 1,
