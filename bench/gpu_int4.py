@@ -1,7 +1,7 @@
 """int4 weights on a GPU at Llama-3.1-8B's shapes, in two parts (the 8B int4 launch failed on an H200
 on 2026-11-26 and an H100 on 2026-11-27, the head's tinygemm call with no rows, since returned
 empty: it ran on the H100 that day):
-1. tinygemm's linear (`hpipe.quant.Int4Linear`) on each of the 8B matrices (q/o, k/v, gate/up,
+1. tinygemm's linear (`hpipe.quantized.Int4Linear`) on each of the 8B matrices (q/o, k/v, gate/up,
    down, the 128,256-row head) at 1, 8, 255, 256 and 1,024 rows, each against a bf16 GEMM of the
    unquantized weights (the relative error is int4's rounding, about 0.08 on Gaussian weights);
 2. `hpipe launch` of four 8B blocks in int4, eager and with CUDA graphs, each stage's whole log kept
@@ -33,13 +33,13 @@ def check_linears(device: str) -> list[dict]:
     import numpy as np
     import torch
 
-    from hpipe import quant
+    from hpipe import quant, quantized
 
     rows_out = []
     rng = np.random.default_rng(0)
     for n, k in SHAPES:
         w = rng.standard_normal((n, k), dtype=np.float32) * 0.02
-        module = quant.linear_module(quant.pack(w, quant.WeightFormat.parse("int4:32"), "cuda"), device)
+        module = quantized.linear_module(quant.pack(w, quant.WeightFormat.parse("int4:32"), "cuda"), device)
         dense = torch.from_numpy(w).to(device, torch.bfloat16)
         for rows in (1, 8, 255, 256, 1024):
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ then down), and an expert nobody picked is never read: a one-token decode reads 
 bytes only, a 512-token prefill runs each expert once over its hundreds of rows.
 
 An expert's matrices are float views of transformers' 3D parameters ([E, 2I, H] and [E, H, I], no
-copy), or quantized linears (`hpipe.quant`'s Int4Linear / Int8Linear) over one expert's slice of
+copy), or quantized linears (`hpipe.quantized`'s Int4Linear / Int8Linear) over one expert's slice of
 tensors packed for all experts of the block at once (`pack_experts`): the cache maps one file per
 unit, and each expert's module holds views into it.
 """
@@ -181,7 +181,7 @@ def pack_experts(gate: list, up: list, down: list, fmt, device_type: str) -> dic
 def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, device) -> RoutedExperts:
     """The routed experts over `pack_experts`' tensors (moved to `device` once, then viewed per expert,
     and stacked for the routed kernels where the experts run hpipe's CPU kernels: `stacked`)."""
-    from hpipe import quant
+    from hpipe import quantized
 
     parts = {}
     for key, t in tensors.items():
@@ -190,7 +190,7 @@ def quantized_experts(tensors: dict[str, torch.Tensor], act_fn, device) -> Route
     n = next(iter(parts["down"].values())).shape[0]
 
     def linear(name: str, e: int):
-        return quant.linear_module({f: t[e] for f, t in parts[name].items()}, device)
+        return quantized.linear_module({f: t[e] for f, t in parts[name].items()}, device)
 
     experts = [QuantizedExpert([linear(p, e) for p in ("gate_up", "gate", "up") if p in parts], linear("down", e))
                for e in range(n)]
@@ -235,9 +235,8 @@ def stacked(modules: list[nn.Module]) -> nn.Module | None:
     """The experts' modules of one matrix as one stacked module for the routed kernels, or None where
     they do not all run hpipe's CPU kernels, without a bias, on their slices of one stacked tensor
     in place (each expert's module a view of expert e of it: the stacking is no copy)."""
-    from hpipe import quant
+    from hpipe.quantized import Int4Linear, Int8Linear
 
-    Int4Linear, Int8Linear = quant.classes()[:2]
     m = modules[0]
     if getattr(m, "mm", None) != getattr(m, "_vnni_mm", None) or m.bias is not None:
         return None

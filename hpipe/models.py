@@ -906,7 +906,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
     import numpy as np
     import torch
 
-    from hpipe import experts, quant
+    from hpipe import experts, quant, quantized
 
     if config.model_type not in LLAMA_LIKE:
         raise HpipeError(f"quantized weights run {', '.join(LLAMA_LIKE)} models; {config.model_type} runs "
@@ -988,8 +988,8 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                 linears = [getattr(owner, n) for n in names]
                 bias = None if linears[0].bias is None else \
                     torch.cat([parts_of(tensors, f"{owner_path}.{n}")["bias"] for n in names]).to(device, tdtype)
-                stacked = quant.linear_module(parts, device, bias)
-                for n, part in zip(names, quant.linear_parts(stacked, [lin.out_features for lin in linears])):
+                stacked = quantized.linear_module(parts, device, bias)
+                for n, part in zip(names, quantized.linear_parts(stacked, [lin.out_features for lin in linears])):
                     setattr(owner, n, part)
             for name, sub in list(model.get_submodule(mod_path).named_modules()):
                 full = f"{mod_path}.{name}" if name else mod_path
@@ -1009,8 +1009,8 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                                  if k.startswith(unit_modules(config, 0)[0] + ".")}
                     bias = parts.pop("bias", None)
                     bias = None if bias is None else bias.to(device, tdtype)
-                    new = quant.embedding_module(parts, device, tdtype) if isinstance(sub, torch.nn.Embedding) \
-                        else quant.linear_module(parts, device, bias)
+                    new = quantized.embedding_module(parts, device, tdtype) if isinstance(sub, torch.nn.Embedding) \
+                        else quantized.linear_module(parts, device, bias)
                     setattr(model.get_submodule(parent_path), child, new)
                 else:
                     for pname, p in list(sub.named_parameters(recurse=False)):

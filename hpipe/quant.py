@@ -12,7 +12,7 @@ Three steps, each a small function:
    (Q4_0, Q4_1, Q4_K, int4:G) goes to the int4 kernel, `w = (u - 8) * s + z` with s, z in bf16;
    every other code (Q8_0, Q6_K, 5-bit types, int8) is re-quantized to int8 per output channel, the
    nearest layout a kernel serves (`torch._weight_int8pack_mm` has one scale per row).
-3. **Run** (`Int4Linear`, `Int8Linear`, `Int4Embedding`, `Int8Embedding`): modules that take the place of
+3. **Run** (`hpipe.quantized`: `Int4Linear`, `Int8Linear`, `Int4Embedding`, `Int8Embedding`): modules that take the place of
    transformers' `nn.Linear` / `nn.Embedding` inside its own attention and MLP modules, as torchao
    swaps them; activations go to torch's kernels in bf16 (they take no other dtype), to the VNNI
    kernels as they are (float32 by default), quantized there to int16 per block of 32.
@@ -61,7 +61,8 @@ from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
            "ROW_PATHS", "row_paths", "DenseGemm", "DENSE", "dense_gemm", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
-           "Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart", "kernels_on", "stage_weights",
+           "torch_packs_blocked", "kernels_on", "stage_weights", "scales_shape", "blocked_scales", "flat_scales",
+           "super_pairs", "row_scaled",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 
 PACK_VERSION = 8        # the packed cache's layout: a new one never reads an old one (3: stacked linears,
@@ -215,7 +216,7 @@ def cpu_int4_layout() -> str:
     `hpipe.cpu_kernels` read and `pack_blocked` writes, and torch's own packing on an AVX512 build;
     or, where neither kernels nor that packing are here, torch's other packing (its AVX2 build
     packs blocks of 32 rows), named by torch's CPU capability. The packed cache keeps them apart."""
-    if cpu_kernels.kernels()[0] is not None or _torch_packs_blocked():
+    if cpu_kernels.kernels()[0] is not None or torch_packs_blocked():
         return BLOCKED
     import torch
 
@@ -242,7 +243,7 @@ def unpack_blocked(packed: "torch.Tensor") -> "torch.Tensor":
 
 
 @functools.cache
-def _torch_packs_blocked() -> bool:
+def torch_packs_blocked() -> bool:
     """Whether torch's own CPU int4 packing is `BLOCKED` (its AVX512 build). Checked, not assumed."""
     import torch
 
@@ -659,313 +660,6 @@ def packed_bytes(n: int, k: int, fmt: WeightFormat, int8_rows: bool = False) -> 
     if fmt.kind in ("int4", "gguf") and not int8_rows and int4_fits((n, k), group):
         return n * k // 2 + 4 * n * (k // group)
     return n * k + 2 * n * (max(1, k // 32) if fmt.kind == "gguf" else 1)
-
-
-# --------------------------------------------------------------------------------------------
-# Step 3: run
-
-
-def _module_classes():
-    import torch
-
-    nn = torch.nn
-
-    class WeightOnly(nn.Module):
-        """y = x W^T (+ b) through a weight-only kernel, chosen once for the device: x goes in as the
-        kernel's activation dtype (bf16 for torch's; the VNNI kernels quantize float32 themselves)
-        and y comes back in x's."""
-
-        def __init__(self, in_features: int, out_features: int, bias):
-            super().__init__()
-            self.in_features, self.out_features, self.bias = in_features, out_features, bias
-
-        def forward(self, x):
-            shape = x.shape
-            x2 = x.reshape(-1, self.in_features)
-            # a compiled decode step keeps the kernel: one graph serves every number of rows, with
-            # no guard on the row count that a large batch would break mid-run to recompile
-            # (a compiled step never runs deterministically; dynamo would bake the context in)
-            paths = None if torch.compiler.is_compiling() else ROW_PATHS.get()
-            if paths is not None and self.dense_from != float("inf"):
-                y = self._by_row(x2, paths).to(x.dtype)
-            else:
-                dense = not torch.compiler.is_compiling() and x2.shape[0] >= self.dense_from
-                y = (self.dense(x2) if dense else self.mm(x2)).to(x.dtype)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*shape[:-1], self.out_features)
-
-        def _by_row(self, x2, paths: RowPaths):
-            if paths.kernel is None:
-                return self.dense(x2)
-            if paths.dense is None:
-                return self.mm(x2)
-            y = x2.new_empty(x2.shape[0], self.out_features)
-            y[paths.dense] = self.dense(x2[paths.dense]).to(y.dtype)
-            y[paths.kernel] = self.mm(x2[paths.kernel]).to(y.dtype)
-            return y
-
-    class Int4Linear(WeightOnly):
-        """W in int4 groups: on a CPU with AVX512-VNNI or AVX2 the 16-bit-activation kernel of
-        `hpipe.cpu_kernels` (codes in the `BLOCKED` layout), else `_weight_int4pack_mm_for_cpu`;
-        tinygemm's `_weight_int4pack_mm` on CUDA."""
-
-        def __init__(self, packed, scales_zeros, bias=None):
-            in_blocks, n, groups = scales_shape(scales_zeros)
-            super().__init__(packed.shape[1] * 2, n, bias)
-            self.group = self.in_features // groups
-            # the order the kernel reads (a cache packed for another kernel is put in it once, a copy)
-            vnni = vnni_kernel(packed.device.type, "int4", (self.out_features, self.in_features))
-            if vnni != in_blocks:
-                scales_zeros = blocked_scales(scales_zeros) if vnni else flat_scales(scales_zeros)
-                if in_blocks and not packed.is_cuda and not _torch_packs_blocked():    # torch's own packing
-                    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_blocked(packed), 1)
-            if packed.is_cuda:   # tinygemm's tiles: the widest inner-k tiling the input dimension allows
-                tiles = next(t for t in (8, 4, 2) if self.in_features % (t * 16) == 0)
-                packed = torch.ops.aten._convert_weight_to_int4pack(packed, tiles)
-            self._kernel = torch.ops.aten._weight_int4pack_mm if packed.is_cuda else \
-                torch.ops.aten._weight_int4pack_mm_for_cpu
-            self.register_buffer("packed", packed, persistent=False)
-            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-            self.gemm = dense_gemm(packed.device.type) if self.out_features % 64 == 0 else None
-            self.dense_from = self.gemm.from_rows["int4"] if self.gemm else float("inf")
-            self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
-            if vnni:
-                self.mm = self._vnni_mm
-
-        def _vnni_mm(self, x2):
-            return torch.ops.hpipe.int4_mm(x2, self.packed, self.scales_zeros, self.group)
-
-        def mm(self, x2):
-            if x2.shape[0] == 0:    # tinygemm launches a grid of no blocks: CUDA's "invalid argument"
-                return x2.new_empty(0, self.out_features)
-            return self._kernel(x2.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
-
-        def dense(self, x2):
-            """x2 @ W.T through GEMMs of `self.gemm`'s dtype, W dequantized (w = (u - 8) s + z,
-            rounded to bf16) one chunk of 64-row blocks at a time, in the packing's own order: a
-            block's codes come out as W.T [K, 64] without a transposing copy of the whole matrix."""
-            k, nb = self.in_features, self.out_features // 64
-            x2 = x2.to(getattr(torch, self.gemm.dtype))
-            step = max(1, min(nb, self.gemm.chunk_bytes // (2 * 64 * k)))
-            blocks = self.packed.view(nb, k, 32)
-            work = torch.empty(step, k, 64, dtype=torch.bfloat16, device=x2.device)
-            outs = []
-            for a in range(0, nb, step):
-                m = min(step, nb - a)
-                w = work[:m]
-                self._dequantize(blocks, a, w)
-                outs.append(x2 @ w.transpose(0, 1).reshape(k, m * 64).to(x2.dtype))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
-        def _torch_dequantize(self, blocks, a: int, w) -> None:
-            """Blocks [a, a + len(w)) into w [m, K, 64] through torch's ops (five passes)."""
-            m, k, g = w.shape[0], self.in_features, self.group
-            w[..., :32].copy_(blocks[a:a + m] & 15)
-            w[..., 32:].copy_(blocks[a:a + m] >> 4)
-            w4 = w.view(m, k // g, g, 64).sub_(8)
-            # [m, K/G, 1, 64], contiguous: addcmul's broadcast then runs on vectors (2.5x faster)
-            sz = self.scales_zeros.view(k // g, -1, 64, 2)     # torch's order: zeros always kept
-            s, z = (sz[:, a:a + m, :, i].permute(1, 0, 2).unsqueeze(2).contiguous() for i in (0, 1))
-            torch.addcmul(z, w4, s, out=w4)
-
-        def _vnni_dequantize(self, blocks, a: int, w) -> None:
-            """The same in one pass of the C library (its scales in blocks of 64 outputs)."""
-            cpu_kernels.int4_dequant(self.packed, self.scales_zeros, self.group, a, w)
-
-    class Int8Linear(WeightOnly):
-        """W int8 with one scale per output row: on a CPU with AVX512-VNNI or AVX2 the 16-bit-activation
-        kernel of `hpipe.cpu_kernels` (activations per block of 32, as llama.cpp's Q8_0 dot
-        products), else `_weight_int8pack_mm`.
-        That op's results come rounded to bf16: logits on a grid of 2^-8 of their size. (Exact int32 sums
-        through torch._int_mm with int8 activations, one scale per row, are faster for SmolLM2's
-        head, 1.6 against 2.1 ms, but per-row activation steps are coarse: logits moved by up to 1.6
-        where bf16 moves them by 0.25. llama.cpp scales activations per block of 32.)"""
-
-        def __init__(self, weight, scales, bias=None):
-            super().__init__(weight.shape[1], weight.shape[0], bias)
-            vnni = vnni_kernel(weight.device.type, "int8", tuple(weight.shape))
-            if scales.dim() == 2 and not vnni:      # block scales (Q8_0) only the VNNI kernel reads
-                weight, scales = row_scaled(weight, scales)
-            self.register_buffer("weight", weight, persistent=False)
-            self.register_buffer("scales", scales, persistent=False)
-            self.gemm = dense_gemm(weight.device.type)
-            self.dense_from = self.gemm.from_rows["int8"] if self.gemm else float("inf")
-            self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
-            if vnni:
-                self.mm = self._vnni_mm
-            if weight.is_cuda:
-                # torch's CUDA `_weight_int8pack_mm` is a plain loop per output that failed with
-                # "invalid argument" on an H200 (2026-11-26): bf16 activations against the codes
-                # in a float32 GEMM (both exact in float32), the row scales on its sums, one
-                # rounding to bf16 at the end: the CPU kernel's arithmetic, not its speed
-                self.mm = self._cuda_mm
-
-        def mm(self, x2):
-            return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales)
-
-        def _vnni_mm(self, x2):
-            return torch.ops.hpipe.int8_mm(x2, self.weight, self.scales)
-
-        def _cuda_mm(self, x2):
-            y = torch.nn.functional.linear(x2.to(torch.bfloat16).float(), self.weight.float(), None)
-            return (y * self.scales.float()).to(torch.bfloat16)
-
-        def dense(self, x2):
-            """x2 @ W.T through GEMMs of `self.gemm`'s dtype, W = code * row scale rounded to bf16
-            (the codes are exact in bf16), a chunk of rows at a time."""
-            n, k = self.weight.shape
-            x2 = x2.to(getattr(torch, self.gemm.dtype))
-            step = max(64, self.gemm.chunk_bytes // (2 * k))
-            work = torch.empty(min(step, n), k, dtype=torch.bfloat16, device=x2.device)
-            outs = []
-            for a in range(0, n, step):
-                w = work[: min(step, n - a)]
-                self._dequantize(a, w)
-                outs.append(x2 @ w.t().to(x2.dtype))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
-        def _torch_dequantize(self, a: int, w) -> None:
-            w.copy_(self.weight[a:a + len(w)]).mul_(self.scales[a:a + len(w), None])
-
-        def _vnni_dequantize(self, a: int, w) -> None:
-            cpu_kernels.int8_dequant(self.weight, self.scales, a, w)
-
-    class LinearPart(nn.Module):
-        """One of several linears stacked into one (`STACKED`), in its place inside transformers'
-        module: the first part called with an input runs the stacked linear and keeps the others'
-        slices of the product until they ask for them with the same input (as transformers' modules
-        do, q then k then v); a part asked with another input computes the product itself. The
-        last part lets go of what was kept: nothing stays held between calls of the module."""
-
-        def __init__(self, stacked: nn.Module, sizes: list[int], index: int, shared: _Product):
-            super().__init__()
-            if index == 0:
-                self.stacked = stacked          # registered once, under the first part
-            self._linear = (stacked,)           # every part reaches it (a tuple: not a submodule)
-            self.sizes, self.index, self.shared = sizes, index, shared
-            self.in_features, self.out_features = stacked.in_features, sizes[index]
-
-        def forward(self, x):
-            s = self.shared
-            if self.index == 0 or s.x is not x:
-                s.x, s.parts = x, self._linear[0](x).split(self.sizes, -1)
-            y = s.parts[self.index]
-            if self.index == len(self.sizes) - 1:
-                s.x = s.parts = None
-            return y
-
-    class Int4Embedding(nn.Module):
-        """Rows of a 4-bit table, w = (u - 8) s + z as the int4 kernel reads them (float32 arithmetic
-        on the bf16 s and z), gathered from the packing it shares with a tied Int4Linear head: the
-        CPU's blocks of 64 rows (low nibbles rows 0-31, high nibbles rows 32-63, see
-        `BLOCKED`) or CUDA's two codes per byte."""
-
-        def __init__(self, packed, scales_zeros, dtype):
-            super().__init__()
-            self.register_buffer("packed", packed, persistent=False)
-            self.register_buffer("scales_zeros", scales_zeros, persistent=False)
-            self.dtype = dtype
-            super_ = scales_zeros.dtype == torch.uint8   # Q4_K's super-blocks (`super_blocks`)
-            blocked, self.rows, groups = scales_shape(scales_zeros)
-            self.cols = packed.shape[1] * 2
-            self.group = self.cols // groups
-            self._row_scales = self._super_rows if super_ else self._blocked_rows if blocked else self._flat_rows
-            if blocked and not packed.is_cuda and cpu_kernels.kernels()[0] is not None:
-                self.forward = self._kernel_rows     # one C call a lookup (cpu_kernels.int4_rows)
-
-        def _kernel_rows(self, ids):
-            flat = ids.reshape(-1)
-            rows = cpu_kernels.int4_rows(self.packed, self.scales_zeros, self.group, flat)
-            return rows.reshape(*ids.shape, self.cols).to(self.dtype)
-
-        def forward(self, ids):
-            flat = ids.reshape(-1)
-            if self.packed.is_cuda:
-                pairs = self.packed[flat]                                         # [T, K / 2]
-                u = torch.stack([pairs >> 4, pairs & 15], -1)
-            else:
-                j = flat % 64
-                bytes_ = self.packed.view(self.rows // 64, self.cols, 32)[flat // 64, :, j % 32]   # [T, K]
-                u = (bytes_ >> (4 * (j >= 32)).to(torch.uint8)[:, None]) & 15
-            sz = self._row_scales(flat).float()                                # [T, K / G, 2 or 1]
-            w = (u.reshape(flat.shape[0], -1, self.group).float() - 8) * sz[..., :1]
-            if sz.shape[-1] == 2:                                              # else symmetric
-                w = w + sz[..., 1:]
-            return w.reshape(*ids.shape, self.cols).to(self.dtype)
-
-        def _flat_rows(self, flat):
-            return self.scales_zeros[:, flat].transpose(0, 1)
-
-        def _blocked_rows(self, flat):
-            return self.scales_zeros[flat // 64, :, flat % 64]
-
-        def _super_rows(self, flat):
-            return super_pairs(self.scales_zeros, flat)
-
-    class Int8Embedding(nn.Module):
-        """Rows of an int8 table times their scale (per row, or per block of 32 columns: Q8_0's,
-        float32 arithmetic then); shares its tensors with a tied Int8Linear head."""
-
-        def __init__(self, weight, scales, dtype):
-            super().__init__()
-            self.register_buffer("weight", weight, persistent=False)
-            self.register_buffer("scales", scales, persistent=False)
-            self.dtype = dtype
-
-        def forward(self, ids):
-            if self.scales.dim() == 2:
-                rows = self.weight[ids].float().unflatten(-1, (-1, 32)) * self.scales[ids, :, None].float()
-                return rows.flatten(-2).to(self.dtype)
-            return (self.weight[ids].to(self.dtype) * self.scales[ids, None].to(self.dtype))
-
-    return Int4Linear, Int8Linear, Int8Embedding, Int4Embedding, LinearPart
-
-
-class _Product:
-    """What the parts of one stacked linear share: the input last multiplied and its slices."""
-    x = None
-    parts = None
-
-
-_CLASSES = None
-
-
-def classes():
-    global _CLASSES
-    if _CLASSES is None:
-        _CLASSES = _module_classes()
-    return _CLASSES
-
-
-_CLASS_NAMES = ("Int4Linear", "Int8Linear", "Int8Embedding", "Int4Embedding", "LinearPart")
-
-
-def __getattr__(name):       # the module classes on first use
-    if name in _CLASS_NAMES:
-        return dict(zip(_CLASS_NAMES, classes()))[name]
-    raise AttributeError(name)
-
-
-def linear_module(tensors: dict, device, bias=None):
-    Int4Linear, Int8Linear, *_ = classes()
-    if "int4" in tensors:
-        return Int4Linear(tensors["int4"].to(device), tensors["scales_zeros"].to(device), bias)
-    return Int8Linear(tensors["int8"].to(device), tensors["scales"].to(device), bias)
-
-
-def linear_parts(stacked, sizes: list[int]) -> list:
-    """The modules that take the places of the linears stacked into `stacked`, in `sizes`' order."""
-    LinearPart = classes()[4]
-    shared = _Product()
-    return [LinearPart(stacked, sizes, i, shared) for i in range(len(sizes))]
-
-
-def embedding_module(tensors: dict, device, dtype):
-    _, _, Int8Embedding, Int4Embedding, _ = classes()
-    if "int4" in tensors:
-        return Int4Embedding(tensors["int4"].to(device), tensors["scales_zeros"].to(device), dtype)
-    return Int8Embedding(tensors["int8"].to(device), tensors["scales"].to(device), dtype)
 
 
 # --------------------------------------------------------------------------------------------

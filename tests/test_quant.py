@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 from torch._dynamo.utils import counters
 
 from conftest import VOCAB, assert_greedy_equal, assert_run_matches, reference_greedy, reference_logits
-from hpipe import cpu_kernels, models, quant
+from hpipe import cpu_kernels, models, quant, quantized
 from hpipe.cli import main
 from hpipe.formats import Slicing
 from hpipe.request import Request
@@ -135,10 +135,10 @@ def test_q8_0_keeps_the_files_own_weights_where_the_vnni_kernel_reads_them(gguf_
     assert packed["scales"].dtype == torch.float16 and packed["scales"].shape == (ROWS, COLS // 32)
     assert np.array_equal(quant.int8_weight(packed).astype(np.float32), theirs)
     ids = torch.tensor([[0, 5], [ROWS - 1, 3]])
-    rows = quant.embedding_module(packed, "cpu", torch.float32)(ids).numpy()
+    rows = quantized.embedding_module(packed, "cpu", torch.float32)(ids).numpy()
     assert np.array_equal(rows, theirs[ids.numpy()])
     monkeypatch.setattr(quant, "vnni_kernel", lambda *args: False)
-    module = quant.linear_module(packed, "cpu")
+    module = quantized.linear_module(packed, "cpu")
     assert module.scales.shape == (ROWS,) and module.mm != getattr(module, "_vnni_mm", None)
     w = module.weight.double().numpy() * module.scales.double().numpy()[:, None]
     step = np.abs(theirs).max(axis=1, keepdims=True) / 127
@@ -176,7 +176,7 @@ def test_quantized_linear_against_a_float64_matmul(gguf_file, qtype, fmt, device
     torch.manual_seed(0)
     a = quant.read_gguf_tensor(gguf_file[qtype.name])
     packed = quant.pack(a if fmt == "gguf" else a.dequantize(), quant.WeightFormat(fmt), torch.device(device).type)
-    module = quant.linear_module(packed, device)
+    module = quantized.linear_module(packed, device)
     if "int4" in packed:
         s, z = (np.repeat(t, 32, axis=1) for t in quant.int4_scales(packed))
         w, magnitude = (int4_codes(a) - 8) * s + z, 23 * np.abs(s) + np.abs(z)
@@ -227,7 +227,7 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
         raw = file_blocks(values, qtype, rng)
         a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(k, n)))
     packed = quant.pack(a, quant.WeightFormat.parse(fmt))
-    module = quant.linear_module(packed, "cpu")
+    module = quantized.linear_module(packed, "cpu")
     assert module.mm == module._vnni_mm
     if qtype == T.Q4_K:      # the file's own factors: float16 d, dmin per 256 inputs, 6-bit sc, mn per 32
         assert packed["scales_zeros"].shape == (n // 64, k // 256, 1280)
@@ -295,7 +295,7 @@ def test_int4_codes_are_packed_in_the_kernels_blocked_layout_and_back():
     b, kk, j = np.meshgrid(np.arange(n // 64), np.arange(k), np.arange(32), indexing="ij")
     assert (blocks & 15 == codes[64 * b + j, kk]).all() and (blocks >> 4 == codes[64 * b + j + 32, kk]).all()
     assert torch.equal(quant.unpack_blocked(packed), u)
-    if quant._torch_packs_blocked():
+    if quant.torch_packs_blocked():
         assert torch.equal(torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1), packed)
 
 
@@ -310,7 +310,7 @@ def test_a_symmetric_int4_packing_runs_on_torchs_kernel_too(monkeypatch):
     packed = quant.pack(a, quant.WeightFormat("gguf"))
     assert packed["scales_zeros"].shape == (n // 64, k // 32, 64, 1)
     monkeypatch.setattr(quant, "vnni_kernel", lambda *args: False)
-    module = quant.linear_module(packed, "cpu")
+    module = quantized.linear_module(packed, "cpu")
     assert module.mm != getattr(module, "_vnni_mm", None) and module.scales_zeros.shape == (k // 32, n, 2)
     x = torch.randn(3, k)
     s = np.repeat(quant.int4_scales(packed)[0], 32, axis=1)
@@ -337,8 +337,8 @@ def test_a_4bit_embedding_table_keeps_its_codes_and_its_tied_head_shares_them(qt
     a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=qtype, shape=(k, n)))
     packed = quant.pack(a, quant.WeightFormat("gguf"), kind, as_embedding=True)
     assert set(packed) == {"int4", "scales_zeros"}
-    embedding = quant.embedding_module(packed, device, torch.float32)
-    head = quant.linear_module(packed, device)
+    embedding = quantized.embedding_module(packed, device, torch.float32)
+    head = quantized.linear_module(packed, device)
     if kind == "cpu":
         assert embedding.packed.data_ptr() == head.packed.data_ptr()
     ids = torch.tensor([[0, 31, 32, 63], [64, 100, 127, 5]])
@@ -386,7 +386,7 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
         raw = file_blocks(w, T[fmt], rng)
         a = quant.read_gguf_tensor(types.SimpleNamespace(data=raw, tensor_type=T[fmt], shape=(k, n)))
     packed = quant.pack(a, quant.WeightFormat.parse("gguf" if from_file else fmt))
-    module = quant.linear_module(packed, "cpu")
+    module = quantized.linear_module(packed, "cpu")
     if "int4" in packed:
         group = 32 if from_file else int(fmt.split(":")[1])
         codes = (int4_codes(a) if from_file else quant.quantize_int4(w, group).codes).astype(np.float64)
@@ -419,7 +419,7 @@ def test_the_profile_measures_both_sides_of_every_path_switch():
     switches = quant.path_switches(quant.WeightFormat.parse("gguf"), "cpu")
     assert quant.path_switches(quant.NONE, "cpu") == ()
     for fmt in ("int4:32", "int8"):
-        module = quant.linear_module(quant.pack(w, quant.WeightFormat.parse(fmt)), "cpu")
+        module = quantized.linear_module(quant.pack(w, quant.WeightFormat.parse(fmt)), "cpu")
         (switch,) = quant.path_switches(quant.WeightFormat.parse(fmt), "cpu")
         assert switch in switches
         taken = []
@@ -440,7 +440,7 @@ def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
     from torch._dynamo.utils import counters
 
     w = np.random.default_rng(4).normal(0, 0.05, (256, 512)).astype(np.float32)
-    module = quant.linear_module(quant.pack(w, quant.WeightFormat("int8")), "cpu")
+    module = quantized.linear_module(quant.pack(w, quant.WeightFormat("int8")), "cpu")
     compiled = torch.compile(module)
     with torch.no_grad():
         for rows in (2, 3):
@@ -470,8 +470,8 @@ def test_stacked_linears_give_each_part_what_it_gives_packed_alone(fmt):
     rng = np.random.default_rng(3)
     ws = [rng.normal(size=(n, 64)).astype(np.float32) for n in (128, 64, 64)]
     weights = quant.WeightFormat.parse(fmt)
-    alone = [quant.linear_module(quant.pack(w, weights), "cpu") for w in ws]
-    parts = quant.linear_parts(quant.linear_module(quant.pack(quant.stack_rows(ws), weights), "cpu"), [128, 64, 64])
+    alone = [quantized.linear_module(quant.pack(w, weights), "cpu") for w in ws]
+    parts = quantized.linear_parts(quantized.linear_module(quant.pack(quant.stack_rows(ws), weights), "cpu"), [128, 64, 64])
     x, other = torch.randn(3, 64), torch.randn(2, 64)
     with torch.inference_mode():
         for part, single in zip(parts, alone):
@@ -496,8 +496,8 @@ def test_quantized_pipelines_match_one_process_of_the_same_modules(fmt, tiny_mod
     config = models.load_config(path)
     weights = quant.WeightFormat.parse(fmt)
     reference = models.build_full_model(path, config, weights=weights)
-    mlp, kind = reference.model.layers[0].mlp, quant.classes()[0 if fmt.startswith("int4") else 1]
-    assert isinstance(mlp.up_proj, quant.LinearPart) and isinstance(mlp.gate_proj.stacked, kind)    # stacked
+    mlp, kind = reference.model.layers[0].mlp, (quantized.Int4Linear if fmt.startswith("int4") else quantized.Int8Linear)
+    assert isinstance(mlp.up_proj, quantized.LinearPart) and isinstance(mlp.gate_proj.stacked, kind)    # stacked
     assert isinstance(mlp.down_proj, kind)
     rng = random.Random(fmt)
     n_units = models.num_units(config)

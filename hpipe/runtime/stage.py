@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hpipe import experts, heap, models, quant
+from hpipe import experts, heap, models, quant, quantized
 from hpipe.runtime import compile_choice
 from hpipe.config import DEFAULTS
 from hpipe.formats import KV_DTYPE
@@ -155,7 +155,7 @@ class StageRunner:
         self.attn_implementation = attn_implementation
         self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights,
                                               models.host_expert_units(config, units, host_experts))
-        self.weights_quantized = any(isinstance(m, quant.classes()[:2]) for m in self.model.modules())
+        self.weights_quantized = any(isinstance(m, quantized.QUANTIZED) for m in self.model.modules())
         if deterministic:
             invariant.tile_linears(self.model)      # float linears (quantized ones choose their path per row)
         self.rotary = models.rotary_embedding(self.model, config, device)
