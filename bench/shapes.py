@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +125,17 @@ def model_file(name: str, qtype: str) -> Path:
     return out
 
 
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="GGUF files of real models' shapes from random weights: "
+                                     "prints their paths (made once, kept under ~/.cache/hpipe/bench-models/)")
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("types", nargs="*", default=list(QUANT_TYPES), help=f"ggml types (default: {' '.join(QUANT_TYPES)})")
+    args = parser.parse_args()
+    for q in args.types:
+        print(model_file(args.shape, q))
+
+
 if __name__ == "__main__":
-    for q in sys.argv[2:] or QUANT_TYPES:
-        print(model_file(sys.argv[1], q))
+    main()

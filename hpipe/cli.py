@@ -779,7 +779,7 @@ def warmup(
 ):
     """Compile a model's decode graphs on this host (or every host of --cluster) once: later launches
     and servers of it with --compile auto (the default) run them (about 0.7x an eager step), loading
-    them in ~7 s a stage."""
+    them in ~10 s a stage."""
     if cluster is not None:
         _warm_cluster(cluster, plan_path, model, quantize, dtype, kv_dtype, threads, accept_new_host_keys)
         return
