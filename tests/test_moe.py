@@ -175,7 +175,10 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
         got = [type(m).__name__ for m in (*expert.gate_up, expert.down)]
         assert got == ([kinds[gate]] if gate == up else [kinds[gate], kinds[up]]) + [kinds[down]]
     # each block's experts on the same rows and routing as transformers' (its float dequantization):
-    # the file's own values (Q4_0, Q4_K, Q8_0) within activation rounding, Q6_K within its int8 rows
+    # the file's own values (Q4_0, Q4_K, Q8_0) within activation rounding (hpipe's kernels: 16-bit per
+    # block of 32; torch's, under HPIPE_CPU_KERNELS=torch: bf16, 2^-8 of each value, and bf16 outputs),
+    # Q6_K within its int8 rows
+    bound = 1e-3 if cpu_kernels.kernels()[0] is not None else 3e-2
     torch.manual_seed(0)
     x = torch.randn(80, config.hidden_size)
     with torch.no_grad():
@@ -185,7 +188,7 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
             want = theirs_block.experts(x, picked, routing)
             got = model.model.layers[b].mlp.experts(x, picked, routing)
             rel = float((got - want).abs().max() / want.abs().max())
-            assert rel < (2e-2 if down == "Q6_K" else 1e-3), (b, rel)
+            assert rel < (max(2e-2, bound) if down == "Q6_K" else bound), (b, rel)
         # a decode step's (row, slot) pairs in one routed kernel call per matrix, grouped by expert
         # inside it (`RoutedExperts.stacked`, where hpipe's CPU kernels run): each pair's row gets the
         # bits its expert's own module gives it, and the block's sum that of the grouped path
@@ -215,8 +218,8 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
                                     reduction="none").sum(-1)
     # end to end, a token whose router is near a tie in some block may take another expert on
     # either side (llama.cpp's too): most tokens agree to the kernels' rounding (a random head's
-    # logits are too flat for top-1 to tell)
-    assert float(kl.median()) < 1e-3, float(kl.median())
+    # logits are too flat for top-1 to tell); torch's bf16 activations round 2^-8 of each, so 5x the bound
+    assert float(kl.median()) < 1e-3 * (1 if cpu_kernels.kernels()[0] is not None else 5), float(kl.median())
     # two stages cut between block 1's attention and MoE halves: the same logits as one
     n = models.num_units(config)
     stages = [StageRunner(source, config, r, weights=weights, kv_dtype="float32") for r in (range(0, 4), range(4, n))]
