@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 __all__ = ["LowerBound", "gap", "lower_bound"]
 
@@ -43,6 +42,8 @@ class LowerBound:
 
 def balanced_compute(work: np.ndarray) -> float:
     """work[k, j]: device j's time for all of kind k's work. The LP's optimum M."""
+    from scipy.optimize import linprog      # here: importing it costs ~0.9 s, every `hpipe` command paid it
+
     n_kinds, n_dev = work.shape
     # variables: x[k, j] (row-major), then M
     c = np.zeros(n_kinds * n_dev + 1)
