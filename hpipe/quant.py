@@ -61,7 +61,7 @@ from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "pack", "RowPaths",
            "ROW_PATHS", "row_paths", "DenseGemm", "DENSE", "dense_gemm", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
-           "torch_packs_blocked", "kernels_on", "stage_weights", "scales_shape", "blocked_scales", "flat_scales",
+           "torch_packs_blocked", "vnni_kernel", "kernels_on", "stage_weights", "scales_shape", "blocked_scales", "flat_scales",
            "super_pairs", "row_scaled",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
 

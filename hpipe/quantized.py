@@ -20,7 +20,6 @@ class _Product:
     parts = None
 
 
-
 class WeightOnly(nn.Module):
     """y = x W^T (+ b) through a weight-only kernel, chosen once for the device: x goes in as the
     kernel's activation dtype (bf16 for torch's; the VNNI kernels quantize float32 themselves)
@@ -55,6 +54,7 @@ class WeightOnly(nn.Module):
         y[paths.dense] = self.dense(x2[paths.dense]).to(y.dtype)
         y[paths.kernel] = self.mm(x2[paths.kernel]).to(y.dtype)
         return y
+
 
 class Int4Linear(WeightOnly):
     """W in int4 groups: on a CPU with AVX512-VNNI or AVX2 the 16-bit-activation kernel of
@@ -124,6 +124,7 @@ class Int4Linear(WeightOnly):
         """The same in one pass of the C library (its scales in blocks of 64 outputs)."""
         cpu_kernels.int4_dequant(self.packed, self.scales_zeros, self.group, a, w)
 
+
 class Int8Linear(WeightOnly):
     """W int8 with one scale per output row: on a CPU with AVX512-VNNI or AVX2 the 16-bit-activation
     kernel of `hpipe.cpu_kernels` (activations per block of 32, as llama.cpp's Q8_0 dot
@@ -182,6 +183,7 @@ class Int8Linear(WeightOnly):
     def _vnni_dequantize(self, a: int, w) -> None:
         cpu_kernels.int8_dequant(self.weight, self.scales, a, w)
 
+
 class LinearPart(nn.Module):
     """One of several linears stacked into one (`STACKED`), in its place inside transformers'
     module: the first part called with an input runs the stacked linear and keeps the others'
@@ -205,6 +207,7 @@ class LinearPart(nn.Module):
         if self.index == len(self.sizes) - 1:
             s.x = s.parts = None
         return y
+
 
 class Int4Embedding(nn.Module):
     """Rows of a 4-bit table, w = (u - 8) s + z as the int4 kernel reads them (float32 arithmetic
@@ -253,6 +256,7 @@ class Int4Embedding(nn.Module):
 
     def _super_rows(self, flat):
         return quant.super_pairs(self.scales_zeros, flat)
+
 
 class Int8Embedding(nn.Module):
     """Rows of an int8 table times their scale (per row, or per block of 32 columns: Q8_0's,
