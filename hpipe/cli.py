@@ -246,21 +246,21 @@ def plan(
                                            new_tokens=new_tokens)
     p = result.plan
     if acceptance is not None:
-        if "decode" not in p.predicted:
+        if p.predicted.decode is None:
             raise HpipeError(f"{profile_path}: a device has no decode table; profile it again (`hpipe profile`) to "
                              f"predict decode with --speculative")
         decode = planner.decode_prediction(result.cost, result.cuts, batch, seq_len, new_tokens, (k_max, acceptance))
-        p = dataclasses.replace(p, predicted={**p.predicted, "decode": decode})
+        p = dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, decode=decode))
     if compare_baselines:
         rows = planner.compare(result, granularity)
         _print_comparison(rows, result)
-        p = dataclasses.replace(p, predicted={**p.predicted, "compare": rows})
+        p = dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, compare=tuple(rows)))
     if timeline:
         pr = p.predicted
         planner.write_timeline(result.timeline, [f"{st.host}/{st.device} [{st.units[0]}-{st.units[1] - 1}]"
-                                                 for st in p.stages], len(pr["slices"]), timeline,
-                               f"{pr['batch']} x {pr['seq_len']} tokens, {len(pr['slices'])} slices: "
-                               f"{pr['makespan_s']:.3f} s predicted")
+                                                 for st in p.stages], len(pr.slices), timeline,
+                               f"{pr.batch} x {pr.seq_len} tokens, {len(pr.slices)} slices: "
+                               f"{pr.makespan_s:.3f} s predicted")
         typer.echo(f"wrote {timeline}")
     formats.write_plan(p, out)
     _print_plan(p, out, result)
@@ -408,44 +408,44 @@ def _print_plan(p, out: str, result=None) -> None:
         return
 
     pr = p.predicted
-    typer.echo(f"slices for {pr['seq_len']} tokens: {pr['slices']}")
-    typer.echo(f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens: {pr['makespan_s']:.3f} s "
-               f"({pr['throughput_tokens_per_s']:.0f} tokens/s), uniform cuts: {pr['uniform_makespan_s']:.3f} s; "
-               f"utilization " + ", ".join(f"{u:.0%}" for u in pr["utilization"]))
-    b, g, cs = result.bound, pr["gap"], pr["cut_search"]
+    typer.echo(f"slices for {pr.seq_len} tokens: {list(pr.slices)}")
+    typer.echo(f"predicted prefill of {pr.batch} x {pr.seq_len} tokens: {pr.makespan_s:.3f} s "
+               f"({pr.throughput_tokens_per_s:.0f} tokens/s), uniform cuts: {pr.uniform_makespan_s:.3f} s; "
+               f"utilization " + ", ".join(f"{u:.0%}" for u in pr.utilization))
+    b, g, cs = result.bound, pr.gap, pr.cut_search
     typer.echo(f"cuts by the simulated makespan ({cs['method']}, {cs['candidates']} candidates); Algorithm 1's cuts "
                f"{cs['algorithm1_cuts'][1:-1]}: {cs['algorithm1_makespan_s']:.3f} s")
     typer.echo(f"lower bound for this work: {b.makespan_s:.3f} s ({b.binding}: perfect balance {b.compute_s:.3f} s, "
-               f"busiest link {b.link_s:.3f} s); this plan is {pr['ratio_to_lower_bound']:.2f}x the bound: "
+               f"busiest link {b.link_s:.3f} s); this plan is {pr.ratio_to_lower_bound:.2f}x the bound: "
                f"pipeline fill/drain {g['fill_drain_s']:.3f} s, busiest stage above balance {g['imbalance_s']:.3f} s "
                f"(whole units {g['granularity_s']:.3f} s, traded for fill/drain, links or memory "
                f"{g['balance_traded_s']:.3f} s)")
-    if "memory_binding" in pr:
-        m, gib = pr["memory_binding"], 2 ** 30
+    if pr.memory_binding is not None:
+        m, gib = pr.memory_binding, 2 ** 30
         typer.echo(f"memory: {m['device']} cannot hold units {m['units'][0]}-{m['units'][1] - 1} "
                    f"({m['need_bytes'] / gib:.2f} GiB needed, {m['free_bytes'] / gib:.2f} GiB free after the margin), "
                    f"the faster cuts {m['unlimited_cuts'][1:-1]} ({m['unlimited_value_s']:.3f} s) would give it: "
                    f"this plan fits, at {m['value_s']:.3f} s")
-    if "host_experts" in pr:
-        h, gib = pr["host_experts"], 2 ** 30
+    if pr.host_experts is not None:
+        h, gib = pr.host_experts, 2 ** 30
         where = "; ".join(f"stage {j} ({st.host}/{st.device}) {n} MoE blocks, {h['host_bytes'][j] / gib:.2f} GiB"
                           for j, (st, n) in enumerate(zip(result.plan.stages, h["blocks"])) if n)
         typer.echo(f"experts: kept in the host's RAM and run by its CPU where the GPU cannot hold them: {where}; "
                    f"predicted {h['value_s']:.3f} s against {h['cut_elsewhere_value_s']:.3f} s for the cuts "
                    f"{h['cut_elsewhere'][1:-1]} that memory alone allows")
-    for line in pr.get("assumptions", []):
+    for line in pr.assumptions:
         typer.echo(f"assumed: {line}")
-    if "decode" in pr:
-        dec = pr["decode"]
-        typer.echo(f"predicted decode ({pr.get('objective', 'prefill')} objective): {dec['tokens_per_s']:.1f} tokens/s "
-                   f"for {pr['batch']} sequences in {dec['groups']} groups; a group's step per stage "
-                   + ", ".join(f"{1000 * t:.1f}" for t in dec["stage_step_s"]) + " ms")
-        if "speculative" in dec:
-            sp = dec["speculative"]
+    if pr.decode is not None:
+        dec = pr.decode
+        typer.echo(f"predicted decode ({pr.objective} objective): {dec.tokens_per_s:.1f} tokens/s "
+                   f"for {pr.batch} sequences in {dec.groups} groups; a group's step per stage "
+                   + ", ".join(f"{1000 * t:.1f}" for t in dec.stage_step_s) + " ms")
+        if dec.speculative is not None:
+            sp = dec.speculative
             typer.echo(f"predicted decode with --speculative (K {sp['k_max']}, {sp['acceptance']:.0%} of proposals "
                        f"accepted: per-token acceptance {sp['alpha']:.2f}, {sp['proposed_per_step']:.2f} proposed and "
                        f"{sp['tokens_per_step']:.2f} tokens per step): {sp['tokens_per_s']:.1f} tokens/s "
-                       f"({sp['tokens_per_s'] / dec['tokens_per_s']:.2f}x); a group's step per stage "
+                       f"({sp['tokens_per_s'] / dec.tokens_per_s:.2f}x); a group's step per stage "
                        + ", ".join(f"{1000 * t:.1f}" for t in sp["stage_step_s"]) + " ms")
 
 
@@ -454,17 +454,17 @@ def _print_comparison(rows: list[dict], result) -> None:
     from rich.table import Table
 
     pr = result.plan.predicted
-    table = Table(title=f"predicted prefill of {pr['batch']} x {pr['seq_len']} tokens on {len(result.cost.entries)} "
+    table = Table(title=f"predicted prefill of {pr.batch} x {pr.seq_len} tokens on {len(result.cost.entries)} "
                         f"devices")
     for col in ("method", "latency s", "tokens/s", "max memory / free", "x HPipe"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for r in rows:
-        worst = max(m / f for m, f in zip(r["memory_bytes"], pr["memory_free_bytes"]))
+        worst = max(m / f for m, f in zip(r["memory_bytes"], pr.memory_free_bytes))
         table.add_row(r["method"], f"{r['makespan_s']:.3f}", f"{r['throughput_tokens_per_s']:.0f}",
                       f"{worst:.0%}" + ("" if r["fits"] else " OOM"), f"{r['ratio_to_hpipe']:.2f}")
     b = result.bound.makespan_s
-    table.add_row("lower bound (no plan is faster)", f"{b:.3f}", f"{pr['seq_len'] * pr['batch'] / b:.0f}", "-",
-                  f"{b / pr['makespan_s']:.2f}")
+    table.add_row("lower bound (no plan is faster)", f"{b:.3f}", f"{pr.seq_len * pr.batch / b:.0f}", "-",
+                  f"{b / pr.makespan_s:.2f}")
     Console().print(table)
 
 
@@ -750,7 +750,7 @@ def cluster_check(
 
     conns = ssh.connect_all(inventory, names, accept_new_host_keys, log=_note)
     try:
-        slices = list((plan_obj.predicted or {}).get("slices", [])) if plan_obj else []
+        slices = list(plan_obj.pipeline_prediction.slices) if plan_obj and plan_obj.pipeline_prediction else []
         checks = launcher.preflight(conns, plan=plan_obj, config=config, model_spec=spec, kv_tokens=0,
                            microbatch_tokens=memory.microbatch_tokens(slices), kernels=True)
     finally:

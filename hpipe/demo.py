@@ -118,15 +118,15 @@ def run_demo(stages: int = 2, max_new_tokens: int = 48) -> None:
     for r, st in enumerate(result.plan.stages):
         table.add_row(str(r), f"{st.host}/{st.device}", f"{st.units[0]}-{st.units[1] - 1}",
                       f"{models.unit_name(config, st.units[0])} .. {models.unit_name(config, st.units[1] - 1)}",
-                      f"{pr['stage_busy_s'][r]:.2f} s", f"{check['measured_stage_busy_s'][r]:.2f} s",
+                      f"{pr.stage_busy_s[r]:.2f} s", f"{check['measured_stage_busy_s'][r]:.2f} s",
                       f"{busy.get(r, 0):.0%}")
     console.print(table)
-    console.print(f"prompt {n_prompt} tokens in {len(pr['slices'])} slices chosen by the DP (longer first, shorter "
-                  f"later): {pr['slices']}")
-    console.print(f"prefill: [bold]predicted {pr['makespan_s']:.2f} s, measured {check['measured_makespan_s']:.2f} s"
+    console.print(f"prompt {n_prompt} tokens in {len(pr.slices)} slices chosen by the DP (longer first, shorter "
+                  f"later): {list(pr.slices)}")
+    console.print(f"prefill: [bold]predicted {pr.makespan_s:.2f} s, measured {check['measured_makespan_s']:.2f} s"
                   f"[/bold] ({check['relative_difference']:+.0%}); the uniform plan (equal cuts, slices "
                   f"{uniform_slices}) predicts {uniform.makespan:.2f} s; no plan can beat "
-                  f"{pr['lower_bound_s']:.2f} s on these devices ({pr['ratio_to_lower_bound']:.2f}x)")
+                  f"{pr.lower_bound_s:.2f} s on these devices ({pr.ratio_to_lower_bound:.2f}x)")
     s = report.output.summary or {}
     console.print(f"decode: {len(answer['output_ids'])} tokens at "
                   f"{1 / answer['tpot_s'] if answer['tpot_s'] else 0:.1f} tok/s; wall {s.get('wall_s', 0):.1f} s "

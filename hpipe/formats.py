@@ -21,6 +21,7 @@ from typing import Any
 import tomllib
 
 from hpipe.errors import HpipeError
+from hpipe.prediction import Prediction, SidpPrediction, parse_prediction
 from hpipe.request import SamplingError, SamplingParams
 
 INVENTORY_VERSION = 1
@@ -381,13 +382,18 @@ class Plan:
     stages: tuple[StagePlan, ...]
     slicing: Slicing
     dtype: str = "float32"
-    predicted: dict[str, Any] | None = None
+    predicted: Prediction | SidpPrediction | None = None
     created_by: str = ""
     version: int = PLAN_VERSION
     kv_dtype: str = KV_DTYPE   # a plan file without it was made before 16-bit caches: float32, as planned
     weights: str = "none"   # asked for: none, gguf, int8 or int4:G (each stage says what it runs)
     mode: str = "pipeline"  # "pipeline": the stages cut the model; "sidp": each stage is a whole replica
     sidp: tuple[SidpGroupPlan, ...] = ()   # mode "sidp": one group per host
+
+    @property
+    def pipeline_prediction(self) -> Prediction | None:
+        """What the pipeline is predicted to do (None: planned without a profile, or a SiDP plan)."""
+        return self.predicted if isinstance(self.predicted, Prediction) else None
 
     def to_json(self) -> dict:
         extra = {} if self.mode == "pipeline" else {
@@ -411,7 +417,7 @@ class Plan:
                 **({"by_context": {str(k): list(v) for k, v in sorted(self.slicing.by_context.items())}}
                    if self.slicing.by_context else {}),
             },
-            "predicted": self.predicted,
+            "predicted": None if self.predicted is None else self.predicted.to_json(),
         }
 
 
@@ -503,7 +509,7 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
                       by_context=contexts)
     dtype, kv_dtype = (_expect(path, key, data.get(key, "float32"), str, "a dtype name")
                        for key in ("dtype", "kv_dtype"))
-    predicted = _expect(path, "predicted", data.get("predicted"), (dict, type(None)), "an object or null")
+    predicted = parse_prediction(data.get("predicted"), path)
     weights = _expect(path, "weights", data.get("weights", "none"), str, "a weight format")
     mode = _expect(path, "mode", data.get("mode", "pipeline"), str, "'pipeline' or 'sidp'")
     groups = []

@@ -49,14 +49,17 @@ PAGE = Page.load()
 
 
 def plan_view(plan: formats.Plan, config) -> dict:
-    pr = plan.predicted or {}
-    decode = pr.get("decode") or {}
-    return {"mode": plan.mode, "dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "weights": plan.weights,
+    view = {"mode": plan.mode, "dtype": plan.dtype, "kv_dtype": plan.kv_dtype, "weights": plan.weights,
             "cuts": [s.units[0] for s in plan.stages[1:]], "units": models.num_units(config),
-            "slices": pr.get("slices"), "seq_len": pr.get("seq_len"), "batch": pr.get("batch"),
-            "predicted": {"prefill_s": pr.get("makespan_s"), "prefill_tokens_per_s": pr.get("throughput_tokens_per_s"),
-                          "utilization": pr.get("utilization"), "decode_tokens_per_s": decode.get("tokens_per_s"),
-                          "decode_step_s": decode.get("stage_step_s")} if pr else None}
+            "slices": None, "seq_len": None, "batch": None, "predicted": None}
+    pr = plan.pipeline_prediction
+    if pr is not None:
+        view.update(slices=pr.slices, seq_len=pr.seq_len, batch=pr.batch,
+                    predicted={"prefill_s": pr.makespan_s, "prefill_tokens_per_s": pr.throughput_tokens_per_s,
+                               "utilization": pr.utilization,
+                               "decode_tokens_per_s": pr.decode.tokens_per_s if pr.decode else None,
+                               "decode_step_s": pr.decode.stage_step_s if pr.decode else None})
+    return view
 
 
 def stage_view(rank: int, stage: formats.StagePlan, config, pulses) -> dict:

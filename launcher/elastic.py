@@ -79,8 +79,7 @@ class Replanner:
         self.plan, self.config, self.name = plan, config, model_name
         self.devices = [(s.host, s.device) for s in plan.stages]
         self.devices += [d for d in (inventory.devices() if inventory else []) if d not in self.devices]
-        pr = plan.predicted or {}
-        path = pr.get("profile")
+        path = plan.pipeline_prediction.profile if plan.pipeline_prediction is not None else None
         self.profile_path = path if path and os.path.exists(path) else None
         self.profile = formats.load_profile(path) if self.profile_path else None
         if path and self.profile is None and log is not None:
@@ -93,9 +92,9 @@ class Replanner:
 
     def predicted_s(self, plan: formats.Plan) -> float | None:
         """What the plan balances, as its profile predicts it (None without a profile)."""
-        if self.profile is None or not plan.predicted or "makespan_s" not in plan.predicted:
+        if self.profile is None or plan.pipeline_prediction is None:
             return None
-        return planner.predicted_objective_s(plan.predicted)
+        return plan.pipeline_prediction.objective_s()
 
     def plan_for(self, up: set[str]) -> formats.Plan:
         """The plan over the devices of the hosts in `up`; HpipeError when they cannot hold the model."""
@@ -107,14 +106,13 @@ class Replanner:
             return planner.make_plan(self.name, self.config, devices, None, list(plan.slicing.lengths) or None,
                                      plan.slicing.count, plan.slicing.granularity, plan.dtype, plan.weights,
                                      plan.kv_dtype)
-        pr = plan.predicted
+        pr = plan.pipeline_prediction
         try:
             result = planner.search_plan(self.profile, self.profile_path, self.name, self.config, devices,
-                                         pr["seq_len"], pr["batch"], None, pr.get("margin", planner.MARGIN), plan.dtype,
-                                         plan.slicing.granularity, "inventory", allow_drop=len(devices) > 1,
-                                         overlap=pr.get("overlap_sends", False),
-                                         objective=pr.get("objective", "prefill"),
-                                         new_tokens=(pr.get("decode") or {}).get("new_tokens", 128))
+                                         pr.seq_len, pr.batch, None, planner.MARGIN if pr.margin is None else pr.margin,
+                                         plan.dtype, plan.slicing.granularity, "inventory", allow_drop=len(devices) > 1,
+                                         overlap=pr.overlap_sends, objective=pr.objective,
+                                         new_tokens=pr.decode.new_tokens if pr.decode else 128)
         except (planner.Infeasible, HpipeError) as e:
             raise HpipeError(f"the hosts still up ({', '.join(sorted(up))}) cannot hold the model: "
                              f"{' '.join(str(e).split())}") from None

@@ -24,6 +24,7 @@ from hpipe.launcher.progress import JobProgress
 from hpipe.launcher.pulses import Pulses
 from hpipe.launcher.run_chart import predicted_timeline, stage_table, write_run_timeline
 from hpipe.planner import simulate
+from hpipe.prediction import DecodePrediction, Prediction
 from hpipe.request import BATCH_SAMPLING, MAX_NEW_TOKENS, Request, SamplingParams, sequence_seed
 
 
@@ -264,43 +265,43 @@ def plan_check(plan: formats.Plan, output: JobOutput, prompt_lengths: list[int])
     made for one row per group): each term of a token's trip, every stage's compute, every hop, the
     way back, read off the timelines (`decode_terms`). `off` names, beyond TOLERANCE, the terms
     that make the difference."""
-    pr = plan.predicted
-    if not pr or "makespan_s" not in pr or not output.results:
+    pr = plan.pipeline_prediction
+    if pr is None or not output.results:
         return None
     measured = max(r["ttft_s"] for r in output.results)
     tokens = sum(prompt_lengths)
     busy = list(stage_busy_seconds(output.timelines, "prefill").values())
-    diff = (measured - pr["makespan_s"]) / pr["makespan_s"]
-    planned = len(prompt_lengths) == pr["batch"] and all(n == pr["seq_len"] for n in prompt_lengths)
+    diff = (measured - pr.makespan_s) / pr.makespan_s
+    planned = len(prompt_lengths) == pr.batch and all(n == pr.seq_len for n in prompt_lengths)
     off = []
     modelled = _with_measured_compute(pr, output.timelines) if planned else None
     if abs(diff) > TOLERANCE:
         off += _prefill_off(pr, busy, measured, modelled) if planned else [
             f"prefill: the run ({len(prompt_lengths)} prompts, {tokens} tokens) is not the work planned for "
-            f"({pr['batch']} x {pr['seq_len']} tokens): plan for it to compare"]
-    decode = _decode_check(pr.get("decode"), [output.timelines[r] for r in sorted(output.timelines)])
+            f"({pr.batch} x {pr.seq_len} tokens): plan for it to compare"]
+    decode = _decode_check(pr.decode, [output.timelines[r] for r in sorted(output.timelines)])
     if decode and abs(decode["relative_difference"]) > TOLERANCE:
         off += decode["off"]
     return {
-        "predicted_makespan_s": pr["makespan_s"], "measured_makespan_s": measured, "relative_difference": diff,
-        "predicted_for": {"seq_len": pr["seq_len"], "batch": pr["batch"]},
+        "predicted_makespan_s": pr.makespan_s, "measured_makespan_s": measured, "relative_difference": diff,
+        "predicted_for": {"seq_len": pr.seq_len, "batch": pr.batch},
         "measured_for": {"prompts": len(prompt_lengths), "prompt_tokens": tokens},
-        "predicted_stage_busy_s": pr.get("stage_busy_s"), "measured_stage_busy_s": busy,
+        "predicted_stage_busy_s": pr.stage_busy_s, "measured_stage_busy_s": busy,
         "predicted_with_measured_compute_s": modelled,
-        "predicted_throughput_tokens_per_s": pr.get("throughput_tokens_per_s"),
+        "predicted_throughput_tokens_per_s": pr.throughput_tokens_per_s,
         "measured_throughput_tokens_per_s": tokens / measured if measured > 0 else None,
         "decode": decode, "off": off, "tolerance": TOLERANCE,
         "reprofile_suggested": abs(diff) > TOLERANCE or bool(decode and abs(decode["relative_difference"]) > TOLERANCE),
     }
 
 
-def _with_measured_compute(pr: dict, timelines: dict[int, dict]) -> float | None:
+def _with_measured_compute(pr: Prediction, timelines: dict[int, dict]) -> float | None:
     """The plan's pipeline re-simulated with every slice's compute as the run measured it (the sends
     and the way back as predicted): what the prediction would have been had the profile known how
     fast the devices ran today. None when the run's slices are not the plan's."""
-    if "slice_compute_s" not in pr:
+    if pr.slice_compute_s is None:
         return None
-    predicted = np.asarray(pr["slice_compute_s"], dtype=float)
+    predicted = np.asarray(pr.slice_compute_s, dtype=float)
     got = np.zeros_like(predicted)
     for j, r in enumerate(sorted(timelines)):
         spans = sorted((i["start"], i["end"]) for i in timelines[r]["intervals"]
@@ -308,14 +309,14 @@ def _with_measured_compute(pr: dict, timelines: dict[int, dict]) -> float | None
         if j >= got.shape[1] or len(spans) != got.shape[0]:
             return None
         got[:, j] = [e - s for s, e in spans]
-    return simulate(got, np.asarray(pr["slice_send_s"], dtype=float)).makespan + pr["way_back_s"]
+    return simulate(got, np.asarray(pr.slice_send_s, dtype=float)).makespan + pr.way_back_s
 
 
-def _prefill_off(pr: dict, busy: list[float], measured: float, modelled: float | None) -> list[str]:
+def _prefill_off(pr: Prediction, busy: list[float], measured: float, modelled: float | None) -> list[str]:
     """Which prefill terms are off: the stages whose compute is (and whether the pipeline model holds
     once their measured compute is put in), else the time between them."""
     out = []
-    for j, (p, m) in enumerate(zip(pr.get("stage_busy_s") or [], busy)):
+    for j, (p, m) in enumerate(zip(pr.stage_busy_s or (), busy)):
         if p > 0 and abs(m - p) / p > TOLERANCE:
             out.append(f"prefill: stage {j}'s compute {m:.3f} s against {p:.3f} s predicted ({(m - p) / p:+.0%}): "
                        f"its device ran slower or faster than profiled (other load, shared cores, another clock)")
@@ -325,7 +326,7 @@ def _prefill_off(pr: dict, busy: list[float], measured: float, modelled: float |
                    f"differs from the profile's; profile again under the run's conditions")
     if not out:
         out.append(f"prefill: every stage's compute is within {TOLERANCE:.0%} of its prediction, so the "
-                   f"{measured - pr['makespan_s']:+.3f} s are between them: the links, the hops or the waiting "
+                   f"{measured - pr.makespan_s:+.3f} s are between them: the links, the hops or the waiting "
                    f"(profile the links again, or check the hosts' network)")
     return out
 
@@ -333,24 +334,25 @@ def _prefill_off(pr: dict, busy: list[float], measured: float, modelled: float |
 def decode_check(plan: formats.Plan, timelines: dict[int, dict]) -> dict | None:
     """`plan_check`'s decode part alone, for a service (`hpipe serve` at its end): the steady tokens
     of single streams, when the plan predicts them (one row per group) and the run had them."""
-    return _decode_check((plan.predicted or {}).get("decode"), [timelines[r] for r in sorted(timelines)])
+    pr = plan.pipeline_prediction
+    return _decode_check(pr.decode if pr is not None else None, [timelines[r] for r in sorted(timelines)])
 
 
-def _decode_check(dec: dict | None, timelines: list[dict]) -> dict | None:
-    if not dec or "terms" not in dec or dec.get("rows_per_group") != 1:
+def _decode_check(dec: DecodePrediction | None, timelines: list[dict]) -> dict | None:
+    if dec is None or dec.rows_per_group != 1:
         return None
     got = decode_terms(timelines)
     if not got:
         return None
-    terms = dec["terms"]
-    d = len(terms["compute_s"])
-    predicted = {f"compute {j}": c for j, c in enumerate(terms["compute_s"])}
-    predicted.update({f"hop {j}->{j + 1}": s for j, s in enumerate(terms["send_s"])})
-    predicted["back"] = terms["back_s"]
+    terms = dec.terms
+    d = len(terms.compute_s)
+    predicted = {f"compute {j}": c for j, c in enumerate(terms.compute_s)}
+    predicted.update({f"hop {j}->{j + 1}": s for j, s in enumerate(terms.send_s)})
+    predicted["back"] = terms.back_s
     token = sum(predicted.values())
     diff = (got["token"] - token) / token
     # the same trip with the compute the stages measured: what is left is the model's own error
-    modelled = token + sum(got.get(f"compute {j}", 0.0) - terms["compute_s"][j] for j in range(d))
+    modelled = token + sum(got.get(f"compute {j}", 0.0) - terms.compute_s[j] for j in range(d))
     off = []
     for name, p in predicted.items():
         m = got.get(name, 0.0)
@@ -376,7 +378,7 @@ def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeli
         json.dump(summary, f, indent=2)
     if timeline_out:
         predicted = predicted_timeline(job)
-        n_slices = len(job.plan.predicted["slices"]) if predicted is not None else None
+        n_slices = len(job.plan.predicted.slices) if predicted is not None else None
         title = (f"hpipe launch: {job.plan.model.name}, {len(job.plan.stages)} stages, "
                  f"{len(output.results)} prompts")
         write_run_timeline(timeline_out, output.timelines, predicted, title, slices_per_sequence=n_slices)

@@ -80,8 +80,9 @@ class JobProgress:
         self.stages = len(plan.stages)
         self.running = running             # the ids this pipeline was given
         self.decoded = decoded             # stage 0's decode tokens before it
-        pr = plan.predicted or {}
-        decode, prefill = (pr.get("decode") or {}).get("tokens_per_s"), pr.get("throughput_tokens_per_s")
+        pr = plan.pipeline_prediction
+        decode = pr.decode.tokens_per_s if pr is not None and pr.decode is not None else None
+        prefill = pr.throughput_tokens_per_s if pr is not None else None
         seconds = sum(self.prompt_tokens[i] / prefill + self.max_new[i] / decode for i in running) \
             if decode and prefill and running else None
         self.predicted_rate = len(running) / seconds if seconds else None       # prompts a second

@@ -220,15 +220,15 @@ def predicted_timeline(job_or_plan, config=None) -> Timeline | None:
     measured again since): a chart is never worth failing the launch for."""
     plan = getattr(job_or_plan, "plan", job_or_plan)
     config = config if config is not None else getattr(job_or_plan, "config", None)
-    pr = plan.predicted or {}
-    if config is None or any(k not in pr for k in ("profile", "slices", "batch", "makespan_s")):
+    pr = plan.pipeline_prediction
+    if config is None or pr is None:
         return None
     try:
-        profile = formats.load_profile(pr["profile"])
-        check_profile_matches(profile, config, plan.model.name, pr["profile"])
-        cost = CostModel(profile, config, [(st.host, st.device) for st in plan.stages], pr["profile"])
+        profile = formats.load_profile(pr.profile)
+        check_profile_matches(profile, config, plan.model.name, pr.profile)
+        cost = CostModel(profile, config, [(st.host, st.device) for st in plan.stages], pr.profile)
         cuts = [st.units[0] for st in plan.stages] + [plan.stages[-1].units[1]]
-        tl = predict(cost, cuts, [int(s) for s in pr["slices"]], int(pr["batch"]))
+        tl = predict(cost, cuts, list(pr.slices), pr.batch)
     except (HpipeError, OSError, KeyError, ValueError, TypeError):
         return None
-    return tl if math.isclose(tl.makespan, float(pr["makespan_s"]), rel_tol=1e-6) else None
+    return tl if math.isclose(tl.makespan, pr.makespan_s, rel_tol=1e-6) else None

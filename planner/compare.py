@@ -24,7 +24,7 @@ def compare(result: PlanResult, granularity: int) -> list[dict]:
     """One row per method: cuts, slices, predicted makespan and throughput, memory per stage (the
     planner's memory model) and whether it fits, and the ratio to this plan."""
     cost, pr = result.cost, result.plan.predicted
-    seq_len, batch = pr["seq_len"], pr["batch"]
+    seq_len, batch = pr.seq_len, pr.batch
     d, n_units = len(cost.entries), len(cost.kinds)
     uniform = [0, *uniform_cuts(n_units, d), n_units]
     free = [e["memory"]["free_bytes"] for e in cost.entries]
@@ -45,7 +45,7 @@ def compare(result: PlanResult, granularity: int) -> list[dict]:
     row("Base", uniform, [seq_len], base)
     for name, (cuts, slices) in baseline_plans(cost, seq_len, batch, granularity).items():
         row(name, cuts, slices)
-    row("HPipe (this plan)", result.cuts, result.slices, pr["makespan_s"])
+    row("HPipe (this plan)", result.cuts, result.slices, pr.makespan_s)
     ours = rows[-1]["makespan_s"]
     for r in rows:
         r["ratio_to_hpipe"] = r["makespan_s"] / ours

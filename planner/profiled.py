@@ -32,6 +32,7 @@ from hpipe.planner.slicing import slice_sequence
 from hpipe.planner.speculative import speculative_decode
 from hpipe.planner.uniform import model_identity
 from hpipe.planner.uniform import uniform_cuts
+from hpipe.prediction import DecodePrediction, DecodeTerms, Prediction
 
 
 OBJECTIVES = ("prefill", "decode", "mixed")
@@ -244,7 +245,7 @@ def decode_workload(cost: CostModel, batch: int, seq_len: int, new_tokens: int):
 
 
 def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int, new_tokens: int,
-                      speculation: tuple[int, float] | None = None) -> dict:
+                      speculation: tuple[int, float] | None = None) -> DecodePrediction:
     """The runtime's steady decode on these cuts: per stage, one group's step (its compute, and its
     send with the runtime's hop). A round (one token per sequence) takes `groups` steps of the
     slowest stage, but never less than one group's trip: every stage's step, then the way back to
@@ -267,13 +268,12 @@ def decode_prediction(cost: CostModel, cuts: list[int], batch: int, seq_len: int
         return [c + s for c, s in zip(compute(r), [*sends(r), 0.0])]
     step = steps(rows)
     round_s = float(decode_round(step, back, groups))
-    out = {"new_tokens": new_tokens, "rows_per_group": rows, "groups": groups, "context": context,
-           "stage_step_s": step, "round_s": round_s, "tokens_per_s": batch / round_s,
-           "terms": {"compute_s": compute(rows), "send_s": sends(rows), "back_s": back,
-                     "runtime_costs": "measured" if cost.measured_runtime else "not in the profile: counted as 0"}}
-    if speculation is not None:
-        out["speculative"] = speculative_decode(batch, rows, groups, steps, *speculation, back_s=back)
-    return out
+    terms = DecodeTerms(compute_s=tuple(compute(rows)), send_s=tuple(sends(rows)), back_s=back,
+                        runtime_costs="measured" if cost.measured_runtime else "not in the profile: counted as 0")
+    return DecodePrediction(new_tokens=new_tokens, rows_per_group=rows, groups=groups, context=context,
+                            stage_step_s=tuple(step), round_s=round_s, tokens_per_s=batch / round_s, terms=terms,
+                            speculative=None if speculation is None else
+                            speculative_decode(batch, rows, groups, steps, *speculation, back_s=back))
 
 
 def decode_groups(batch: int, n_stages: int) -> tuple[int, int]:
@@ -317,14 +317,7 @@ def cut_costs(cost: CostModel, slices: list[int], batch: int, unit_mem: np.ndarr
 def objective_seconds(result: "PlanResult") -> float:
     """The predicted time of what the plan balances: the prefill makespan, the decode of every
     sequence's new tokens, or both."""
-    return predicted_objective_s(result.plan.predicted)
-
-
-def predicted_objective_s(pr: dict) -> float:
-    """`objective_seconds` of a plan's `predicted` figures (a plan file read back)."""
-    objective = pr.get("objective", "prefill")
-    decode = pr["batch"] * pr["decode"]["new_tokens"] / pr["decode"]["tokens_per_s"] if objective != "prefill" else 0.0
-    return decode + (pr["makespan_s"] if objective != "decode" else 0.0)
+    return result.plan.predicted.objective_s()
 
 
 def pipeline_times(cost: CostModel, cuts: list[int], slices: list[int], batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -450,7 +443,11 @@ class PlanResult:
 
     @property
     def slices(self) -> list[int]:
-        return list(self.plan.predicted["slices"])
+        return list(self.plan.predicted.slices)
+
+
+def _rows(a: np.ndarray) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(r) for r in a.tolist())
 
 
 def assumptions(cost: CostModel, sharing: Sharing) -> list[str]:
@@ -620,32 +617,28 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     bound = lower_bound(cost, work, slices, batch)
     busy = timeline.busy()
     contiguous = partition_layers(work, np.zeros_like(work)).bottleneck
-    predicted = {
-        "profile": profile_path, "seq_len": seq_len, "batch": batch, "slices": slices,
-        "makespan_s": timeline.makespan, "throughput_tokens_per_s": seq_len * batch / timeline.makespan,
-        "stage_busy_s": busy.tolist(), "utilization": (busy / timeline.makespan).tolist(),
+    predicted = Prediction(
+        profile=profile_path, seq_len=seq_len, batch=batch, slices=tuple(slices),
+        makespan_s=timeline.makespan, throughput_tokens_per_s=seq_len * batch / timeline.makespan,
+        stage_busy_s=tuple(busy.tolist()), utilization=tuple((busy / timeline.makespan).tolist()),
         # per slice, for the run's check (a re-simulation with the stages' measured computes)
-        "slice_compute_s": slice_compute.tolist(), "slice_send_s": slice_send.tolist(), "way_back_s": cost.way_back(),
-        "partition_bottleneck_s": part.bottleneck, "overlap_sends": overlap,
-        "cut_search": {"method": found.method, "candidates": found.evaluated, "algorithm1_cuts": part.cuts,
-                       "algorithm1_makespan_s": predict(cost, part.cuts, slices, batch).makespan},
-        "objective": objective, "margin": margin,
-        "memory_bytes_per_stage": [memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), kv_tokens,
-                                                       memory.microbatch_tokens(slices),
-                                                       cost.placed.get(j, frozenset())).total for j in range(d)],
-        "memory_free_bytes": [int(e["memory"]["free_bytes"]) for e in cost.entries],
-        "uniform_makespan_s": predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
-        "lower_bound_s": bound.makespan_s, "lower_bound": bound.as_dict(),
-        "ratio_to_lower_bound": timeline.makespan / bound.makespan_s,
-        "gap": gap(timeline.makespan, busy.tolist(), bound, contiguous),
-        "assumptions": assumptions(cost, sharing),
-    }
-    if binding:
-        predicted["memory_binding"] = binding
-    if placed is not None:
-        predicted["host_experts"] = placed[2]
-    if all(e.get("decode") for e in cost.entries):
-        predicted["decode"] = decode_prediction(cost, cuts, batch, seq_len, new_tokens)
+        slice_compute_s=_rows(slice_compute), slice_send_s=_rows(slice_send), way_back_s=cost.way_back(),
+        partition_bottleneck_s=part.bottleneck, overlap_sends=overlap,
+        cut_search={"method": found.method, "candidates": found.evaluated, "algorithm1_cuts": part.cuts,
+                    "algorithm1_makespan_s": predict(cost, part.cuts, slices, batch).makespan},
+        objective=objective, margin=margin,
+        memory_bytes_per_stage=tuple(memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), kv_tokens,
+                                                         memory.microbatch_tokens(slices),
+                                                         cost.placed.get(j, frozenset())).total for j in range(d)),
+        memory_free_bytes=tuple(int(e["memory"]["free_bytes"]) for e in cost.entries),
+        uniform_makespan_s=predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
+        lower_bound_s=bound.makespan_s, lower_bound=bound.as_dict(),
+        ratio_to_lower_bound=timeline.makespan / bound.makespan_s,
+        gap=gap(timeline.makespan, busy.tolist(), bound, contiguous),
+        assumptions=tuple(assumptions(cost, sharing)),
+        memory_binding=binding or None, host_experts=placed[2] if placed is not None else None,
+        decode=decode_prediction(cost, cuts, batch, seq_len, new_tokens) if all(e.get("decode") for e in cost.entries)
+        else None)
     if not fixed:     # every shorter prompt gets its own Algorithm 2 slicing too (serving: any length comes)
         table = slicings_by_length(cost, cuts, seq_len, granularity, d, overlap)
         slicing = formats.Slicing(count=len(slices), granularity=granularity,

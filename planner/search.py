@@ -132,6 +132,6 @@ def search_plan(profile, profile_path, name, config, devices, seq_len, batch, sl
         for devs in split_orders([(st.host, st.device) for st in best.plan.stages]):
             result = plan_on(devs, " (split)")
             best = result if better(result, best) else best
-    plan = dataclasses.replace(best.plan, predicted={**best.plan.predicted, "candidates": tried, "order": order,
-                                                     "allow_drop": allow_drop})
+    plan = dataclasses.replace(best.plan, predicted=dataclasses.replace(
+        best.plan.predicted, candidates=tuple(tried), order=order, allow_drop=allow_drop))
     return dataclasses.replace(best, plan=plan)

@@ -275,14 +275,15 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
         group_plans.append(formats.SidpGroupPlan(host, tuple(js), tuple(group.owners), group.slots, src, threshold))
     from hpipe import quant
     from hpipe.planner.uniform import model_identity
+    from hpipe.prediction import SidpPrediction
 
     stages = tuple(formats.StagePlan(h, d, (0, models.num_units(config)), quant.planned(weights, h, d))
                    for h, d in devices)
-    predicted = {"seq_len": seq_len, "new_tokens": new_tokens, "max_batch": max_batch,
-                 "groups": [{"host": g.host, **grp.rows, "pipeline": pipelines[g.host],
-                             "weight_bytes": grp.weight_bytes, "kv_tokens": grp.kv_tokens,
-                             "dp_kv_tokens": grp.dp_kv_tokens, "fetch_s": grp.fetch_s}
-                            for g, grp in zip(group_plans, groups)]}
+    predicted = SidpPrediction(seq_len=seq_len, new_tokens=new_tokens, max_batch=max_batch,
+                               groups=tuple({"host": g.host, **grp.rows, "pipeline": pipelines[g.host],
+                                             "weight_bytes": grp.weight_bytes, "kv_tokens": grp.kv_tokens,
+                                             "dp_kv_tokens": grp.dp_kv_tokens, "fetch_s": grp.fetch_s}
+                                            for g, grp in zip(group_plans, groups)))
     plan = formats.Plan(model=model_identity(name, config), stages=stages, slicing=formats.Slicing(), dtype=dtype,
                         kv_dtype=formats.profile_kv_dtype(profile), predicted=predicted,
                         created_by="hpipe plan --mode sidp", weights=weights, mode="sidp",

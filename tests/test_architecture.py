@@ -23,7 +23,7 @@ SOURCE_DIRS = {"hpipe": "hpipe", "planner": "hpipe.planner", "profiler": "hpipe.
                "launcher": "hpipe.launcher"}
 
 FLOORS = {
-    0: ["hpipe", "hpipe.errors", "hpipe.config", "hpipe.formats", "hpipe.models", "hpipe.cpu_kernels", "hpipe.quant", "hpipe.quantized", "hpipe.experts", "hpipe.reports", "hpipe.protocol",
+    0: ["hpipe", "hpipe.errors", "hpipe.config", "hpipe.formats", "hpipe.prediction", "hpipe.models", "hpipe.cpu_kernels", "hpipe.quant", "hpipe.quantized", "hpipe.experts", "hpipe.reports", "hpipe.protocol",
         "hpipe.request", "hpipe.memory",
         "hpipe.net", "hpipe.grid", "hpipe.lifeline", "hpipe.heap"],                                    # ground: errors, formats, models, reports
     1: ["hpipe.sampling", "hpipe.runtime", "hpipe.ssh"],               # what runs on a host

@@ -50,17 +50,17 @@ def test_cuts_by_makespan_beat_algorithm_1_and_uniform_cuts(config, which, seq_l
     pr, cost, slices = result.plan.predicted, result.cost, result.slices
     n_units = models.num_units(config)
     uniform = [0, *uniform_cuts(n_units, 3), n_units]
-    algorithm1 = pr["cut_search"]["algorithm1_cuts"]
+    algorithm1 = pr.cut_search["algorithm1_cuts"]
     # the case the search exists for: Algorithm 1's balanced cuts are predicted slower than equal cuts
     assert predict(cost, algorithm1, slices, 1).makespan > predict(cost, uniform, slices, 1).makespan
-    assert pr["makespan_s"] <= pr["uniform_makespan_s"] * (1 + 1e-9)
-    assert pr["makespan_s"] <= pr["cut_search"]["algorithm1_makespan_s"] * (1 + 1e-9)
+    assert pr.makespan_s <= pr.uniform_makespan_s * (1 + 1e-9)
+    assert pr.makespan_s <= pr.cut_search["algorithm1_makespan_s"] * (1 + 1e-9)
     for row in compare(result, 16):
-        assert row["makespan_s"] >= pr["makespan_s"] * (1 - 1e-9) or not row["fits"], row["method"]
+        assert row["makespan_s"] >= pr.makespan_s * (1 - 1e-9) or not row["fits"], row["method"]
     # brute force with the plain simulator (simulate.py through `predict`): no cut is predicted faster
     best = min(predict(cost, [0, a, b, n_units], slices, 1).makespan
                for a, b in itertools.combinations(range(1, n_units), 2))
-    assert best * (1 - 1e-12) <= pr["makespan_s"] <= best * (1 + TIE)
+    assert best * (1 - 1e-12) <= pr.makespan_s <= best * (1 + TIE)
 
 
 def test_a_single_slice_keeps_balanced_cuts(config):
@@ -70,5 +70,5 @@ def test_a_single_slice_keeps_balanced_cuts(config):
     devices = [(d["host"], d["device"]) for d in profile["devices"]]
     result = plan_from_profile(profile, "constructed", "smollm2", config, devices, 300,
                                slicing=formats.Slicing(count=1))
-    busy = result.plan.predicted["stage_busy_s"]
+    busy = result.plan.predicted.stage_busy_s
     assert max(busy) < 0.5 * sum(busy), busy

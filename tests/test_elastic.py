@@ -48,9 +48,9 @@ def test_a_profiled_plan_is_made_again_over_the_hosts_up(model, profiled):
         again = replanner.plan_for(up)
         assert {s.host for s in again.stages} <= up and covers_every_unit(again, models.num_units(config))
         assert again.weights == plan.weights and again.dtype == plan.dtype
-        assert again.predicted["seq_len"] == plan.predicted["seq_len"]
+        assert again.predicted.seq_len == plan.predicted.seq_len
         # the planner's memory model on each stage, within the profile's free memory less the margin
-        assert all(m <= FREE * (1 - MARGIN) for m in again.predicted["memory_bytes_per_stage"])
+        assert all(m <= FREE * (1 - MARGIN) for m in again.predicted.memory_bytes_per_stage)
     assert replanner.predicted_s(replanner.plan_for(set(HOSTS))) <= replanner.predicted_s(replanner.plan_for({"h0", "h1"}))
 
 

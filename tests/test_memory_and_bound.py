@@ -32,13 +32,13 @@ def paper_plan():
 def test_planner_and_preflight_count_the_same_bytes(paper_plan):
     result, config = paper_plan
     plan, pr = result.plan, result.plan.predicted
-    kv_tokens, mb_tokens = pr["seq_len"] * pr["batch"], max(pr["slices"])
+    kv_tokens, mb_tokens = pr.seq_len * pr.batch, max(pr.slices)
     # the preflight's figure comes from the model itself (models.unit_bytes), the planner's from the profile
     preflight = {}
     for host in {stage.host for stage in plan.stages}:
         for dev, need in device_needs(plan, config, host, kv_tokens, mb_tokens).items():
             preflight[(host, dev)] = need
-    planner = {(st.host, st.device): need for st, need in zip(plan.stages, pr["memory_bytes_per_stage"])}
+    planner = {(st.host, st.device): need for st, need in zip(plan.stages, pr.memory_bytes_per_stage)}
     assert preflight == planner
     # and the model is what it says: weights + KV + four activation buffers of the longest slice
     table = models.unit_bytes(config, plan.dtype)
@@ -46,7 +46,7 @@ def test_planner_and_preflight_count_the_same_bytes(paper_plan):
     weights = sum(table["weights_per_unit"][st0.units[0]:st0.units[1]])
     kv = sum(table["kv_per_token_per_unit"][st0.units[0]:st0.units[1]]) * kv_tokens
     acts = 4 * mb_tokens * config.hidden_size * 2   # float16
-    assert pr["memory_bytes_per_stage"][0] == weights + kv + acts
+    assert pr.memory_bytes_per_stage[0] == weights + kv + acts
 
 
 def _grid_optimum(work: np.ndarray, steps: int = 200) -> float:
@@ -79,7 +79,7 @@ def test_no_plan_beats_the_bound(paper_plan):
     bound = result.bound
     assert bound.makespan_s == max(bound.compute_s, bound.link_s)
     assert bound.compute_s <= bound.even_split_s * (1 + 1e-9)
-    assert result.plan.predicted["ratio_to_lower_bound"] == pytest.approx(result.timeline.makespan / bound.makespan_s)
+    assert result.plan.predicted.ratio_to_lower_bound == pytest.approx(result.timeline.makespan / bound.makespan_s)
     assert result.timeline.makespan >= bound.makespan_s
     # any other cuts for the same work (the plan's slices), memory ignored, do no better
     rng = np.random.default_rng(0)

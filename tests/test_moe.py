@@ -384,7 +384,7 @@ def test_a_plan_keeps_each_device_within_its_memory_and_says_where_memory_moved_
                  "--seq-len", "512", "--num-slices", "4", "-o", str(plan)]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:")]
     p = formats.load_plan(plan)
-    need, free = p.predicted["memory_bytes_per_stage"], p.predicted["memory_free_bytes"]
+    need, free = p.predicted.memory_bytes_per_stage, p.predicted.memory_free_bytes
     assert all(n <= f for n, f in zip(need, free))
     assert 0 < p.stages[0].units[1] < models.num_units(models.config_for("qwen3-30b-a3b")) - 1
     assert len(said) == 1 and "gpu-box/cuda:0 cannot hold" in said[0] and "this plan fits" in said[0]
@@ -418,11 +418,11 @@ def test_a_gpu_that_cannot_hold_its_experts_keeps_the_fewest_blocks_of_them_in_i
     assert (gpu.host, gpu.device) == ("gpu-box", "cuda:0") and gpu.host_experts > 0
     assert all(st.device == "cpu" and st.host == "cpu-box" for st in p.stages[1:])     # its CPU runs no stage
     pr = p.predicted
-    assert pr["host_experts"]["value_s"] < pr["host_experts"]["cut_elsewhere_value_s"]
+    assert pr.host_experts["value_s"] < pr.host_experts["cut_elsewhere_value_s"]
     assert len(said) == 1 and f"stage 0 (gpu-box/cuda:0) {gpu.host_experts} MoE blocks" in said[0]
     table = models.unit_bytes(config, p.dtype, p.weights)
-    free = pr["memory_free_bytes"][0] * (1 - pr["margin"]) - \
-        memory.activation_bytes(table, memory.microbatch_tokens(pr["slices"]))
+    free = pr.memory_free_bytes[0] * (1 - pr.margin) - \
+        memory.activation_bytes(table, memory.microbatch_tokens(pr.slices))
     units = range(*gpu.units)
 
     def on_gpu(count):

@@ -33,13 +33,13 @@ def test_decode_objective_is_the_best_cut_for_decode(setup):
     n_units = models.num_units(config)
     # a round of decode: 2 groups' steps on the slowest stage, or one trip through both stages and
     # back, whichever binds (decode_prediction); the plan's cut is the best over every cut
-    rounds = {c: decode_prediction(result.cost, [0, c, n_units], 8, 256, 64)["round_s"] for c in range(1, n_units)}
-    assert result.plan.predicted["decode"]["round_s"] <= min(rounds.values()) * (1 + 1e-9)
+    rounds = {c: decode_prediction(result.cost, [0, c, n_units], 8, 256, 64).round_s for c in range(1, n_units)}
+    assert result.plan.predicted.decode.round_s <= min(rounds.values()) * (1 + 1e-9)
     # the LM head weighs more in a decode step than in a prompt slice: the decode cut leaves the
     # last stage fewer units than the prefill cut does
     prefill = plan(setup, "prefill")
     assert result.cuts[1] > prefill.cuts[1]
-    assert result.plan.predicted["decode"]["tokens_per_s"] > prefill.plan.predicted["decode"]["tokens_per_s"]
+    assert result.plan.predicted.decode.tokens_per_s > prefill.plan.predicted.decode.tokens_per_s
 
 
 def test_mixed_objective_balances_the_sum_of_both(setup):
@@ -60,7 +60,7 @@ def test_mixed_objective_balances_the_sum_of_both(setup):
 
     best = min(bottleneck(c) for c in range(1, n_units))
     assert bottleneck(result.cuts[1]) <= best * (1 + 1e-9)
-    assert result.plan.predicted["objective"] == "mixed"
+    assert result.plan.predicted.objective == "mixed"
     cuts = {o: plan(setup, o).cuts[1] for o in ("prefill", "decode")}
     assert cuts["prefill"] <= result.cuts[1] <= cuts["decode"]
     assert objective_seconds(result) > 0

@@ -10,6 +10,7 @@ import pytest
 from hpipe import protocol
 from hpipe.launcher.progress import DRAIN, PRIOR_S, JobProgress, duration
 from hpipe.launcher.pulses import Pulses
+from hpipe.prediction import DecodePrediction, DecodeTerms, Prediction
 from hpipe.request import Request
 
 
@@ -36,7 +37,7 @@ class Shown:
 
 
 def plan(stages: int, predicted=None):
-    return SimpleNamespace(stages=[None] * stages, predicted=predicted)
+    return SimpleNamespace(stages=[None] * stages, pipeline_prediction=predicted)
 
 
 def test_time_left_is_the_prompts_left_at_the_rate_they_finish():
@@ -63,7 +64,10 @@ def test_time_left_is_the_prompts_left_at_the_rate_they_finish():
 
 
 def test_the_plans_prediction_starts_the_rate():
-    predicted = {"throughput_tokens_per_s": 2000.0, "decode": {"tokens_per_s": 50.0}}
+    decode = DecodePrediction(new_tokens=40, rows_per_group=4, groups=1, context=120.0, stage_step_s=(0.08,),
+                              round_s=0.08, tokens_per_s=50.0, terms=DecodeTerms((0.08,), (), 0.0, "measured"))
+    predicted = Prediction(profile="profile.json", seq_len=100, batch=4, slices=(100,), makespan_s=0.2,
+                           throughput_tokens_per_s=2000.0, decode=decode)
     progress = JobProgress(requests(4, 100, 40), plan(1, predicted), Shown())
     pulses = Pulses()
     rate = 4 / (4 * (100 / 2000.0 + 40 / 50.0))                 # prompts a second, as the plan predicts them

@@ -192,10 +192,10 @@ def test_predicted_timeline_re_simulates_the_plan(paper_plan):
     assert np.allclose(tl.start, expected.start) and np.allclose(tl.end, expected.end)
     assert predicted_timeline(plan) is None   # a bare plan without the model's config
     assert predicted_timeline(replace(plan, predicted=None), config) is None
-    gone = replace(plan, predicted={**plan.predicted, "profile": str(d / "missing.json")})
+    gone = replace(plan, predicted=replace(plan.predicted, profile=str(d / "missing.json")))
     assert predicted_timeline(gone, config) is None
     # the profile was measured again since: its simulation is no longer the plan's prediction
-    remeasured = replace(plan, predicted={**plan.predicted, "makespan_s": plan.predicted["makespan_s"] * 1.5})
+    remeasured = replace(plan, predicted=replace(plan.predicted, makespan_s=plan.predicted.makespan_s * 1.5))
     assert predicted_timeline(remeasured, config) is None
 
 

@@ -110,7 +110,7 @@ def test_plan_mode_sidp_writes_a_plan_that_says_what_to_run(estimated_box, tmp_p
     assert plan.mode == "sidp" and len(plan.stages) == 2 and plan.sidp[0].source == "host-pool"
     assert all(s.units == (0, plan.model.units) for s in plan.stages)
     assert sorted(set(plan.sidp[0].owners)) == [0, 1]
-    group = plan.predicted["groups"][0]
+    group = plan.predicted.groups[0]
     assert group["sidp"]["kv_tokens"] > group["dp"]["kv_tokens"] > 0
     # a SiDP plan names its replicas' owners; a broken one is refused with the place to fix
     data = json.loads(out.read_text())
@@ -146,11 +146,11 @@ def test_the_source_follows_the_profiles_fetch_and_peer_copies(estimated_box, tm
     code, plan = plan_with(data)
     assert code == 0 and plan.sidp[0].source == "peer"
     remote = sum(models.unit_bytes(models.config_for("llama-7b"), "float16")["weights_per_unit"][2::2]) / 2
-    assert plan.predicted["groups"][0]["fetch_s"][0] == pytest.approx(remote / 25e9, rel=0.01)
+    assert plan.predicted.groups[0]["fetch_s"][0] == pytest.approx(remote / 25e9, rel=0.01)
     data["peers"][0]["works"] = False            # the driver said yes, the copy did not arrive
     code, plan = plan_with(data)
     assert code == 0 and plan.sidp[0].source == "host-pool"
-    assert plan.predicted["groups"][0]["fetch_s"][0] == pytest.approx(remote / 20e9, rel=0.01)
+    assert plan.predicted.groups[0]["fetch_s"][0] == pytest.approx(remote / 20e9, rel=0.01)
     capsys.readouterr()
     code, _ = plan_with(data, "--sidp-source", "peer")
     err = capsys.readouterr().err
