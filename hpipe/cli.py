@@ -236,25 +236,14 @@ def plan(
     if slices is not None or num_slices is not None:
         slicing = formats.Slicing(count=num_slices or 1, lengths=tuple(_ints(slices, "--slices") or ()),
                                   granularity=granularity)
-    if planner.needs_search(config, devices, order, allow_drop):
-        result = planner.search_plan(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin,
-                                     dtype, granularity, order, allow_drop, log=_note, overlap=overlap_sends,
-                                     objective=objective, new_tokens=new_tokens)
-    else:
-        result = planner.plan_from_profile(prof, profile_path, name, config, devices, seq_len, batch, slicing,
-                                           margin, dtype, granularity, overlap=overlap_sends, objective=objective,
-                                           new_tokens=new_tokens)
+    result = planner.plan_profiled(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
+                                   granularity, order, allow_drop, log=_note, overlap=overlap_sends,
+                                   objective=objective, new_tokens=new_tokens,
+                                   speculation=None if acceptance is None else (k_max, acceptance),
+                                   compare_baselines=compare_baselines)
     p = result.plan
-    if acceptance is not None:
-        if p.predicted.decode is None:
-            raise HpipeError(f"{profile_path}: a device has no decode table; profile it again (`hpipe profile`) to "
-                             f"predict decode with --speculative")
-        decode = planner.decode_prediction(result.cost, result.cuts, batch, seq_len, new_tokens, (k_max, acceptance))
-        p = dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, decode=decode))
     if compare_baselines:
-        rows = planner.compare(result, granularity)
-        _print_comparison(rows, result)
-        p = dataclasses.replace(p, predicted=dataclasses.replace(p.predicted, compare=tuple(rows)))
+        _print_comparison(p.predicted.compare, result)
     if timeline:
         pr = p.predicted
         planner.write_timeline(result.timeline, [f"{st.host}/{st.device} [{st.units[0]}-{st.units[1] - 1}]"

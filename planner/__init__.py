@@ -16,7 +16,7 @@ from hpipe.planner.partition import Infeasible, Partition, partition_layers
 from hpipe.planner.profiled import (MARGIN, OBJECTIVES, CostModel, PlanResult, check_profile_matches, decode_prediction,
                                     decode_workload, objective_seconds, plan_from_profile, predict, slice_time_table,
                                     workload)
-from hpipe.planner.search import needs_search, search_plan
+from hpipe.planner.search import plan_profiled, search_plan
 from hpipe.planner.sidp import SidpGroup, plan_sidp
 from hpipe.planner.simulate import Timeline, simulate
 from hpipe.planner.slicing import slice_sequence
@@ -25,6 +25,6 @@ from hpipe.planner.timeline import PALETTE, plot_gantt, pyplot, svg_gantt, timel
 from hpipe.planner.uniform import make_plan, uniform_cuts
 
 __all__ = ["MARGIN", "OBJECTIVES", "PALETTE", "CostModel", "decode_prediction", "decode_workload", "objective_seconds", "Infeasible", "LowerBound", "Partition", "PlanResult", "SidpGroup", "Timeline",
-           "adaptive_proposals", "check_profile_matches", "compare", "gap", "lower_bound", "make_plan", "needs_search", "partition_layers",
-           "plan_from_profile", "plan_sidp", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
+           "adaptive_proposals", "check_profile_matches", "compare", "gap", "lower_bound", "make_plan", "partition_layers",
+           "plan_from_profile", "plan_profiled", "plan_sidp", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
            "slice_time_table", "speculative_decode", "svg_gantt", "timeline_bars", "uniform_cuts", "workload", "write_timeline"]

@@ -18,7 +18,8 @@ import itertools
 from hpipe import models
 from hpipe.errors import HpipeError
 from hpipe.planner.partition import Infeasible
-from hpipe.planner.profiled import PlanResult, objective_seconds, plan_from_profile
+from hpipe.planner.compare import compare
+from hpipe.planner.profiled import PlanResult, decode_prediction, objective_seconds, plan_from_profile
 
 MAX_ORDERS = 8
 
@@ -88,6 +89,33 @@ def needs_search(config, devices: list[tuple[str, str]], order: str, allow_drop:
     """Whether planning tries more than the inventory's devices in its order: with `--order search`
     or `--allow-drop`, and for a MoE model on a host with a GPU and its CPU (`without_host_cpus`)."""
     return order == "search" or allow_drop or (models.is_moe(config) and bool(without_host_cpus(devices)))
+
+
+def plan_profiled(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
+                  order: str = "inventory", allow_drop: bool = False, log=None, overlap: bool = False,
+                  objective: str = "prefill", new_tokens: int = 128, speculation: tuple[int, float] | None = None,
+                  compare_baselines: bool = False) -> PlanResult:
+    """`hpipe plan --profile`: the best plan over `devices` (the orders and choices of devices
+    searched where `needs_search` says so), with everything it predicts in its one Prediction: its
+    decode also with speculative decoding where `speculation` is given (K, the share of proposals
+    a run accepted) and the paper's baselines beside it where `compare_baselines` (`--compare`)."""
+    kw = dict(overlap=overlap, objective=objective, new_tokens=new_tokens)
+    if needs_search(config, devices, order, allow_drop):
+        result = search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
+                             granularity, order, allow_drop, log=log, **kw)
+    else:
+        result = plan_from_profile(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin,
+                                   dtype, granularity, **kw)
+    pr = result.plan.predicted
+    if speculation is not None:
+        if pr.decode is None:
+            raise HpipeError(f"{profile_path}: a device has no decode table; profile it again (`hpipe profile`) to "
+                             f"predict decode with --speculative")
+        pr = dataclasses.replace(pr, decode=decode_prediction(result.cost, result.cuts, batch, seq_len, new_tokens,
+                                                              speculation))
+    if compare_baselines:
+        pr = dataclasses.replace(pr, compare=tuple(compare(result, granularity)))
+    return dataclasses.replace(result, plan=dataclasses.replace(result.plan, predicted=pr))
 
 
 def search_plan(profile, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype, granularity,
