@@ -368,25 +368,25 @@ def test_the_workers_reports_and_ops_are_written_in_one_module():
 # (2026-11-29): the list only shrinks. Split one and take its line out.
 MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS = {
-    "planner/profiled.py:plan_from_profile": 143,
+    "planner/profiled.py:plan_from_profile": 139,
     "profiler/measure.py:measure": 137,
-    "hpipe/cli.py:plan": 122,
+    "hpipe/cli.py:plan": 111,
     "hpipe/models.py:_load_quantized": 118,
     "launcher/replicas.py:_dispatch": 115,
     "hpipe/formats.py:parse_inventory": 108,
     "hpipe/cli.py:serve": 79,
-    "hpipe/formats.py:parse_plan": 80,
+    "hpipe/formats.py:parse_plan": 79,
     "hpipe/ssh/remote_wrapper.py:main": 80,
-    "launcher/cluster.py:start_cluster": 78,
+    "launcher/cluster.py:start_cluster": 75,
     "profiler/run.py:profile_cluster": 76,
     "hpipe/runtime/scheduler.py:_prefill_part": 75,
     "launcher/jobs.py:_watch": 75,
-    "hpipe/formats.py:validate_profile": 72,
+    "hpipe/formats.py:validate_profile": 71,
     "profiler/run.py:profile_local": 72,
-    "launcher/serving.py:prometheus": 68,
+    "launcher/serving.py:prometheus": 65,
     "hpipe/cli.py:launch": 63,
     "hpipe/runtime/worker.py:build": 66,
-    "hpipe/runtime/stage.py:__init__": 63,
+    "hpipe/runtime/stage.py:__init__": 61,
     "planner/slicing.py:slice_sequence": 61,
 }
 
