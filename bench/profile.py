@@ -60,7 +60,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "hpipe", "plan", "--model", "smollm2", "--stages", "2", "--profile",
                         str(tmp / "profile-1.json"), "--seq-len", str(args.tokens), "--num-slices", str(args.slices),
                         "-o", str(plan)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        predicted = formats.load_plan(plan).predicted
+        predicted = formats.load_plan(plan).pipeline_prediction
         ids = prompt_ids(args.tokens)
         lines = [{"id": f"r{i}", "input_ids": ids} for i in range(4)]
         (tmp / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -70,10 +70,10 @@ def main() -> None:
         done = sorted(r["ttft_s"] for r in launched.output.results)
         measured = statistics.median([b - a for a, b in zip(done, done[1:])])
         report["plan_from_profile"] = {
-            "stages": [s.units for s in formats.load_plan(plan).stages], "slices": predicted["slices"],
-            "predicted_makespan_s": predicted["makespan_s"], "measured_makespan_s": measured,
-            "relative_difference": (measured - predicted["makespan_s"]) / predicted["makespan_s"],
-            "predicted_utilization": predicted["utilization"],
+            "stages": [s.units for s in formats.load_plan(plan).stages], "slices": list(predicted.slices),
+            "predicted_makespan_s": predicted.makespan_s, "measured_makespan_s": measured,
+            "relative_difference": (measured - predicted.makespan_s) / predicted.makespan_s,
+            "predicted_utilization": list(predicted.utilization),
             "measured_busy_fraction": list(busy_fractions(launched.output.timelines).values()),
         }
     out = ROOT / "bench" / "results" / "profile.json"

@@ -45,7 +45,7 @@ class DecodePrediction:
     stage_step_s: tuple[float, ...]
     round_s: float                    # one token for every sequence
     tokens_per_s: float
-    terms: DecodeTerms
+    terms: DecodeTerms | None = None      # None in a plan file older than the run's decode check
     speculative: Report | None = None     # with `--speculative` and `--acceptance` (hpipe.planner.speculative)
 
 
@@ -111,7 +111,7 @@ class SidpPrediction:
 _REQUIRED = {Prediction: ("profile", "seq_len", "batch", "slices", "makespan_s", "throughput_tokens_per_s"),
              SidpPrediction: ("seq_len", "new_tokens", "max_batch", "groups"),
              DecodePrediction: ("new_tokens", "rows_per_group", "groups", "context", "stage_step_s", "round_s",
-                                "tokens_per_s", "terms"),
+                                "tokens_per_s"),
              DecodeTerms: ("compute_s", "send_s", "back_s", "runtime_costs")}
 
 
@@ -139,12 +139,12 @@ def _parse(cls, data: Any, path: str, where: str):
     for k, v in data.items():
         if k == "decode" and v is not None:
             v = _parse(DecodePrediction, v, path, f"{where}.decode")
-        elif k == "terms":
+        elif k == "terms" and v is not None:
             v = _parse(DecodeTerms, v, path, f"{where}.terms")
         elif k == "profile" and not isinstance(v, str):
             raise HpipeError(f"{path}: {where}.profile: expected the profile's path, got {v!r}")
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isfinite(v):
-            raise HpipeError(f"{path}: {where}.{k}: {v!r} is not a finite number")
+        elif not _finite(v):
+            raise HpipeError(f"{path}: {where}.{k}: {v!r} holds a number that is not finite")
         values[k] = _tuples(v)
     return cls(**values)
 
@@ -153,6 +153,17 @@ def _json(obj) -> dict:
     """The dataclass as the plan file holds it: a field that is None is left out (as before it existed)."""
     return {f.name: _json(v) if hasattr(v, "__dataclass_fields__") else v
             for f in fields(obj) if (v := getattr(obj, f.name)) is not None}
+
+
+def _finite(v) -> bool:
+    """No inf or nan anywhere in a figure (lists and the reports' objects included)."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, (list, tuple)):
+        return all(map(_finite, v))
+    if isinstance(v, dict):
+        return all(map(_finite, v.values()))
+    return True
 
 
 def _tuples(v):

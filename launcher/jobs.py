@@ -339,7 +339,7 @@ def decode_check(plan: formats.Plan, timelines: dict[int, dict]) -> dict | None:
 
 
 def _decode_check(dec: DecodePrediction | None, timelines: list[dict]) -> dict | None:
-    if dec is None or dec.rows_per_group != 1:
+    if dec is None or dec.terms is None or dec.rows_per_group != 1:
         return None
     got = decode_terms(timelines)
     if not got:
@@ -378,7 +378,7 @@ def write_run_summary(job: PreparedJob, output: JobOutput, out_path: str, timeli
         json.dump(summary, f, indent=2)
     if timeline_out:
         predicted = predicted_timeline(job)
-        n_slices = len(job.plan.predicted.slices) if predicted is not None else None
+        n_slices = len(job.plan.pipeline_prediction.slices) if predicted is not None else None
         title = (f"hpipe launch: {job.plan.model.name}, {len(job.plan.stages)} stages, "
                  f"{len(output.results)} prompts")
         write_run_timeline(timeline_out, output.timelines, predicted, title, slices_per_sequence=n_slices)

@@ -56,10 +56,29 @@ def sample_plan(**slicing):
         slicing=formats.Slicing(**slicing))
 
 
+# a profiled plan's figures as `hpipe plan --profile` writes them (hpipe/prediction.py), a few of each kind
+PREDICTED = {"profile": "profile.json", "seq_len": 12, "batch": 2, "slices": [8, 4], "makespan_s": 0.5,
+             "throughput_tokens_per_s": 48.0, "stage_busy_s": [0.2, 0.3], "slice_compute_s": [[0.1, 0.15], [0.05, 0.1]],
+             "objective": "mixed", "overlap_sends": False, "assumptions": ["stages share cores"], "cut_search": {"method": "exhaustive"},
+             "compare": [{"method": "GPipe", "cuts": [0, 5, 10], "makespan_s": 0.7}],
+             "decode": {"new_tokens": 8, "rows_per_group": 1, "groups": 2, "context": 16.0, "stage_step_s": [0.01, 0.02],
+                        "round_s": 0.04, "tokens_per_s": 50.0,
+                        "terms": {"compute_s": [0.01, 0.02], "send_s": [0.001], "back_s": 0.002,
+                                  "runtime_costs": "measured"}}}
+
+
 def test_plan_round_trip(tmp_path):
     plan = sample_plan(count=3, lengths=(8, 4), granularity=4, by_seq_len={12: (8, 4)})
     formats.write_plan(plan, tmp_path / "p.json")
     assert formats.load_plan(tmp_path / "p.json") == plan
+    data = {**plan.to_json(), "predicted": PREDICTED}
+    (tmp_path / "q.json").write_text(json.dumps(data))
+    profiled = formats.load_plan(tmp_path / "q.json")          # typed as read: the figures that decide things
+    pr = profiled.pipeline_prediction
+    assert pr.decode.terms.send_s == (0.001,) and pr.slice_compute_s[1] == (0.05, 0.1) and pr.objective == "mixed"
+    assert pr.objective_s() == pytest.approx(2 * 8 / 50.0 + 0.5)
+    formats.write_plan(profiled, tmp_path / "r.json")          # and written back as they were
+    assert json.loads((tmp_path / "r.json").read_text())["predicted"] == PREDICTED
 
 
 @pytest.mark.parametrize("edit,needles", [
@@ -72,6 +91,11 @@ def test_plan_round_trip(tmp_path):
     (lambda d: d["slicing"].update(by_seq_len={"12": [8, 3]}), ("slicing.by_seq_len[12]", "sum to 12")),
     (lambda d: d.update(dtype="int4"), ("dtype", "int4")),
     (lambda d: d.update(extra=1), ("unknown key 'extra'",)),
+    (lambda d: d.update(predicted={**PREDICTED, "makespan": 1.0}), ("predicted", "unknown key 'makespan'")),
+    (lambda d: d.update(predicted={k: v for k, v in PREDICTED.items() if k != "slices"}), ("predicted", "'slices'")),
+    (lambda d: d.update(predicted={**PREDICTED, "decode": {"round_s": 1.0}}), ("predicted.decode", "missing")),
+    (lambda d: d.update(predicted={**PREDICTED, "stage_busy_s": [0.1, float("inf")]}), ("predicted.stage_busy_s",)),
+    (lambda d: d.update(predicted=[1]), ("predicted", "an object")),
 ])
 def test_bad_plan_names_file_and_field(tmp_path, edit, needles):
     data = sample_plan().to_json()
