@@ -25,7 +25,7 @@ from hpipe import __version__, formats, launcher, memory, models, planner, profi
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
 from hpipe.config import DEFAULTS, SETTINGS, RuntimeConfig, Speculation, cli_option, from_cli
-from hpipe.launcher.serving import MAX_QUEUE
+from hpipe.launcher.serving import MAX_QUEUE, PipelineClient
 from hpipe.request import BATCH_SAMPLING, MAX_NEW_TOKENS, SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -571,77 +571,21 @@ def serve(
     runtime: RuntimeConfig = None,
 ):
     """Serve a plan behind an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
-    import threading
-
-    import uvicorn
-
-    from hpipe.launcher.api import create_app
-    from hpipe.launcher.serving import PipelineClient
-
-    if not 0 < port < 65536:
-        raise HpipeError(f"--port must be in 1..65535, got {port}")
     if max_queue < 0:
         raise HpipeError(f"--max-queue must be >= 0, got {max_queue}")
     inventory = _where_stages_run(local, cluster, host_timeout)
-    _check_listen(host, port)      # before the stages start: a taken port is found in a second, not a minute
-    settings = launcher.LaunchSettings(runtime=runtime, serve=True, background_compile=True,
-                                       log_dir=_log_dir(log_dir))
+    launcher.check_listen(host, port)
+    settings = launcher.LaunchSettings(runtime=runtime, serve=True, background_compile=True, log_dir=_log_dir(log_dir))
     if local:
         launcher.prestart_local(plan_path)
     job = launcher.prepare_model(plan_path, settings, model=model, progress=_note)
     if job.tokenizer is None:
         raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")
-    name = served_model_name or job.plan.model.name
     client = PipelineClient(job, plan_path, settings, inventory, accept_new_keys=accept_new_host_keys,
                             push=push_model, host_timeout_s=host_timeout, max_queue=max_queue, log=_note, quiet=quiet,
                             recover=recover)
     _note(f"starting {len(job.plan.stages)} stages of {job.plan.model.name} ...")
-    server = None
-
-    def failed(cause: str) -> None:
-        if client.ready.is_set():
-            _note(f"a stage failed; open requests were ended with the error; stopping the server: {cause}")
-        if server is not None:   # a moment for the error events to reach their clients
-            threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
-
-    client.on_failure = failed
-    if cluster is not None:       # the inventory read again: hosts added to it join the pipeline
-        import signal
-        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=client.reload_inventory, args=(cluster,),
-                                                                 daemon=True).start())
-    try:
-        client.start()
-        ready = client.info
-        app = create_app(client, job.tokenizer, name, int(job.config.vocab_size), api_key)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-        _note(f"serving {name} on http://{host}:{port}/v1 ({len(job.plan.stages)} stages, policy {runtime.policy}, "
-              f"KV pool {ready.kv_pages} pages x {ready.page_size} tokens, max model length {ready.max_model_len}); "
-              f"the live page at http://{host}:{port}/; Ctrl-C stops every stage")
-        if client.failure is None:
-            server.run()
-    finally:
-        client.close()
-        # the service's single streams against the plan's decode prediction (Ctrl-C ends here too)
-        _print_decode_check(launcher.decode_check(client.plan or job.plan, client.output.timelines))
-        for event in client.metrics.events:
-            _note(f"event: {event.line()}")
-    if client.failure is not None:     # a stage failed (a shutdown asked for is not a failure)
-        raise HpipeError(client.failure)
-
-
-def _check_listen(host: str, port: int) -> None:
-    import socket
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as e:
-        raise HpipeError(f"--host {host!r}: cannot resolve it ({e})") from None
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            raise HpipeError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port or --host") from None
+    launcher.serve_http(client, served_model_name or job.plan.model.name, host, port, api_key, _note, cluster)
 
 
 def _print_replicas(report, out: str) -> None:
@@ -661,21 +605,6 @@ def _print_replicas(report, out: str) -> None:
                        for r in report.replicas))
 
 
-def _print_decode_check(dec: dict | None, echo: bool = False) -> None:
-    """A single stream's decode, predicted against measured term by term (`launcher.decode_check`),
-    and beyond the tolerance the terms that are off."""
-    if not dec:
-        return
-    say = typer.echo if echo else _note
-    say(f"decode: predicted {dec['predicted_ms_per_token']:.1f} ms/token, measured "
-        f"{dec['measured_ms_per_token']:.1f} ({dec['relative_difference']:+.0%}); per term, predicted / measured ms: "
-        + ", ".join(f"{k} {v:.2f} / {dec['measured_terms_ms'].get(k, 0.0):.2f}" for k, v in dec["predicted_terms_ms"].items())
-        + f"; with the measured compute {dec['predicted_with_measured_compute_ms']:.1f} ms")
-    if abs(dec["relative_difference"]) > launcher.TOLERANCE:
-        for line in dec["off"]:
-            typer.echo(f"off by more than {launcher.TOLERANCE:.0%}: {line}", err=True)
-
-
 def _print_launch(summary: dict, out: str) -> None:
     check, s, busy = summary["plan_check"], summary["run"], summary["busy_fraction"]
     if check:
@@ -688,7 +617,8 @@ def _print_launch(summary: dict, out: str) -> None:
         if check.get("predicted_with_measured_compute_s") is not None:
             typer.echo(f"prefill with the stages' measured compute in the plan's pipeline: "
                        f"{check['predicted_with_measured_compute_s']:.3f} s")
-        _print_decode_check(check.get("decode"), echo=True)
+        for i, line in enumerate(launcher.decode_check_lines(check.get("decode"))):
+            typer.echo(line, err=i > 0)         # the terms off, to stderr
         for line in check["off"]:
             if not line.startswith("decode"):
                 typer.echo(f"off by more than {check['tolerance']:.0%}: {line}", err=True)

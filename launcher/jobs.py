@@ -338,6 +338,20 @@ def decode_check(plan: formats.Plan, timelines: dict[int, dict]) -> dict | None:
     return _decode_check(pr.decode if pr is not None else None, [timelines[r] for r in sorted(timelines)])
 
 
+def decode_check_lines(check: dict | None) -> list[str]:
+    """What a run's decode check says (`decode_check`, `plan_check`'s "decode"): predicted against
+    measured, term by term, then the terms off by more than TOLERANCE, a line each."""
+    if not check:
+        return []
+    terms = ", ".join(f"{k} {v:.2f} / {check['measured_terms_ms'].get(k, 0.0):.2f}"
+                      for k, v in check["predicted_terms_ms"].items())
+    head = (f"decode: predicted {check['predicted_ms_per_token']:.1f} ms/token, measured "
+            f"{check['measured_ms_per_token']:.1f} ({check['relative_difference']:+.0%}); per term, predicted / "
+            f"measured ms: {terms}; with the measured compute {check['predicted_with_measured_compute_ms']:.1f} ms")
+    off = check["off"] if abs(check["relative_difference"]) > TOLERANCE else []
+    return [head] + [f"off by more than {TOLERANCE:.0%}: {line}" for line in off]
+
+
 def _decode_check(dec: DecodePrediction | None, timelines: list[dict]) -> dict | None:
     if dec is None or dec.terms is None or dec.rows_per_group != 1:
         return None

@@ -374,7 +374,6 @@ LONG_FUNCTIONS = {
     "hpipe/models.py:_load_quantized": 118,
     "launcher/replicas.py:_dispatch": 115,
     "hpipe/formats.py:parse_inventory": 108,
-    "hpipe/cli.py:serve": 79,
     "hpipe/formats.py:parse_plan": 79,
     "hpipe/ssh/remote_wrapper.py:main": 80,
     "launcher/cluster.py:start_cluster": 75,
