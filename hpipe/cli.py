@@ -16,6 +16,7 @@ import functools
 import inspect
 import json
 import os
+import typing
 from pathlib import Path
 
 import click
@@ -24,7 +25,7 @@ import typer
 from hpipe import __version__, formats, launcher, memory, models, planner, profiler, ssh
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
-from hpipe.config import DEFAULTS, SETTINGS, RuntimeConfig, Speculation, cli_option, from_cli
+from hpipe.config import SETTINGS, RuntimeConfig, cli_option, from_cli, int_list
 from hpipe.launcher.serving import MAX_QUEUE, PipelineClient
 from hpipe.request import BATCH_SAMPLING, MAX_NEW_TOKENS, SamplingParams
 
@@ -32,25 +33,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Plan and launch pipeline-parallel LLM inference on mixed commodity hardware.")
 
 
-def _ints(text: str | None, option: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise HpipeError(f"{option} {text!r}: expected comma-separated integers, e.g. {option} 20,41") from None
-    if not values:
-        raise HpipeError(f"{option}: give at least one integer")
-    return values
-
 # the launch transport's flags, shared by launch and serve
 ACCEPT_NEW_HOST_KEYS = typer.Option(False, "--accept-new-host-keys", help="record unknown host keys in known_hosts "
                                     "(changed keys are always refused)")
-QUANTIZE = typer.Option(None, "--quantize", help="weights: gguf (a .gguf model's own 4/8-bit blocks, its default), "
-                        "int8 or int4[:group] (quantized at load), none (dense in --dtype, a float checkpoint's "
-                        "default)")
-KV_DTYPE_OPTION = typer.Option(None, "--kv-dtype", help=f"the KV cache's elements: {formats.KV_DTYPE} (default; half "
-                               "float32's bytes), bfloat16 or float32 (every bit, as the exactness tests run)")
+QUANTIZE, KV_DTYPE_OPTION = (typer.Option(None, *f.metadata["flags"], help=f.metadata["help"])    # as `hpipe plan`'s
+                             for f in dataclasses.fields(planner.PlanRequest) if f.name in ("quantize", "kv_dtype"))
 PUSH_MODEL = typer.Option(False, "--push-model", help="copy the model files each host's stages need over SFTP "
                           "(checksummed)")
 LOG_DIR = typer.Option(None, "--log-dir", help="also write every stage's whole log to DIR/stage-R.log (created; "
@@ -81,6 +68,28 @@ def runtime_options(command):
     with_runtime.__signature__ = sig.replace(parameters=own + added)
     with_runtime.__annotations__ = {p.name: p.annotation for p in own + added}
     return with_runtime
+
+
+def request_options(request_type):
+    """Makes a command's options from a request type's fields (each field's flags and help in its
+    metadata, `hpipe.planner.request.option`) and hands the command one `request` of that type:
+    a flag, its default and its help are written once, in the request."""
+    hints = typing.get_type_hints(request_type)
+    params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
+                                default=typer.Option(... if f.default is dataclasses.MISSING else f.default,
+                                                     *f.metadata["flags"], help=f.metadata["help"]))
+              for f in dataclasses.fields(request_type)]
+
+    def wrap(command):
+        @functools.wraps(command)
+        def with_request(**options):
+            return command(request_type(**options))
+
+        del with_request.__wrapped__           # typer reads the signature below, not the command's
+        with_request.__signature__ = inspect.Signature(params)
+        with_request.__annotations__ = {p.name: p.annotation for p in params}
+        return with_request
+    return wrap
 
 
 def _note(msg: str) -> None:
@@ -142,117 +151,29 @@ def profile(
 
 
 @app.command()
-def plan(
-    model: str = typer.Option("smollm2", "--model", help="'smollm2', a Hugging Face directory or a .gguf file"),
-    stages: int | None = typer.Option(None, "--stages", help="number of local stages (one per process)"),
-    cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML: one stage per device"),
-    device: str = typer.Option("cpu", "--device", help="with --stages: the device of every stage"),
-    cuts: str | None = typer.Option(None, "--cuts", help="N-1 interior cut positions in units, e.g. 20,41"),
-    slices: str | None = typer.Option(None, "--slices", help="slice lengths in tokens, e.g. 512,384,256"),
-    num_slices: int | None = typer.Option(None, "--num-slices", help="uniform slices per prompt "
-                                             "(default: 2 x stages)"),
-    granularity: int = typer.Option(16, "--granularity", help="uniform slices are multiples of this"),
-    dtype: str | None = typer.Option(None, "--dtype", help="activations: float32, bfloat16 or float16 "
-                                        "(default: the profile's, else float32)"),
-    quantize: str | None = QUANTIZE,
-    kv_dtype: str | None = KV_DTYPE_OPTION,
-    profile_path: str | None = typer.Option(None, "--profile", help="profile from `hpipe profile`: cut where "
-                                               "the measured times balance (DP), within memory"),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="with --profile: the prompt length to plan for"),
-    batch: int = typer.Option(1, "--batch", help="with --profile: sequences per batch"),
-    margin: float = typer.Option(planner.MARGIN, "--margin", help="with --profile: share of free memory kept free"),
-    compare_baselines: bool = typer.Option(False, "--compare", help="with --profile: a table of this plan against "
-                                           "Base, GPipe, GP-B, TeraPipe and the paper's own two-step method"),
-    order: str = typer.Option("inventory", "--order", help="with --profile: 'inventory' (devices in file order) or "
-                              "'search' (host orders ranked by their links, the best planned in full)"),
-    allow_drop: bool = typer.Option(False, "--allow-drop", help="with --profile: leave out a device if that is "
-                                    "faster"),
-    timeline: str | None = typer.Option(None, "--timeline", help="with --profile: the simulated pipeline as a "
-                                           "Gantt chart, FILE.html or FILE.png"),
-    overlap_sends: bool = typer.Option(False, "--overlap-sends", help="with --profile: a stage's send overlaps its "
-                                       "next compute (GPUs with their own copy engines) instead of adding to it "
-                                       "(HPipe eq. 1; right where sends share the cores, as gloo on CPUs)"),
-    objective: str = typer.Option("prefill", "--objective", help="with --profile: what the cuts balance: prefill "
-                                  "(the prompts' slices), decode (--new-tokens decode steps, from the profile's decode "
-                                  "tables) or mixed (their sum per stage, as when prefill and decode share micro-batches)"),
-    new_tokens: int = typer.Option(128, "--new-tokens", help="with --objective decode or mixed: tokens generated per "
-                                   "sequence"),
-    speculation: str = cli_option("speculation"),
-    acceptance: float | None = typer.Option(None, "--acceptance", help="with --profile and --speculative: the share "
-                                            "of proposed tokens accepted, as a run measured it (`hpipe launch "
-                                            "--speculative ...` prints it): decode is also predicted with speculation"),
-    mode: str = typer.Option("pipeline", "--mode", help="pipeline: cut the model between the devices (HPipe); "
-                             "sidp: one whole replica per device, each host's FFN weights shared among its "
-                             "replicas (SiDP, offline jobs; needs --profile)"),
-    sidp_source: str = typer.Option("auto", "--sidp-source", help="with --mode sidp: where replicas read FFN "
-                                    "weights they do not own: peer (the owner GPU over P2P), host-pool (one pinned "
-                                    "copy in host memory), shared-mapping (CPU: one mapped copy); auto: "
-                                    "shared-mapping on CPU hosts, host-pool on GPUs"),
-    max_batch: int = typer.Option(DEFAULTS.max_batch, "--max-batch", help="with --mode sidp: the most sequences a "
-                                  "replica batches (the runtime's --max-batch)"),
-    out: str = typer.Option(..., "-o", "--out", help="where to write the plan (JSON)"),
-):
+@request_options(planner.PlanRequest)
+def plan(request: planner.PlanRequest):
     """Make a plan: where to cut the model between stages and how to slice prompts."""
-
-    if stages is not None and cluster is not None:
-        raise HpipeError("give one of --stages N (local processes) or --cluster FILE, not both")
-    if num_slices is not None and num_slices < 1:
-        raise HpipeError(f"--num-slices must be at least 1, got {num_slices}")
-    if granularity < 1:
-        raise HpipeError(f"--granularity must be at least 1, got {granularity}")
-    prof = formats.load_profile(profile_path) if profile_path is not None else None
-    weights, kv_dtype = _weights(model, quantize, prof, profile_path), _kv_dtype(kv_dtype, prof, profile_path)
-    _dtype(dtype)        # refuses a dtype it cannot run
-    devices = _plan_devices(stages, cluster, profile_path, device)
-    config, name = _plan_model(model)
-    if mode == "sidp":
-        _plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens, max_batch, margin, dtype,
-                   str(weights), sidp_source, out)
-        return
-    if mode != "pipeline":
-        raise HpipeError(f"--mode {mode!r}: use 'pipeline' or 'sidp'")
-    k_max = Speculation.parse(speculation).k
-    if (acceptance is None) != (k_max == 0):
-        raise HpipeError("--speculative and --acceptance go together: decode with speculation is predicted from the "
-                         "share of proposals a run accepted (`hpipe launch --speculative ngram` prints it)")
-    if profile_path is None:
-        if (seq_len is not None or compare_baselines or order != "inventory" or allow_drop or timeline or overlap_sends
-                or objective != "prefill" or acceptance is not None):
-            raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline, --overlap-sends, --objective and "
-                             "--acceptance plan from measured times: add --profile FILE")
-        p = planner.make_plan(name, config, devices, _ints(cuts, "--cuts"), _ints(slices, "--slices"), num_slices,
-                              granularity, _dtype(dtype), str(weights), kv_dtype)
-        formats.write_plan(p, out)
-        _print_plan(p, out)
-        return
-    if cuts is not None:
-        raise HpipeError("--cuts and --profile exclude each other: the profile decides the cuts")
-    if seq_len is None:
-        raise HpipeError("--profile needs --seq-len N, the prompt length to plan for")
-    if order not in ("inventory", "search"):
-        raise HpipeError(f"--order {order!r}: use 'inventory' or 'search'")
-    planner.check_profile_matches(prof, config, model, profile_path)
-    slicing = None  # the DP slices, unless told otherwise
-    if slices is not None or num_slices is not None:
-        slicing = formats.Slicing(count=num_slices or 1, lengths=tuple(_ints(slices, "--slices") or ()),
-                                  granularity=granularity)
-    result = planner.plan_profiled(prof, profile_path, name, config, devices, seq_len, batch, slicing, margin, dtype,
-                                   granularity, order, allow_drop, log=_note, overlap=overlap_sends,
-                                   objective=objective, new_tokens=new_tokens,
-                                   speculation=None if acceptance is None else (k_max, acceptance),
-                                   compare_baselines=compare_baselines)
-    p = result.plan
-    if compare_baselines:
+    r = request
+    prof = formats.load_profile(r.profile) if r.profile is not None else None
+    weights, kv_dtype = _weights(r.model, r.quantize, prof, r.profile), _kv_dtype(r.kv_dtype, prof, r.profile)
+    devices = _plan_devices(r.stages, r.cluster, r.profile, r.device)
+    config, name = _plan_model(r.model)
+    if r.mode == "sidp":
+        return _plan_sidp(prof, r.profile, name, config, devices, r.seq_len, r.new_tokens, r.max_batch, r.margin,
+                          r.dtype, str(weights), r.sidp_source, r.out)
+    p, result = planner.plan_request(r, prof, name, config, devices, str(weights), kv_dtype, log=_note)
+    if r.compare_baselines:
         _print_comparison(p.predicted.compare, result)
-    if timeline:
+    if r.timeline:
         pr = p.predicted
         planner.write_timeline(result.timeline, [f"{st.host}/{st.device} [{st.units[0]}-{st.units[1] - 1}]"
-                                                 for st in p.stages], len(pr.slices), timeline,
+                                                 for st in p.stages], len(pr.slices), r.timeline,
                                f"{pr.batch} x {pr.seq_len} tokens, {len(pr.slices)} slices: "
                                f"{pr.makespan_s:.3f} s predicted")
-        typer.echo(f"wrote {timeline}")
-    formats.write_plan(p, out)
-    _print_plan(p, out, result)
+        typer.echo(f"wrote {r.timeline}")
+    formats.write_plan(p, r.out)
+    _print_plan(p, r.out, result)
 
 
 def _plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens, max_batch, margin, dtype, weights,
@@ -747,7 +668,7 @@ def _warm_cluster(cluster: str, plan_path: str | None, model: str, quantize, dty
 
 def _thread_counts(text: str | None) -> list[int]:
     """--threads "1,2" -> [1, 2]; None -> this host's cores (one stage alone on it)."""
-    counts = sorted(set(_ints(text, "--threads") or [os.cpu_count() or 1]))
+    counts = sorted(set(int_list(text, "--threads") or [os.cpu_count() or 1]))
     if counts[0] < 1:
         raise HpipeError(f"--threads {text!r}: thread counts are >= 1 (e.g. --threads 1,2)")
     return counts

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hpipe.errors import HpipeError
 
-__all__ = ["cache_dir", "DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
+__all__ = ["cache_dir", "int_list", "DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
            "from_cli"]
 
 
@@ -226,6 +226,19 @@ class Speculation:
 
 SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(RuntimeConfig)}
 DEFAULTS = RuntimeConfig()
+
+
+def int_list(text: str | None, option: str) -> list[int] | None:
+    """A comma-separated option's integers (None when it was not given), e.g. --cuts 20,41."""
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HpipeError(f"{option} {text!r}: expected comma-separated integers, e.g. {option} 20,41") from None
+    if not values:
+        raise HpipeError(f"{option}: give at least one integer")
+    return values
 
 
 def cli_option(name: str):

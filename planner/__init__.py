@@ -16,6 +16,7 @@ from hpipe.planner.partition import Infeasible, Partition, partition_layers
 from hpipe.planner.profiled import (MARGIN, OBJECTIVES, CostModel, PlanResult, check_profile_matches, decode_prediction,
                                     decode_workload, objective_seconds, plan_from_profile, predict, slice_time_table,
                                     workload)
+from hpipe.planner.request import PlanRequest, plan_request
 from hpipe.planner.search import plan_profiled, search_plan
 from hpipe.planner.sidp import SidpGroup, plan_sidp
 from hpipe.planner.simulate import Timeline, simulate
@@ -24,7 +25,7 @@ from hpipe.planner.speculative import adaptive_proposals, speculative_decode
 from hpipe.planner.timeline import PALETTE, plot_gantt, pyplot, svg_gantt, timeline_bars, write_timeline
 from hpipe.planner.uniform import make_plan, uniform_cuts
 
-__all__ = ["MARGIN", "OBJECTIVES", "PALETTE", "CostModel", "decode_prediction", "decode_workload", "objective_seconds", "Infeasible", "LowerBound", "Partition", "PlanResult", "SidpGroup", "Timeline",
+__all__ = ["MARGIN", "OBJECTIVES", "PALETTE", "CostModel", "decode_prediction", "decode_workload", "objective_seconds", "Infeasible", "LowerBound", "Partition", "PlanRequest", "PlanResult", "SidpGroup", "Timeline",
            "adaptive_proposals", "check_profile_matches", "compare", "gap", "lower_bound", "make_plan", "partition_layers",
-           "plan_from_profile", "plan_profiled", "plan_sidp", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
+           "plan_from_profile", "plan_profiled", "plan_request", "plan_sidp", "plot_gantt", "predict", "pyplot", "search_plan", "simulate", "slice_sequence",
            "slice_time_table", "speculative_decode", "svg_gantt", "timeline_bars", "uniform_cuts", "workload", "write_timeline"]

@@ -370,7 +370,6 @@ MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS = {
     "planner/profiled.py:plan_from_profile": 139,
     "profiler/measure.py:measure": 137,
-    "hpipe/cli.py:plan": 111,
     "hpipe/models.py:_load_quantized": 118,
     "launcher/replicas.py:_dispatch": 115,
     "hpipe/formats.py:parse_inventory": 108,
