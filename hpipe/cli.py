@@ -120,7 +120,7 @@ def profile(
     """Measure (or estimate) per-unit compute times, memory and links for a model on a cluster."""
 
     weights = _weights(model, quantize)
-    dtype, kv_dtype = _dtype(dtype), _kv_dtype(kv_dtype)
+    dtype, kv_dtype = formats.activation_dtype(dtype), _kv_dtype(kv_dtype)
     if local == (cluster is not None):
         raise HpipeError("give exactly one of --local (this machine) or --cluster FILE")
     if estimate:
@@ -181,10 +181,6 @@ def _plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens, m
     if prof is None or seq_len is None:
         raise HpipeError("--mode sidp plans from measured (or estimated) times: add --profile FILE and --seq-len N "
                          "(a request's prompt length; --new-tokens its output)")
-    if source not in ("auto", *formats.SIDP_SOURCES):
-        raise HpipeError(f"--sidp-source {source!r}: use auto, {', '.join(formats.SIDP_SOURCES)}")
-    if max_batch < 1:
-        raise HpipeError(f"--max-batch must be at least 1, got {max_batch}")
     p, groups, pipelines = planner.plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens,
                                              max_batch, margin, dtype or prof["dtype"], weights, source)
     formats.write_plan(p, out)
@@ -254,15 +250,6 @@ def _weights(model: str, quantize: str | None, prof: dict | None = None, profile
     return fmt
 
 
-def _dtype(dtype: str | None) -> str:
-    """Activations' dtype: float32 unless asked (the KV cache's is `_kv_dtype`). Quantized linears hand their
-    kernels bf16 and give back this dtype; the rest of a step (attention, norms) is faster in
-    float32 on CPUs (SDPA decode: 26 us against 127 us in bf16 here) and more exact."""
-    if dtype is not None and dtype not in formats.DTYPES:
-        raise HpipeError(f"--dtype {dtype!r}: use one of {', '.join(formats.DTYPES)}")
-    return dtype or "float32"
-
-
 def _kv_dtype(kv_dtype: str | None, prof: dict | None = None, profile_path: str | None = None) -> str:
     """The KV cache's elements: asked for, else a profile's (its times and bytes are of them), else
     formats.KV_DTYPE."""
@@ -281,10 +268,7 @@ def _plan_devices(stages: int | None, cluster: str | None, profile_path: str | N
     """(host, device) per stage, in pipeline order: N local stages, a cluster file's devices, or the
     profile's devices."""
 
-    if stages is not None:
-        if stages < 1:
-            raise HpipeError(f"--stages must be at least 1, got {stages}")
-        formats.check_device("--device", "value", device)
+    if stages is not None:            # checked by PlanRequest
         return [("local", device)] * stages
     if cluster is not None:
         return formats.load_inventory(cluster).devices()
@@ -633,7 +617,7 @@ def warmup(
     counts = _thread_counts(threads)
     source = models.resolve_model(model, progress=_note)
     config = models.load_config(source.path)
-    weights, dtype, kv_dtype = (quant.stage_weights(_weights(model, quantize), "cpu"), _dtype(dtype),
+    weights, dtype, kv_dtype = (quant.stage_weights(_weights(model, quantize), "cpu"), formats.activation_dtype(dtype),
                                 _kv_dtype(kv_dtype))
     t = time.time()
     graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype)
@@ -655,7 +639,7 @@ def _warm_cluster(cluster: str, plan_path: str | None, model: str, quantize, dty
             raise HpipeError("--plan sets --quantize, --dtype and --kv-dtype; leave them out")
         model, quantize, dtype, kv_dtype = plan.model.name, plan.weights, plan.dtype, plan.kv_dtype
         launcher.plan_hosts(plan, inventory)           # every stage's host is in the inventory
-    settings = {"--quantize": str(_weights(model, quantize)), "--dtype": _dtype(dtype),
+    settings = {"--quantize": str(_weights(model, quantize)), "--dtype": formats.activation_dtype(dtype),
                 "--kv-dtype": _kv_dtype(kv_dtype)}
     import time
 

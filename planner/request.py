@@ -1,5 +1,6 @@
 """`hpipe plan`'s request: every option of the command as one frozen object, checked when it is made
-(each refusal one line naming the option and what to give instead), and `plan_request`, which
+(each refusal one line naming the option and what to give instead: the options' own rules here,
+what needs the model or the profile where they are read), and `plan_request`, which
 decides what the command does with it: equal cuts without a profile, the profiled planner (the
 host-order search where it is asked for, the speculative decode, the `--compare` rows) with one.
 
@@ -9,7 +10,7 @@ them (`hpipe.cli.request_options`), so a flag, its default and its help are writ
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 from hpipe import formats
 from hpipe.config import DEFAULTS, SETTINGS, Speculation, int_list
@@ -27,9 +28,9 @@ def option(default, *flags: str, help: str):
 
 
 SPECULATIVE = SETTINGS["speculation"]
-# what only a profile's measured times can plan: refused without --profile
-NEEDS_PROFILE = {"seq_len": None, "compare_baselines": False, "order": "inventory", "allow_drop": False,
-                 "timeline": None, "overlap_sends": False, "objective": "prefill", "acceptance": None}
+# what only a profile's measured times can plan: refused, unless left at its default, without --profile
+NEEDS_PROFILE = ("seq_len", "compare_baselines", "order", "allow_drop", "timeline", "overlap_sends", "objective",
+                 "acceptance")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,19 +92,30 @@ class PlanRequest:
             raise HpipeError(f"--num-slices must be at least 1, got {self.num_slices}")
         if self.granularity < 1:
             raise HpipeError(f"--granularity must be at least 1, got {self.granularity}")
-        if self.dtype is not None and self.dtype not in formats.DTYPES:
-            raise HpipeError(f"--dtype {self.dtype!r}: use one of {', '.join(formats.DTYPES)}")
-        if self.mode not in ("pipeline", "sidp"):
-            raise HpipeError(f"--mode {self.mode!r}: use 'pipeline' or 'sidp'")
+        if self.stages is not None:
+            if self.stages < 1:
+                raise HpipeError(f"--stages must be at least 1, got {self.stages}")
+            formats.check_device("--device", "value", self.device)
+        formats.activation_dtype(self.dtype)
         if self.mode == "pipeline":
             self._check_pipeline()
+        elif self.mode == "sidp":
+            self._check_sidp()
+        else:
+            raise HpipeError(f"--mode {self.mode!r}: use 'pipeline' or 'sidp'")
+
+    def _check_sidp(self) -> None:
+        if self.sidp_source not in ("auto", *formats.SIDP_SOURCES):
+            raise HpipeError(f"--sidp-source {self.sidp_source!r}: use auto, {', '.join(formats.SIDP_SOURCES)}")
+        if self.max_batch < 1:
+            raise HpipeError(f"--max-batch must be at least 1, got {self.max_batch}")
 
     def _check_pipeline(self) -> None:
         if (self.acceptance is None) != (self.speculative_k == 0):
             raise HpipeError("--speculative and --acceptance go together: decode with speculation is predicted from "
                              "the share of proposals a run accepted (`hpipe launch --speculative ngram` prints it)")
         if self.profile is None:
-            if any(getattr(self, name) != value for name, value in NEEDS_PROFILE.items()):
+            if any(getattr(self, f.name) != f.default for f in fields(self) if f.name in NEEDS_PROFILE):
                 raise HpipeError("--seq-len, --compare, --order, --allow-drop, --timeline, --overlap-sends, --objective "
                                  "and --acceptance plan from measured times: add --profile FILE")
             return
@@ -138,7 +150,7 @@ def plan_request(r: PlanRequest, profile: dict | None, name: str, config, device
     planner's with one (its PlanResult beside it: the simulated pipeline and the lower bound)."""
     if profile is None:
         return make_plan(name, config, devices, r.cut_list(), r.slice_list(), r.num_slices, r.granularity,
-                         r.dtype or "float32", weights, kv_dtype), None
+                         formats.activation_dtype(r.dtype), weights, kv_dtype), None
     check_profile_matches(profile, config, r.model, r.profile)
     result = plan_profiled(profile, r.profile, name, config, devices, r.seq_len, r.batch, r.slicing(), r.margin,
                            r.dtype, r.granularity, r.order, r.allow_drop, log=log, overlap=r.overlap_sends,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -47,3 +48,36 @@ def test_hand_made_plan_and_unit_names(tiny_models, tmp_path):
     assert names[:4] == ["embed", "block0.attn", "block0.mlp", "block1.attn"] and names[-1] == "head"
     # unit 2 (block 0's MLP half) starts stage 1: the cut falls inside block 0
     assert names[data["stages"][1]["units"][0]] == "block0.mlp"
+
+
+PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1thread-quick.json"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--stages", "2", "--cluster", str(EXAMPLE)], "give one of --stages N"),
+    (["--stages", "0"], "--stages must be at least 1, got 0"),
+    (["--stages", "2", "--device", "tpu"], "--device"),
+    (["--stages", "2", "--num-slices", "0"], "--num-slices must be at least 1"),
+    (["--stages", "2", "--granularity", "0"], "--granularity must be at least 1"),
+    (["--stages", "2", "--dtype", "int4"], "--dtype 'int4': use one of float32"),
+    (["--stages", "2", "--mode", "both"], "--mode 'both': use 'pipeline' or 'sidp'"),
+    (["--stages", "2", "--speculative", "ngram:4"], "--speculative and --acceptance go together"),
+    (["--stages", "2", "--speculative", "guess"], "--speculative 'guess'"),
+    (["--stages", "2", "--seq-len", "256"], "plan from measured times: add --profile FILE"),
+    (["--stages", "2", "--order", "search"], "plan from measured times: add --profile FILE"),
+    (["--stages", "2", "--cuts", "9", "--profile", str(PROFILE), "--seq-len", "256"], "--cuts and --profile exclude"),
+    (["--stages", "2", "--profile", str(PROFILE)], "--profile needs --seq-len N"),
+    (["--stages", "2", "--profile", str(PROFILE), "--seq-len", "256", "--order", "best"], "--order 'best'"),
+    (["--stages", "2", "--profile", str(PROFILE), "--seq-len", "256", "--objective", "speed"], "--objective 'speed'"),
+    (["--stages", "2", "--cuts", "2,x"], "--cuts '2,x': expected comma-separated integers"),
+    (["--mode", "sidp", "--profile", str(PROFILE), "--seq-len", "256", "--sidp-source", "disk"], "--sidp-source 'disk'"),
+    (["--mode", "sidp", "--profile", str(PROFILE), "--seq-len", "256", "--max-batch", "0"], "--max-batch must be at least 1"),
+])
+def test_a_plans_options_that_do_not_hold_are_one_line_and_no_file(argv, needle, tmp_path, capsys):
+    """PlanRequest's checks (and the planner's where the option needs the profile), each as the user
+    sees it: exit 2, one line naming the option, nothing written."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "smollm2", *argv, "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not out.exists()
