@@ -3,9 +3,15 @@ runtime-settings table names is one that command takes (`hpipe COMMAND --help`).
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 import typer
 
 from hpipe import cli
@@ -49,3 +55,85 @@ def test_every_command_has_a_row_and_every_option_named_is_the_commands():
     settings = {o for r in table("Runtime settings") for o in re.findall(r"(--[a-z][a-z-]*)", r[0] + r[2])}
     for name in ("hpipe launch", "hpipe serve"):
         assert settings <= cli_commands[name], (name, settings - cli_commands[name])
+
+
+def code_blocks() -> list[tuple[str, str]]:
+    """(language, text) of every fenced code block of the README, in order."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", README.read_text(), re.M | re.S)
+
+
+def commands_of(block: str) -> list[str]:
+    return [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def needs_no_cluster(block: str) -> bool:
+    """A block to run here: not the set-up one (`make demo`, `make test`: CI runs those itself) nor
+    one for hosts of one's own (`cluster.toml`: tests/test_ssh.py runs those commands on emulated
+    hosts)."""
+    lines = commands_of(block)
+    return not any(line.startswith("make ") or "cluster.toml" in line.split("#")[0] for line in lines)
+
+
+def wait_up(proc: subprocess.Popen, url: str, log: Path, seconds: float = 300) -> None:
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        assert proc.poll() is None, f"hpipe serve exited {proc.returncode}: {log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"hpipe serve did not come up: {log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_the_readmes_commands_run_as_written(tmp_path):
+    """Every shell and Python block of the README that needs no cluster of one's own, run in order
+    as written (bash -e), in a fresh directory that has the repository's profiles/examples: the
+    quick start (plan, prompts, launch, warmup), serving (the server up while the curl and the
+    Python client ask it, then Ctrl-C), planning from measurements and the More block. A block's
+    `hpipe serve` line is its last: it runs in the background until the server answers."""
+    blocks = code_blocks()
+    runs = [(lang, text) for lang, text in blocks if lang in ("sh", "python") and needs_no_cluster(text)]
+    assert len(blocks) - len(runs) == 2 and len(runs) >= 6, [t[:60] for _, t in blocks]
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "examples").symlink_to(README.parent / "profiles" / "examples")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    server = None
+    try:
+        for lang, text in runs:
+            serve = [line for line in commands_of(text) if line.startswith("hpipe serve")]
+            assert not serve or commands_of(text)[-1] == serve[0], "an `hpipe serve` line ends its block"
+            asks = ":8000" in text                # the curl and the Python client ask the server before them
+            if server is not None and (serve or not asks):
+                stop(server)
+                server = None
+            script = text.replace(serve[0], "") if serve else text
+            cmd = [sys.executable, "-c", script] if lang == "python" else ["bash", "-e", "-o", "pipefail", "-c", script]
+            r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+            assert r.returncode == 0 and "Traceback" not in r.stderr, f"{text}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+            assert r.stdout.strip() or not asks, f"{text}: no answer"
+            if serve:
+                log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
+                with open(log, "w") as f:
+                    server = (subprocess.Popen(["bash", "-c", f"exec {serve[0].split('#')[0]}"], cwd=tmp_path, env=env,
+                                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True), log)
+                wait_up(server[0], "http://127.0.0.1:8000/health", log)
+        assert (tmp_path / "results.jsonl").read_text().count("\n") == 2       # the two prompts, answered
+    finally:
+        if server is not None:
+            stop(server)
+
+
+def stop(server: tuple[subprocess.Popen, Path]) -> None:
+    proc, log = server
+    os.killpg(proc.pid, signal.SIGINT)                   # Ctrl-C, as the README says
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"hpipe serve did not stop on Ctrl-C: {log.read_text()[-3000:]}") from None
+    assert proc.returncode in (0, 130) and "Traceback" not in log.read_text(), log.read_text()[-3000:]
