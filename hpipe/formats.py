@@ -140,7 +140,21 @@ def load_inventory(path: str | os.PathLike) -> Inventory:
 def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
     _no_unknown_keys(path, "top level", data, {"version", "ssh", "hosts", "links"})
     _check_version(path, data, INVENTORY_VERSION, "cluster inventories")
-    ssh_table = data.get("ssh", {})
+    ssh = _parse_ssh(path, data.get("ssh", {}))
+    hosts_list = data.get("hosts")
+    if not isinstance(hosts_list, list) or not hosts_list:
+        raise _fail(path, "hosts", "expected at least one [[hosts]] table")
+    hosts: list[Host] = []
+    for i, h in enumerate(hosts_list):
+        host = _parse_host(path, f"hosts[{i}]", h)
+        if host.name in {x.name for x in hosts}:
+            raise _fail(path, f"hosts[{i}].name", f"host name {host.name!r} appears twice")
+        hosts.append(host)
+    return Inventory(ssh=ssh, hosts=tuple(hosts), path=path,
+                     links=_parse_links(path, data.get("links", []), {h.name for h in hosts}))
+
+
+def _parse_ssh(path: str, ssh_table) -> SSHSettings:
     _expect(path, "[ssh]", ssh_table, dict, "a table")
     _no_unknown_keys(path, "[ssh]", ssh_table, {"user", "identity_file", "known_hosts", "connect_timeout_s"})
     for key in ("user", "identity_file", "known_hosts"):
@@ -152,99 +166,94 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
     _expect(path, "ssh.connect_timeout_s", timeout, (int, float), "a number of seconds")
     if not 0 < timeout <= 600:
         raise _fail(path, "ssh.connect_timeout_s", f"must be in (0, 600], got {timeout}")
-    ssh = SSHSettings(
-        user=ssh_table.get("user"),
-        identity_file=ssh_table.get("identity_file"),
-        known_hosts=ssh_table.get("known_hosts"),
-        connect_timeout_s=float(timeout),
-    )
+    return SSHSettings(user=ssh_table.get("user"), identity_file=ssh_table.get("identity_file"),
+                       known_hosts=ssh_table.get("known_hosts"), connect_timeout_s=float(timeout))
 
-    hosts_list = data.get("hosts")
-    if not isinstance(hosts_list, list) or not hosts_list:
-        raise _fail(path, "hosts", "expected at least one [[hosts]] table")
-    hosts = []
-    seen: set[str] = set()
-    for i, h in enumerate(hosts_list):
-        where = f"hosts[{i}]"
-        _expect(path, where, h, dict, "a table")
-        _no_unknown_keys(path, where, h, {"name", "address", "port", "user", "python", "devices", "env",
-                                          "device_types", "intra_link", "threads"})
-        for key in ("name", "address", "python", "devices"):
-            if key not in h:
-                raise _fail(path, where, f"missing required key {key!r}")
-        name = _expect(path, f"{where}.name", h["name"], str, "a string")
-        if not _HOST_NAME_RE.match(name):
-            raise _fail(path, f"{where}.name", f"{name!r}: use letters, digits, '.', '_' or '-'")
-        if name in seen:
-            raise _fail(path, f"{where}.name", f"host name {name!r} appears twice")
-        seen.add(name)
-        address = _expect(path, f"{where}.address", h["address"], str, "a host name or IP address")
-        if not _ADDRESS_RE.match(address):
-            raise _fail(path, f"{where}.address", f"{address!r} is not a host name or IP address "
-                                                  f"(letters, digits, '.', '-', ':' only)")
-        port = _expect(path, f"{where}.port", h.get("port", 22), int, "a port number")
-        if not 0 < port < 65536:
-            raise _fail(path, f"{where}.port", f"{port} is not a TCP port (1-65535)")
-        user = h.get("user")
-        if user is not None:
-            _expect(path, f"{where}.user", user, str, "a user name")
-            if not _USER_RE.match(user):
-                raise _fail(path, f"{where}.user", f"{user!r} is not a user name")
-        python = _expect(path, f"{where}.python", h["python"], str, "the absolute path of a Python interpreter")
-        if any(ord(c) < 32 for c in python):
-            raise _fail(path, f"{where}.python", f"{python!r} contains control characters")
-        if not python.startswith("/"):
-            raise _fail(path, f"{where}.python", f"{python!r} must be an absolute path (the remote PATH is minimal)")
-        devices = _expect(path, f"{where}.devices", h["devices"], list, "a list of devices")
-        if not devices:
-            raise _fail(path, f"{where}.devices", "list at least one device, e.g. [\"cpu\"]")
-        for j, d in enumerate(devices):
-            check_device(path, f"{where}.devices[{j}]", d)
-        if len(set(devices)) != len(devices):
-            raise _fail(path, f"{where}.devices", "a device is listed twice")
-        env = h.get("env", {})
-        _expect(path, f"{where}.env", env, dict, "a table of strings")
-        for k, v in env.items():
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
-                raise _fail(path, f"{where}.env", f"{k!r} is not a valid environment variable name")
-            _expect(path, f"{where}.env.{k}", v, str, "a string")
-        types = h.get("device_types", [])
-        _expect(path, f"{where}.device_types", types, list, "a list of catalog device types")
-        if types and len(types) != len(devices):
-            raise _fail(path, f"{where}.device_types", f"{len(types)} types for {len(devices)} devices")
-        for j, t in enumerate(types):
-            _expect(path, f"{where}.device_types[{j}]", t, str, "a catalog name such as \"RTX3090\"")
-        intra = h.get("intra_link", {})
-        _expect(path, f"{where}.intra_link", intra, dict, "a table {bandwidth_gbps, latency_us}")
-        _no_unknown_keys(path, f"{where}.intra_link", intra, {"bandwidth_gbps", "latency_us"})
-        intra_bw = _expect(path, f"{where}.intra_link.bandwidth_gbps", intra.get("bandwidth_gbps", 96), (int, float),
-                           "gigabits per second")
-        intra_lat = _expect(path, f"{where}.intra_link.latency_us", intra.get("latency_us", 10), (int, float),
-                            "microseconds")
-        if intra_bw <= 0 or intra_lat < 0:
-            raise _fail(path, f"{where}.intra_link", "bandwidth must be > 0 and latency >= 0")
-        threads = _expect(path, f"{where}.threads", h.get("threads", 0), int, "a number of threads")
-        if threads < 0:
-            raise _fail(path, f"{where}.threads", f"must be >= 0 (0: share the host's cores), got {threads}")
-        hosts.append(Host(name=name, address=address, python=python, devices=tuple(devices), port=port,
-                          user=user, env=dict(env), device_types=tuple(types),
-                          intra_link=(intra_lat * 1e-6, intra_bw * 1e9 / 8), threads=threads))
-    links = []
-    raw_links = data.get("links", [])
+
+def _parse_host(path: str, where: str, h) -> Host:
+    """One [[hosts]] table: how to reach the host, then what it has."""
+    _expect(path, where, h, dict, "a table")
+    _no_unknown_keys(path, where, h, {"name", "address", "port", "user", "python", "devices", "env",
+                                      "device_types", "intra_link", "threads"})
+    for key in ("name", "address", "python", "devices"):
+        if key not in h:
+            raise _fail(path, where, f"missing required key {key!r}")
+    name = _expect(path, f"{where}.name", h["name"], str, "a string")
+    if not _HOST_NAME_RE.match(name):
+        raise _fail(path, f"{where}.name", f"{name!r}: use letters, digits, '.', '_' or '-'")
+    address = _expect(path, f"{where}.address", h["address"], str, "a host name or IP address")
+    if not _ADDRESS_RE.match(address):
+        raise _fail(path, f"{where}.address", f"{address!r} is not a host name or IP address "
+                                              f"(letters, digits, '.', '-', ':' only)")
+    port = _expect(path, f"{where}.port", h.get("port", 22), int, "a port number")
+    if not 0 < port < 65536:
+        raise _fail(path, f"{where}.port", f"{port} is not a TCP port (1-65535)")
+    user = h.get("user")
+    if user is not None:
+        _expect(path, f"{where}.user", user, str, "a user name")
+        if not _USER_RE.match(user):
+            raise _fail(path, f"{where}.user", f"{user!r} is not a user name")
+    python = _expect(path, f"{where}.python", h["python"], str, "the absolute path of a Python interpreter")
+    if any(ord(c) < 32 for c in python):
+        raise _fail(path, f"{where}.python", f"{python!r} contains control characters")
+    if not python.startswith("/"):
+        raise _fail(path, f"{where}.python", f"{python!r} must be an absolute path (the remote PATH is minimal)")
+    return Host(name=name, address=address, python=python, port=port, user=user, **_host_hardware(path, where, h))
+
+
+def _host_hardware(path: str, where: str, h: dict) -> dict:
+    """A host's devices (and their catalog types), environment, link between its devices and threads."""
+    devices = _expect(path, f"{where}.devices", h["devices"], list, "a list of devices")
+    if not devices:
+        raise _fail(path, f"{where}.devices", "list at least one device, e.g. [\"cpu\"]")
+    for j, d in enumerate(devices):
+        check_device(path, f"{where}.devices[{j}]", d)
+    if len(set(devices)) != len(devices):
+        raise _fail(path, f"{where}.devices", "a device is listed twice")
+    env = h.get("env", {})
+    _expect(path, f"{where}.env", env, dict, "a table of strings")
+    for k, v in env.items():
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+            raise _fail(path, f"{where}.env", f"{k!r} is not a valid environment variable name")
+        _expect(path, f"{where}.env.{k}", v, str, "a string")
+    types = h.get("device_types", [])
+    _expect(path, f"{where}.device_types", types, list, "a list of catalog device types")
+    if types and len(types) != len(devices):
+        raise _fail(path, f"{where}.device_types", f"{len(types)} types for {len(devices)} devices")
+    for j, t in enumerate(types):
+        _expect(path, f"{where}.device_types[{j}]", t, str, "a catalog name such as \"RTX3090\"")
+    intra = h.get("intra_link", {})
+    _expect(path, f"{where}.intra_link", intra, dict, "a table {bandwidth_gbps, latency_us}")
+    _no_unknown_keys(path, f"{where}.intra_link", intra, {"bandwidth_gbps", "latency_us"})
+    intra_bw = _expect(path, f"{where}.intra_link.bandwidth_gbps", intra.get("bandwidth_gbps", 96), (int, float),
+                       "gigabits per second")
+    intra_lat = _expect(path, f"{where}.intra_link.latency_us", intra.get("latency_us", 10), (int, float),
+                        "microseconds")
+    if intra_bw <= 0 or intra_lat < 0:
+        raise _fail(path, f"{where}.intra_link", "bandwidth must be > 0 and latency >= 0")
+    threads = _expect(path, f"{where}.threads", h.get("threads", 0), int, "a number of threads")
+    if threads < 0:
+        raise _fail(path, f"{where}.threads", f"must be >= 0 (0: share the host's cores), got {threads}")
+    return dict(devices=tuple(devices), env=dict(env), device_types=tuple(types),
+                intra_link=(intra_lat * 1e-6, intra_bw * 1e9 / 8), threads=threads)
+
+
+def _parse_links(path: str, raw_links, names: set[str]) -> tuple[Link, ...]:
     _expect(path, "links", raw_links, list, "a list of [[links]] tables")
+    links = []
     for i, link in enumerate(raw_links):
         where = f"links[{i}]"
         _expect(path, where, link, dict, "a table")
         _no_unknown_keys(path, where, link, {"hosts", "bandwidth_gbps", "latency_ms"})
         pair = link.get("hosts")
-        if not (isinstance(pair, list) and len(pair) == 2 and all(p in seen for p in pair) and pair[0] != pair[1]):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(p in names for p in pair) and pair[0] != pair[1]):
             raise _fail(path, f"{where}.hosts", f"expected two different host names of this file, got {pair!r}")
         bw = _expect(path, f"{where}.bandwidth_gbps", link.get("bandwidth_gbps"), (int, float), "gigabits per second")
         lat = _expect(path, f"{where}.latency_ms", link.get("latency_ms", 0.2), (int, float), "milliseconds")
         if bw <= 0 or lat < 0:
             raise _fail(path, where, "bandwidth must be > 0 and latency >= 0")
         links.append(Link(hosts=(pair[0], pair[1]), latency_s=lat * 1e-3, bandwidth_bytes_per_s=bw * 1e9 / 8))
-    return Inventory(ssh=ssh, hosts=tuple(hosts), path=path, links=tuple(links))
+    return tuple(links)
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,12 +482,32 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
             raise _fail(path, "top level", f"missing required key {key!r}")
     m = _expect(path, "model", data["model"], dict, "an object")
     _no_unknown_keys(path, "model", m, {"name", "family", "units", "blocks", "fingerprint"})
+    model = ModelIdentity(**_model_identity(path, m))
+    stages = _parse_stages(path, _expect(path, "stages", data["stages"], list, "a list of stages"))
+    slicing = _parse_slicing(path, _expect(path, "slicing", data["slicing"], dict, "an object"))
+    dtype, kv_dtype = (_expect(path, key, data.get(key, "float32"), str, "a dtype name")
+                       for key in ("dtype", "kv_dtype"))
+    predicted = parse_prediction(data.get("predicted"), path)
+    weights = _expect(path, "weights", data.get("weights", "none"), str, "a weight format")
+    mode = _expect(path, "mode", data.get("mode", "pipeline"), str, "'pipeline' or 'sidp'")
+    groups = _parse_sidp(path, _expect(path, "sidp", data.get("sidp", []), list, "a list of groups"))
+    plan = Plan(model=model, stages=stages, slicing=slicing, dtype=dtype, kv_dtype=kv_dtype, predicted=predicted,
+                created_by=str(data.get("created_by", "")), version=data["version"], weights=weights,
+                mode=mode, sidp=groups)
+    validate_plan(plan, path)
+    return plan
+
+
+def _model_identity(path: str, m: dict) -> dict:
+    """A plan's or a profile's `model`: every key there, of its type."""
     for key, typ in (("name", str), ("family", str), ("units", int), ("blocks", int), ("fingerprint", str)):
         if key not in m:
             raise _fail(path, "model", f"missing required key {key!r}")
         _expect(path, f"model.{key}", m[key], typ, typ.__name__)
-    model = ModelIdentity(**m)
-    stages_raw = _expect(path, "stages", data["stages"], list, "a list of stages")
+    return m
+
+
+def _parse_stages(path: str, stages_raw: list) -> tuple[StagePlan, ...]:
     stages = []
     for i, s in enumerate(stages_raw):
         where = f"stages[{i}]"
@@ -496,14 +525,16 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
             raise _fail(path, f"{where}.host_experts", f"{host_experts} is negative; use 0 or more MoE blocks")
         stages.append(StagePlan(host=host, device=device, units=(units[0], units[1]), weights=weights,
                                 host_experts=host_experts))
-    sl = _expect(path, "slicing", data["slicing"], dict, "an object")
+    return tuple(stages)
+
+
+def _parse_slicing(path: str, sl: dict) -> Slicing:
     _no_unknown_keys(path, "slicing", sl, {"count", "lengths", "granularity", "by_seq_len", "by_context"})
     count = _expect(path, "slicing.count", sl.get("count", 1), int, "a positive integer")
     lengths = _expect(path, "slicing.lengths", sl.get("lengths", []), list, "a list of token counts")
     granularity = _expect(path, "slicing.granularity", sl.get("granularity", 16), int, "a positive integer")
-    table_raw = _expect(path, "slicing.by_seq_len", sl.get("by_seq_len", {}), dict, "an object")
     table = {}
-    for k, v in table_raw.items():
+    for k, v in _expect(path, "slicing.by_seq_len", sl.get("by_seq_len", {}), dict, "an object").items():
         if not str(k).isdigit():
             raise _fail(path, f"slicing.by_seq_len[{k!r}]", "keys are prompt lengths in tokens")
         _expect(path, f"slicing.by_seq_len[{k!r}]", v, list, "a list of slice lengths")
@@ -514,15 +545,13 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
             raise _fail(path, f"slicing.by_context[{k!r}]", "keys are contexts in tokens (>= 1)")
         _expect(path, f"slicing.by_context[{k!r}]", v, list, "a list of slice lengths")
         contexts[int(k)] = tuple(v)
-    slicing = Slicing(count=count, lengths=tuple(lengths), granularity=granularity, by_seq_len=table,
-                      by_context=contexts)
-    dtype, kv_dtype = (_expect(path, key, data.get(key, "float32"), str, "a dtype name")
-                       for key in ("dtype", "kv_dtype"))
-    predicted = parse_prediction(data.get("predicted"), path)
-    weights = _expect(path, "weights", data.get("weights", "none"), str, "a weight format")
-    mode = _expect(path, "mode", data.get("mode", "pipeline"), str, "'pipeline' or 'sidp'")
+    return Slicing(count=count, lengths=tuple(lengths), granularity=granularity, by_seq_len=table,
+                   by_context=contexts)
+
+
+def _parse_sidp(path: str, raw: list) -> tuple[SidpGroupPlan, ...]:
     groups = []
-    for i, g in enumerate(_expect(path, "sidp", data.get("sidp", []), list, "a list of groups")):
+    for i, g in enumerate(raw):
         where = f"sidp[{i}]"
         _expect(path, where, g, dict, "an object")
         _no_unknown_keys(path, where, g, {"host", "replicas", "owners", "slots", "source", "threshold"})
@@ -535,11 +564,7 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
         threshold = _expect(path, f"{where}.threshold", g.get("threshold", 0), int, "a batch size")
         groups.append(SidpGroupPlan(g["host"], tuple(g["replicas"]), tuple(g["owners"]), g["slots"], g["source"],
                                     threshold))
-    plan = Plan(model=model, stages=tuple(stages), slicing=slicing, dtype=dtype, kv_dtype=kv_dtype, predicted=predicted,
-                created_by=str(data.get("created_by", "")), version=data["version"], weights=weights,
-                mode=mode, sidp=tuple(groups))
-    validate_plan(plan, path)
-    return plan
+    return tuple(groups)
 
 
 def validate_plan(plan: Plan, path: str = "<plan>") -> None:
@@ -816,12 +841,7 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
     for key in ("model", "bytes", "devices", "links", "max_seq_len", "dtype"):
         if key not in data:
             raise _fail(path, "top level", f"missing required key {key!r}")
-    m = _expect(path, "model", data["model"], dict, "an object")
-    for key, typ in (("name", str), ("family", str), ("units", int), ("blocks", int), ("fingerprint", str)):
-        if key not in m:
-            raise _fail(path, "model", f"missing required key {key!r}")
-        _expect(path, f"model.{key}", m[key], typ, typ.__name__)
-    units = m["units"]
+    units = _model_identity(path, _expect(path, "model", data["model"], dict, "an object"))["units"]
     _check_dtypes(path, {"dtype": data["dtype"], "kv_dtype": profile_kv_dtype(data)})
     check_weights(path, "weights", data.get("weights", "none"))
     b = _expect(path, "bytes", data["bytes"], dict, "an object")
@@ -836,45 +856,51 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
     devices = _expect(path, "devices", data["devices"], list, "a list of device profiles")
     seen = set()
     for i, d in enumerate(devices):
-        where = f"devices[{i}]"
-        _expect(path, where, d, dict, "an object")
-        for key in ("id", "host", "device", "type", "source", "identity", "memory", "compute"):
-            if key not in d:
-                raise _fail(path, where, f"missing required key {key!r}")
+        _check_device_profile(path, f"devices[{i}]", d)
         if d["id"] in seen:
-            raise _fail(path, f"{where}.id", f"{d['id']!r} appears twice")
+            raise _fail(path, f"devices[{i}].id", f"{d['id']!r} appears twice")
         seen.add(d["id"])
-        if d["source"] not in ("measured", "estimated"):
-            raise _fail(path, f"{where}.source", "expected 'measured' or 'estimated'")
-        check_device(path, f"{where}.device", d["device"])
-        mem = _expect(path, f"{where}.memory", d["memory"], dict, "an object")
-        if not isinstance(mem.get("free_bytes"), int) or mem["free_bytes"] < 0:
-            raise _fail(path, f"{where}.memory.free_bytes", "expected a byte count")
-        compute = _expect(path, f"{where}.compute", d["compute"], dict, "an object")
-        for kind in UNIT_KINDS:
-            if kind not in compute:
-                raise _fail(path, f"{where}.compute", f"missing unit kind {kind!r}")
-            _check_table(path, f"{where}.compute.{kind}", compute[kind], kind == "attn")
-        for key in ("decode", "fit_error"):
-            if key in d:
-                _expect(path, f"{where}.{key}", d[key], dict, "an object")
     if "runtime" in data:
         rt = _expect(path, "runtime", data["runtime"], dict, "an object")
         for key in RUNTIME_COSTS:
             if not isinstance(rt.get(key), (int, float)) or not rt[key] >= 0:
                 raise _fail(path, f"runtime.{key}", "expected seconds (a number >= 0)")
-    links = _expect(path, "links", data["links"], list, "a list of links")
-    for i, link in enumerate(links):
-        where = f"links[{i}]"
-        _expect(path, where, link, dict, "an object")
-        for key in ("src", "dst", "alpha_s", "beta_bytes_per_s", "source"):
-            if key not in link:
-                raise _fail(path, where, f"missing required key {key!r}")
-        if link["src"] not in seen or link["dst"] not in seen:
-            raise _fail(path, where, f"names a device that is not in devices: {link['src']!r} -> {link['dst']!r}")
-        if not link["alpha_s"] >= 0 or not link["beta_bytes_per_s"] > 0:
-            raise _fail(path, where, "latency must be >= 0 and bandwidth > 0")
+    for i, link in enumerate(_expect(path, "links", data["links"], list, "a list of links")):
+        _check_link_profile(path, f"links[{i}]", link, seen)
     return data
+
+
+def _check_device_profile(path: str, where: str, d) -> None:
+    """One measured (or estimated) device of a profile: who it is, its memory and its unit tables."""
+    _expect(path, where, d, dict, "an object")
+    for key in ("id", "host", "device", "type", "source", "identity", "memory", "compute"):
+        if key not in d:
+            raise _fail(path, where, f"missing required key {key!r}")
+    if d["source"] not in ("measured", "estimated"):
+        raise _fail(path, f"{where}.source", "expected 'measured' or 'estimated'")
+    check_device(path, f"{where}.device", d["device"])
+    mem = _expect(path, f"{where}.memory", d["memory"], dict, "an object")
+    if not isinstance(mem.get("free_bytes"), int) or mem["free_bytes"] < 0:
+        raise _fail(path, f"{where}.memory.free_bytes", "expected a byte count")
+    compute = _expect(path, f"{where}.compute", d["compute"], dict, "an object")
+    for kind in UNIT_KINDS:
+        if kind not in compute:
+            raise _fail(path, f"{where}.compute", f"missing unit kind {kind!r}")
+        _check_table(path, f"{where}.compute.{kind}", compute[kind], kind == "attn")
+    for key in ("decode", "fit_error"):
+        if key in d:
+            _expect(path, f"{where}.{key}", d[key], dict, "an object")
+
+
+def _check_link_profile(path: str, where: str, link, devices: set[str]) -> None:
+    _expect(path, where, link, dict, "an object")
+    for key in ("src", "dst", "alpha_s", "beta_bytes_per_s", "source"):
+        if key not in link:
+            raise _fail(path, where, f"missing required key {key!r}")
+    if link["src"] not in devices or link["dst"] not in devices:
+        raise _fail(path, where, f"names a device that is not in devices: {link['src']!r} -> {link['dst']!r}")
+    if not link["alpha_s"] >= 0 or not link["beta_bytes_per_s"] > 0:
+        raise _fail(path, where, "latency must be >= 0 and bandwidth > 0")
 
 
 def write_profile(data: dict, path: str | os.PathLike) -> None:
