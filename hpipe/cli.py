@@ -425,12 +425,7 @@ def launch(
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
     if job.plan.mode == "sidp":
-        launcher.check_replicas(job.plan, plan_path, inventory is None, timeline_out)
-        report = launcher.launch_replicas(job, plan_path, out, settings, log=_note, quiet=quiet)
-        _print_replicas(report, out)
-        if timeline_out:
-            launcher.write_mode_trace(timeline_out, report.traces)
-        return
+        return _launch_replicas(job, plan_path, out, settings, inventory is None, quiet, timeline_out)
     if inventory is not None:
         report = launcher.launch_cluster(job, plan_path, inventory, out, settings,
                                          accept_new_keys=accept_new_host_keys, push=push_model,
@@ -440,6 +435,15 @@ def launch(
     if report.plan is not None:      # a lost host's stages were planned again: the run is checked against that plan
         job = dataclasses.replace(job, plan=report.plan)
     _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
+
+
+def _launch_replicas(job, plan_path: str, out: str, settings, local: bool, quiet: bool, timeline_out: str | None):
+    """A SiDP plan's batch job: its replicas, each a whole model, on this machine."""
+    launcher.check_replicas(job.plan, plan_path, local, timeline_out)
+    report = launcher.launch_replicas(job, plan_path, out, settings, log=_note, quiet=quiet)
+    _print_replicas(report, out)
+    if timeline_out:
+        launcher.write_mode_trace(timeline_out, report.traces)
 
 
 def _where_stages_run(local: bool, cluster: str | None, host_timeout: float) -> formats.Inventory | None:

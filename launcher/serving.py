@@ -579,24 +579,7 @@ class PipelineClient:
             "# TYPE hpipe_requests_finished_total counter",
         ]
         lines += [f'hpipe_requests_finished_total{{finish_reason="{k}"}} {v}' for k, v in sorted(m.finished.items())]
-        lost = [e for e in m.events if e.kind == "lost"]
-        lines += ["# HELP hpipe_recoveries_total Hosts lost while serving, the service planned again without them.",
-                  "# TYPE hpipe_recoveries_total counter", f"hpipe_recoveries_total {len(lost)}",
-                  "# HELP hpipe_rejoins_total Returning hosts taken back into the pipeline.",
-                  "# TYPE hpipe_rejoins_total counter",
-                  f"hpipe_rejoins_total {sum(1 for e in m.events if e.kind == 'rejoined')}",
-                  "# HELP hpipe_requests_resumed_total Open requests resumed on a new pipeline where they stood.",
-                  "# TYPE hpipe_requests_resumed_total counter", f"hpipe_requests_resumed_total {m.resumed}",
-                  "# HELP hpipe_seconds_without_service_total Seconds from a failure (or a switch) to the first "
-                  "token after it, summed over the events.",
-                  "# TYPE hpipe_seconds_without_service_total counter",
-                  f"hpipe_seconds_without_service_total {sum(e.outage_s or 0 for e in m.events):.3f}",
-                  "# HELP hpipe_degraded 1 while the hosts up cannot hold the model (requests get 503).",
-                  "# TYPE hpipe_degraded gauge", f"hpipe_degraded {int(self.degraded is not None)}",
-                  "# HELP hpipe_deterministic 1 when a request's tokens and logits do not depend on the rest of "
-                  "the traffic (--deterministic on).",
-                  "# TYPE hpipe_deterministic gauge",
-                  f"hpipe_deterministic {int(bool(self.info and self.info.deterministic))}"]
+        lines += self._service_metrics()
         lines += ["# HELP hpipe_time_to_first_token_seconds Time from arrival to the first token.",
                   "# TYPE hpipe_time_to_first_token_seconds histogram", *m.ttft.lines("hpipe_time_to_first_token_seconds"),
                   "# HELP hpipe_time_per_output_token_seconds Mean time between a request's tokens.",
@@ -606,4 +589,26 @@ class PipelineClient:
                   "# TYPE hpipe_microbatch_tokens histogram",
                   *m.microbatch_tokens.lines("hpipe_microbatch_tokens", f'policy="{self.settings.runtime.policy}"')]
         return "\n".join(lines) + "\n"
+
+    def _service_metrics(self) -> list[str]:
+        """The service's own: hosts lost and taken back, requests resumed, time without service."""
+        m = self.metrics
+        lost = [e for e in m.events if e.kind == "lost"]
+        return ["# HELP hpipe_recoveries_total Hosts lost while serving, the service planned again without them.",
+                "# TYPE hpipe_recoveries_total counter", f"hpipe_recoveries_total {len(lost)}",
+                "# HELP hpipe_rejoins_total Returning hosts taken back into the pipeline.",
+                "# TYPE hpipe_rejoins_total counter",
+                f"hpipe_rejoins_total {sum(1 for e in m.events if e.kind == 'rejoined')}",
+                "# HELP hpipe_requests_resumed_total Open requests resumed on a new pipeline where they stood.",
+                "# TYPE hpipe_requests_resumed_total counter", f"hpipe_requests_resumed_total {m.resumed}",
+                "# HELP hpipe_seconds_without_service_total Seconds from a failure (or a switch) to the first "
+                "token after it, summed over the events.",
+                "# TYPE hpipe_seconds_without_service_total counter",
+                f"hpipe_seconds_without_service_total {sum(e.outage_s or 0 for e in m.events):.3f}",
+                "# HELP hpipe_degraded 1 while the hosts up cannot hold the model (requests get 503).",
+                "# TYPE hpipe_degraded gauge", f"hpipe_degraded {int(self.degraded is not None)}",
+                "# HELP hpipe_deterministic 1 when a request's tokens and logits do not depend on the rest of "
+                "the traffic (--deterministic on).",
+                "# TYPE hpipe_deterministic gauge",
+                f"hpipe_deterministic {int(bool(self.info and self.info.deterministic))}"]
 

@@ -95,17 +95,24 @@ def _minimax(tau_t: np.ndarray, n: int) -> float:
     return float(best[n])
 
 
-def slice_sequence(tau, n_stages: int) -> SliceSearch:
-    tau = np.asarray(tau, dtype=float)
+def _by_context(tau: np.ndarray):
+    """tau's valid entries (a slice of s >= 1 tokens after c, s + c <= N), tau as [c, s] with the
+    invalid ones inf (never chosen), and whether every context's cost grows with the slice."""
     n = tau.shape[0] - 1
     if n < 1 or tau.shape != (n + 1, n + 1):
         raise ValueError(f"tau must be (N+1) x (N+1) with N >= 1, got {tau.shape}")
     s_idx, c_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     valid = (s_idx >= 1) & (s_idx + c_idx <= n)
-    tau_t = np.ascontiguousarray(np.where(valid, tau, np.inf).T)  # tau_t[c, s]; invalid never chosen
+    tau_t = np.ascontiguousarray(np.where(valid, tau, np.inf).T)
     with np.errstate(invalid="ignore"):  # inf - inf past each row's end: nan, no order to keep
         steps_in_s = np.diff(tau_t[:, 1:], axis=1)
-    monotone = bool(np.all((steps_in_s >= 0) | np.isnan(steps_in_s)))
+    return valid, tau_t, bool(np.all((steps_in_s >= 0) | np.isnan(steps_in_s)))
+
+
+def slice_sequence(tau, n_stages: int) -> SliceSearch:
+    tau = np.asarray(tau, dtype=float)
+    n = tau.shape[0] - 1
+    valid, tau_t, monotone = _by_context(tau)
     weight = float(n_stages - 1)
     values = np.unique(tau[valid])                       # every possible largest slice cost
     steps = 0

@@ -378,11 +378,7 @@ LONG_FUNCTIONS = {
     "hpipe/runtime/scheduler.py:_prefill_part": 75,
     "launcher/jobs.py:_watch": 75,
     "profiler/run.py:profile_local": 72,
-    "launcher/serving.py:prometheus": 65,
-    "hpipe/cli.py:launch": 63,
     "hpipe/runtime/worker.py:build": 66,
-    "hpipe/runtime/stage.py:__init__": 61,
-    "planner/slicing.py:slice_sequence": 61,
 }
 
 

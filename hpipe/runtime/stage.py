@@ -121,6 +121,19 @@ class StageInputs:
         return self.layout == "rows" and self.shape[1] == 1
 
 
+def _deterministic_attention(config) -> str:
+    """`--deterministic on`: the batch-invariant ops registered, and the attention they run (or
+    the one line saying why this model cannot have them)."""
+    from hpipe.errors import HpipeError
+    from hpipe.runtime import invariant
+
+    why_not = invariant.refused(config)
+    if why_not:
+        raise HpipeError(f"--deterministic on: {why_not}")
+    invariant.register()
+    return invariant.ATTENTION
+
+
 class StageRunner:
     def __init__(self, model: models.ModelSource | Path, config, units: range, device: str = "cpu",
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
@@ -139,14 +152,7 @@ class StageRunner:
         self.config = config
         self.deterministic = deterministic
         if deterministic:
-            from hpipe.errors import HpipeError
-            from hpipe.runtime import invariant
-
-            why_not = invariant.refused(config)
-            if why_not:
-                raise HpipeError(f"--deterministic on: {why_not}")
-            invariant.register()
-            attn_implementation = invariant.ATTENTION
+            attn_implementation = _deterministic_attention(config)
         self.units = units
         heap.keep_freed_memory()     # activations reuse freed memory, in the profiler's runs as in the job's
         self.device = torch.device(device)
@@ -157,6 +163,7 @@ class StageRunner:
                                               models.host_expert_units(config, units, host_experts))
         self.weights_quantized = any(isinstance(m, quantized.QUANTIZED) for m in self.model.modules())
         if deterministic:
+            from hpipe.runtime import invariant
             invariant.tile_linears(self.model)      # float linears (quantized ones choose their path per row)
         self.rotary = models.rotary_embedding(self.model, config, device)
         self.rotary_table = None if self.rotary is None else RotaryTable(self.rotary, self.dtype)
