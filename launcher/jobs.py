@@ -492,42 +492,13 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
                 take(rank, name, line)
         except queue.Empty:
             pass
-        for r, w in enumerate(workers):
-            code = w.poll()
-            if code not in (None, 0):
-                failed = (r, w.describe_exit(code))
-                break
-            if code is None and host_timeout_s is not None and w.silent_s() > host_timeout_s:
-                silent = (f"no answer from host {plan.stages[r].host} for {host_timeout_s:g} s "
-                          f"(its link is down or it stopped)")
-                failed = (r, silent)
-                break
+        failed = _failed_now(workers, plan, host_timeout_s)
     if failed is None:
-        for r, w in enumerate(workers):
-            code = w.wait(timeout=30)
-            if code != 0:
-                failed = (r, w.describe_exit(code) if code is not None else "did not exit after its streams closed")
-                break
+        failed = _exited_badly(workers)
     if failed is None:
         return
     silent = [w.silent_s() for w in workers]       # how long each had been quiet when the failure was seen
-    # A stage that dies takes its neighbours down with it (their links close under them), and their
-    # exits may be seen first: wait a moment for every exit and report, then blame the stage whose
-    # failure is not a lost peer.
-    failures = {failed[0]: failed[1]}
-    deadline = time.time() + 1.5
-    while time.time() < deadline:
-        try:
-            r, name, line = lines.get(timeout=0.1)
-            if line is not None:     # the fallen neighbours' lines: kept, not shown
-                take(r, name, line, show=False)
-        except queue.Empty:
-            pass
-        for r, w in enumerate(workers):
-            code = w.poll()
-            if r not in failures and code not in (None, 0):
-                failures[r] = w.describe_exit(code)
-    rank, cause = root_failure(failures, output.peers_lost)
+    rank, cause = root_failure(_failures_seen(failed, workers, lines, take), output.peers_lost)
     stop_workers(workers)
     deadline = time.time() + 1.0   # what is left of the output, for the message
     while time.time() < deadline:
@@ -544,6 +515,47 @@ def _watch(workers: list, lines: queue.Queue, output: JobOutput, plan: formats.P
                        f"failed: {cause}" + (f"; last log lines: {last}" if last else "")
                        + f"; every worker was stopped; {output.done_line()}", rank, stage.host,
                        silent[rank] if host_timeout_s is not None and silent[rank] >= host_timeout_s else 0.0)
+
+
+def _failed_now(workers: list, plan: formats.Plan, host_timeout_s: float | None) -> tuple[int, str] | None:
+    """The first worker that exited with an error, or whose host has been silent too long."""
+    for r, w in enumerate(workers):
+        code = w.poll()
+        if code not in (None, 0):
+            return r, w.describe_exit(code)
+        if code is None and host_timeout_s is not None and w.silent_s() > host_timeout_s:
+            return r, (f"no answer from host {plan.stages[r].host} for {host_timeout_s:g} s "
+                       f"(its link is down or it stopped)")
+    return None
+
+
+def _exited_badly(workers: list) -> tuple[int, str] | None:
+    """Every stream closed: the first worker whose exit is not a clean one."""
+    for r, w in enumerate(workers):
+        code = w.wait(timeout=30)
+        if code != 0:
+            return r, w.describe_exit(code) if code is not None else "did not exit after its streams closed"
+    return None
+
+
+def _failures_seen(failed: tuple[int, str], workers: list, lines: queue.Queue, take) -> dict[int, str]:
+    """A stage that dies takes its neighbours down with it (their links close under them), and their
+    exits may be seen first: a moment for every exit and report, so that the stage whose failure is
+    not a lost peer can be blamed (`root_failure`)."""
+    failures = {failed[0]: failed[1]}
+    deadline = time.time() + 1.5
+    while time.time() < deadline:
+        try:
+            r, name, line = lines.get(timeout=0.1)
+            if line is not None:     # the fallen neighbours' lines: kept, not shown
+                take(r, name, line, show=False)
+        except queue.Empty:
+            pass
+        for r, w in enumerate(workers):
+            code = w.poll()
+            if r not in failures and code not in (None, 0):
+                failures[r] = w.describe_exit(code)
+    return failures
 
 
 class StageFailure(HpipeError):

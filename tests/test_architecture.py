@@ -376,9 +376,7 @@ LONG_FUNCTIONS = {
     "launcher/cluster.py:start_cluster": 75,
     "profiler/run.py:profile_cluster": 76,
     "hpipe/runtime/scheduler.py:_prefill_part": 75,
-    "launcher/jobs.py:_watch": 75,
     "profiler/run.py:profile_local": 72,
-    "hpipe/runtime/worker.py:build": 66,
 }
 
 

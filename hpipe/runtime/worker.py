@@ -320,23 +320,8 @@ class StageWorker:
         if args.threads:
             torch.set_num_threads(args.threads)
         t_load = time.time()
-        plan = self.plan = formats.load_plan(args.plan)
-        self.seat = seat_of(plan, args.replica, self.world)
-        self.index = self.rank if self.seat is None else args.replica      # this stage in plan.stages
-        self.stages = plan.stages if self.seat is None else (plan.stages[self.index],)    # this pipeline's
-        if self.world != len(self.stages):
-            raise HpipeError(f"--world-size {self.world} but the plan has {len(self.stages)} stages")
-        self.stage_plan = plan.stages[self.index]
-        source = models.resolve_model(args.model or plan.model.name)
-        self.model_config = models.load_config(source.path)
-        self.model_dir = str(source.path)
-        models.check_plan_matches(plan, self.model_config, source.name)
-        self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
-        self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
-        self.policy = Policy.resolve(config, [s.device for s in self.stages])
-        self.max_tokens = longest_microbatch(self.requests.lengths, plan, config.max_batch, self.policy)
-        self.deterministic = invariant.resolve(config.deterministic, self.model_config, config.page_size,
-                                               self.max_tokens)
+        source = self._read_plan()
+        plan = self.plan
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights, compile=config.compile,
@@ -381,6 +366,29 @@ class StageWorker:
         gc.collect()
         gc.freeze()
         self.load_s = time.time() - t_load
+
+    def _read_plan(self) -> models.ModelSource:
+        """The plan, this stage's place in it, its model and weights, the requests and what they ask
+        of a micro-batch; returns where the model's files are."""
+        args, config = self.args, self.config
+        plan = self.plan = formats.load_plan(args.plan)
+        self.seat = seat_of(plan, args.replica, self.world)
+        self.index = self.rank if self.seat is None else args.replica      # this stage in plan.stages
+        self.stages = plan.stages if self.seat is None else (plan.stages[self.index],)    # this pipeline's
+        if self.world != len(self.stages):
+            raise HpipeError(f"--world-size {self.world} but the plan has {len(self.stages)} stages")
+        self.stage_plan = plan.stages[self.index]
+        source = models.resolve_model(args.model or plan.model.name)
+        self.model_config = models.load_config(source.path)
+        self.model_dir = str(source.path)
+        models.check_plan_matches(plan, self.model_config, source.name)
+        self.weights = quant.stage_weights(quant.WeightFormat.parse(self.stage_plan.weights), self.stage_plan.device)
+        self.requests = ServedRequests(config, self.model_config) if args.serve else JobRequests(args.requests, config)
+        self.policy = Policy.resolve(config, [s.device for s in self.stages])
+        self.max_tokens = longest_microbatch(self.requests.lengths, plan, config.max_batch, self.policy)
+        self.deterministic = invariant.resolve(config.deterministic, self.model_config, config.page_size,
+                                               self.max_tokens)
+        return source
 
     def _modes(self) -> tuple[Modes, bool]:
         """Every switch resolved for this stage's device, once."""
