@@ -123,10 +123,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     console = console or Console(stderr=True)
     source = models.resolve_model(model_spec, progress=lambda m: console.print(m))
     config = models.load_config(source.path)
-    ctx = models.context_length(config)
-    if max_seq_len is not None and not 1 <= max_seq_len <= ctx:
-        raise HpipeError(f"--max-seq-len {max_seq_len}: must be between 1 and the model's context ({ctx})")
-    n = min(max_seq_len or 2048, ctx)
+    n = _longest_prompt(config, max_seq_len)
     for d in devices:
         formats.check_device("--devices", d, d)
     profile = profile_header(model_spec, config, dtype, n, quick, weights, kv_dtype)
@@ -136,8 +133,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     # where stderr is no terminal (a log), the bars show only at the end: a line per step as it comes
     step = (lambda text: None) if console.is_terminal else \
         (lambda text: console.print(f"{datetime.datetime.now():%H:%M:%S} {text}", highlight=False))
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console) as progress:
+    with _bars(console) as progress:
         for d in devices:
             dev_id = f"{host}/{d}"
             if names[d] in measured:
@@ -164,23 +160,7 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
             measured[names[d]] = entry
             profile["devices"].append(entry)
             progress.update(task, note="done")
-        ok = profile["devices"]
-        # each pair once: a link's measurement times both directions (`_add_link`)
-        pairs = [(a, b) for i, a in enumerate(ok) for b in ok[i + 1:]] + [(a, a) for a in ok if a["device"] == "cpu"]
-        for a, b in pairs:
-            task = progress.add_task(f"link {a['id']} -> {b['id']}", total=None, note="")
-            step(f"link {a['id']} -> {b['id']}: measuring")
-            try:
-                link = measure_link(a["device"], b["device"], quick)
-            except HpipeError as e:
-                profile["errors"].append({"host": host, "device": f"{a['device']}->{b['device']}", "message": str(e)})
-                progress.update(task, note=f"[red]failed: {e}")
-                step(f"link {a['id']} -> {b['id']}: failed: {e}")
-                continue
-            _add_link(profile, a, b, link)
-            progress.update(task, total=1, completed=1,
-                            note=f"{link['forward']['alpha_s'] * 1e6:.0f} us, "
-                                 f"{link['forward']['beta_bytes_per_s'] / 1e9:.2f} GB/s")
+        _measure_local_links(profile, host, quick, progress, step)
     if not profile["devices"]:
         raise HpipeError("no device could be profiled: " + "; ".join(f"{e['device']}: {e['message']}"
                                                                     for e in profile["errors"]))
@@ -189,6 +169,40 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
         profile["peers"] = measure_peers(gpus, host, profile["errors"])
     formats.write_profile(profile, out)
     return profile
+
+
+def _longest_prompt(config, max_seq_len: int | None) -> int:
+    """The longest prompt the tables reach: --max-seq-len (within the model's context), else 2,048."""
+    ctx = models.context_length(config)
+    if max_seq_len is not None and not 1 <= max_seq_len <= ctx:
+        raise HpipeError(f"--max-seq-len {max_seq_len}: must be between 1 and the model's context ({ctx})")
+    return min(max_seq_len or 2048, ctx)
+
+
+def _bars(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+
+
+def _measure_local_links(profile: dict, host: str, quick: bool, progress: Progress, step) -> None:
+    """Every pair of this machine's profiled devices once (a link's measurement times both
+    directions, `_add_link`), and each CPU with itself (two local stages' hop)."""
+    ok = profile["devices"]
+    pairs = [(a, b) for i, a in enumerate(ok) for b in ok[i + 1:]] + [(a, a) for a in ok if a["device"] == "cpu"]
+    for a, b in pairs:
+        task = progress.add_task(f"link {a['id']} -> {b['id']}", total=None, note="")
+        step(f"link {a['id']} -> {b['id']}: measuring")
+        try:
+            link = measure_link(a["device"], b["device"], quick)
+        except HpipeError as e:
+            profile["errors"].append({"host": host, "device": f"{a['device']}->{b['device']}", "message": str(e)})
+            progress.update(task, note=f"[red]failed: {e}")
+            step(f"link {a['id']} -> {b['id']}: failed: {e}")
+            continue
+        _add_link(profile, a, b, link)
+        progress.update(task, total=1, completed=1,
+                        note=f"{link['forward']['alpha_s'] * 1e6:.0f} us, "
+                             f"{link['forward']['beta_bytes_per_s'] / 1e9:.2f} GB/s")
 
 
 def measure_peers(gpus: list[str], host: str, errors: list) -> list[dict]:
@@ -294,10 +308,7 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
 
     console = console or Console(stderr=True)
     config = models.load_config(models.resolve_model(model_spec, progress=lambda m: console.print(m)).path)
-    ctx = models.context_length(config)
-    if max_seq_len is not None and not 1 <= max_seq_len <= ctx:
-        raise HpipeError(f"--max-seq-len {max_seq_len}: must be between 1 and the model's context ({ctx})")
-    n = min(max_seq_len or 2048, ctx)
+    n = _longest_prompt(config, max_seq_len)
     profile = profile_header(model_spec, config, dtype, n, quick, weights, kv_dtype)
     names = [h.name for h in inventory.hosts]
     conns = ssh.connect_all(inventory, names, accept_new_keys, log=lambda m: console.print(m))
@@ -307,33 +318,15 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
         problems = [f"host {name}: {p}" for name in names for p in ssh.host_problems(probes[name])]
         if problems:
             raise HpipeError("preflight failed, nothing was measured: " + "; ".join(problems))
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=console) as progress:
+        with _bars(console) as progress:
             first: dict[str, dict] = {}
             for host in inventory.hosts:
-                conn = conns[host.name]
                 threads = host.threads or max(1, probes[host.name].get("cores") or 1)
-                entries = []
-                for d in host.devices:
-                    task = progress.add_task(f"{host.name}/{d} units", total=None, note="starting")
-                    argv = [host.python, "-m", "hpipe.profiler.measure", "--model", model_spec, "--device", d,
-                            "--dtype", dtype, "--kv-dtype", kv_dtype, "--weights", weights, "--max-seq-len", str(n),
-                            "--threads", str(threads)] + \
-                        (["--quick"] if quick else [])
-                    tail: list[str] = []
-                    env = {**host.env, "PYTHONUNBUFFERED": "1"}
-                    result, error = _follow_measurement(_remote_reports(conn, argv, env, tail, host_timeout_s),
-                                                        progress, task)
-                    if result is None:
-                        error = error or " | ".join(tail[-3:])
-                        profile["errors"].append({"host": host.name, "device": d, "message": error})
-                        progress.update(task, note=f"[red]failed: {error}")
-                        continue
-                    entry = _device_entry(result, host.name, d)
-                    entry["threads"] = threads
-                    profile["devices"].append(entry)
-                    entries.append(entry)
-                    progress.update(task, note="done")
+                argv = [host.python, "-m", "hpipe.profiler.measure", "--model", model_spec, "--dtype", dtype,
+                        "--kv-dtype", kv_dtype, "--weights", weights, "--max-seq-len", str(n), "--threads",
+                        str(threads)] + (["--quick"] if quick else [])
+                entries = _measure_host_devices(profile, conns[host.name], host, argv, threads, progress,
+                                                host_timeout_s)
                 if entries:
                     first[host.name] = entries[0]
                 for a, b in itertools.permutations(entries, 2):   # devices inside one host
@@ -357,6 +350,30 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
                                                                     for e in profile["errors"]))
     formats.write_profile(profile, out)
     return profile
+
+
+def _measure_host_devices(profile: dict, conn, host: formats.Host, argv: list[str], threads: int,
+                          progress: Progress, timeout_s: float) -> list[dict]:
+    """Each device of one host, one after another (`argv`: the measurement worker, less its
+    --device); their entries, also added to the profile (a failure to its errors)."""
+    entries = []
+    for d in host.devices:
+        task = progress.add_task(f"{host.name}/{d} units", total=None, note="starting")
+        tail: list[str] = []
+        env = {**host.env, "PYTHONUNBUFFERED": "1"}
+        result, error = _follow_measurement(_remote_reports(conn, [*argv, "--device", d], env, tail, timeout_s),
+                                            progress, task)
+        if result is None:
+            error = error or " | ".join(tail[-3:])
+            profile["errors"].append({"host": host.name, "device": d, "message": error})
+            progress.update(task, note=f"[red]failed: {error}")
+            continue
+        entry = _device_entry(result, host.name, d)
+        entry["threads"] = threads
+        profile["devices"].append(entry)
+        entries.append(entry)
+        progress.update(task, note="done")
+    return entries
 
 
 def _measure_remote_link(profile, progress, conns, host_a, host_b, a: dict, b: dict, quick: bool,

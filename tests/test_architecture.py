@@ -374,9 +374,7 @@ LONG_FUNCTIONS = {
     "launcher/replicas.py:_dispatch": 115,
     "hpipe/ssh/remote_wrapper.py:main": 80,
     "launcher/cluster.py:start_cluster": 75,
-    "profiler/run.py:profile_cluster": 76,
     "hpipe/runtime/scheduler.py:_prefill_part": 75,
-    "profiler/run.py:profile_local": 72,
 }
 
 
