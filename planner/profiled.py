@@ -531,62 +531,15 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     (`new_tokens` decode steps of the runtime's decode groups, from the profile's decode tables:
     the LM head weighs far more there) or "mixed" (the sum of both per stage: prefill slices and decode
     steps sharing the micro-batches, as under continuous batching)."""
-    if objective not in OBJECTIVES:
-        raise HpipeError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
-    if new_tokens < 1:
-        raise HpipeError(f"--new-tokens must be at least 1, got {new_tokens}")
-    ctx = models.context_length(config)
-    if not 1 <= seq_len <= ctx:
-        raise HpipeError(f"--seq-len {seq_len}: must be between 1 and the model's context ({ctx} tokens)")
-    if batch < 1:
-        raise HpipeError(f"--batch must be at least 1, got {batch}")
-    n_units = models.num_units(config)
-    d = len(devices)
-    if d > n_units:
-        raise HpipeError(f"{d} devices but the model has only {n_units} units")
+    _check_request(config, len(devices), seq_len, batch, objective, new_tokens)
     cost = CostModel(profile, config, devices, profile_path)
-    kv_tokens = (seq_len + (new_tokens if objective != "prefill" else 0)) * batch
-    unit_mem = memory.unit_memory(cost.bytes, kv_tokens)
-    decoding = decode_workload(cost, batch, seq_len, new_tokens) if objective != "prefill" else None
-    names = [f"{h}/{dv}" for h, dv in devices]
-
-    def device_mem(slices) -> np.ndarray:
-        act = memory.activation_bytes(cost.bytes, memory.microbatch_tokens(slices))
-        return np.array([e["memory"]["free_bytes"] * (1 - margin) - act for e in cost.entries])
-
-    def partition(slices) -> Partition:
-        unit_time, out_comm = workload(cost, slices, batch)
-        if objective == "decode":
-            unit_time, out_comm = decoding
-        elif objective == "mixed":
-            unit_time, out_comm = unit_time + decoding[0], out_comm + decoding[1]
-        return partition_layers(unit_time, out_comm, unit_mem, device_mem(slices), names, overlap=overlap)
-
-    uniform = [0, *uniform_cuts(n_units, d), n_units]
-    sharing = cost.sharing
-
-    def by_makespan(slices, starts) -> tuple[Partition, CutSearch]:
-        """Algorithm 1's cuts for these slices, then the cuts that minimize the simulated objective
-        (never worse than Algorithm 1's, uniform cuts or the other starts)."""
-        part = partition(slices)
-        if objective == "mixed":      # one workload, prefill and decode interleaved: Algorithm 1 is exact for it
-            return part, CutSearch(part.cuts, part.bottleneck, "algorithm 1 (mixed: the busiest stage's work)", 1)
-        costs = cut_costs(cost, slices, batch, unit_mem, device_mem(slices), objective, seq_len, new_tokens)
-        found = search_cuts(costs, [part.cuts, uniform, *starts])
-        if sharing.oversubscribed and objective == "prefill":
-            # the search runs every stage at full speed; where stages share cores the processor-
-            # sharing simulation (`predict`) decides between its result and the starts
-            cands = [list(c) for c in dict.fromkeys(tuple(c) for c in [found.cuts, part.cuts, uniform, *starts])]
-            fits = np.isfinite(objective_values(costs, cands))
-            value, cuts = min((predict(cost, c, slices, batch).makespan, c) for c, ok in zip(cands, fits) if ok)
-            found = CutSearch(cuts, value, f"{found.method}, then shared cores", found.evaluated + len(cands))
-        return part, found
-
-    fixed = slicing is not None
+    search = _CutSearcher(cost, config, batch, seq_len, new_tokens, margin, objective, overlap,
+                          [f"{h}/{dv}" for h, dv in devices])
+    d, fixed = len(devices), slicing is not None
     slices = (slicing or formats.Slicing(count=2 * d, granularity=granularity)).slices_for(seq_len)
     best = None                            # (objective, Algorithm 1's partition, the search, slices)
     for _ in range(1 if fixed else max_rounds):
-        part, found = by_makespan(slices, [best[2].cuts] if best else [])
+        part, found = search.by_makespan(slices, [best[2].cuts] if best else [])
         if best is not None and found.value >= best[0] * (1 - 1e-9):
             break
         best = (found.value, part, found, slices)
@@ -597,53 +550,135 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     if not fixed:      # the slicings of the plans `--compare` prints beside this one, with cuts searched too
         for name, (cuts0, slices0) in baseline_plans(cost, seq_len, batch, granularity).items():
             try:
-                part, found = by_makespan(slices0, [cuts0, best[2].cuts])
+                part, found = search.by_makespan(slices0, [cuts0, best[2].cuts])
             except Infeasible:
                 continue
             if found.value < best[0] * (1 - 1e-9):
                 best = (found.value, part, found, slices0)
     _, part, found, slices = best
     binding = None if objective == "mixed" else \
-        memory_binding(cost, found, slices, batch, unit_mem, device_mem(slices), objective, seq_len, new_tokens,
-                       kv_tokens, names, [uniform])
-    placed = _experts_in_host_ram(cost, config, binding, found, slices, batch, unit_mem, device_mem(slices), objective,
-                                  seq_len, new_tokens, kv_tokens, margin) if binding else None
+        memory_binding(cost, found, slices, batch, search.unit_mem, search.device_mem(slices), objective, seq_len,
+                       new_tokens, search.kv_tokens, search.names, [search.uniform])
+    placed = _experts_in_host_ram(cost, config, binding, found, slices, batch, search.unit_mem, search.device_mem(slices),
+                                  objective, seq_len, new_tokens, search.kv_tokens, margin) if binding else None
     if placed is not None:
-        cost, found, binding = placed[0], placed[1], None
-    cuts = found.cuts
-    timeline = predict(cost, cuts, slices, batch)
-    work = unit_work(cost, slices, batch)
-    slice_compute, slice_send = pipeline_times(cost, cuts, slices, batch)
-    bound = lower_bound(cost, work, slices, batch)
-    busy = timeline.busy()
-    contiguous = partition_layers(work, np.zeros_like(work)).bottleneck
-    predicted = Prediction(
-        profile=profile_path, seq_len=seq_len, batch=batch, slices=tuple(slices),
-        makespan_s=timeline.makespan, throughput_tokens_per_s=seq_len * batch / timeline.makespan,
-        stage_busy_s=tuple(busy.tolist()), utilization=tuple((busy / timeline.makespan).tolist()),
-        # per slice, for the run's check (a re-simulation with the stages' measured computes)
-        slice_compute_s=_rows(slice_compute), slice_send_s=_rows(slice_send), way_back_s=cost.way_back(),
-        partition_bottleneck_s=part.bottleneck, overlap_sends=overlap,
-        cut_search={"method": found.method, "candidates": found.evaluated, "algorithm1_cuts": part.cuts,
-                    "algorithm1_makespan_s": predict(cost, part.cuts, slices, batch).makespan},
-        objective=objective, margin=margin,
-        memory_bytes_per_stage=tuple(memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), kv_tokens,
-                                                         memory.microbatch_tokens(slices),
-                                                         cost.placed.get(j, frozenset())).total for j in range(d)),
-        memory_free_bytes=tuple(int(e["memory"]["free_bytes"]) for e in cost.entries),
-        uniform_makespan_s=predict(cost, [0, *uniform_cuts(n_units, d), n_units], slices, batch).makespan,
-        lower_bound_s=bound.makespan_s, lower_bound=bound.as_dict(),
-        ratio_to_lower_bound=timeline.makespan / bound.makespan_s,
-        gap=gap(timeline.makespan, busy.tolist(), bound, contiguous),
-        assumptions=tuple(assumptions(cost, sharing)),
-        memory_binding=binding or None, host_experts=placed[2] if placed is not None else None,
-        decode=decode_prediction(cost, cuts, batch, seq_len, new_tokens) if all(e.get("decode") for e in cost.entries)
-        else None)
+        search.cost, found, binding = placed[0], placed[1], None
+    timeline = predict(search.cost, found.cuts, slices, batch)
+    bound = lower_bound(search.cost, unit_work(search.cost, slices, batch), slices, batch)
+    predicted = search.prediction(profile_path, part, found, slices, timeline, bound, binding,
+                                  placed[2] if placed is not None else None)
     if not fixed:     # every shorter prompt gets its own Algorithm 2 slicing too (serving: any length comes)
-        table = slicings_by_length(cost, cuts, seq_len, granularity, d, overlap)
-        slicing = formats.Slicing(count=len(slices), granularity=granularity,
-                                  by_seq_len={**table, seq_len: tuple(slices)},
-                                  by_context=slicings_by_context(cost, cuts, seq_len, granularity, d, overlap))
+        slicing = _slicing_tables(search.cost, found.cuts, slices, seq_len, granularity, overlap)
+    plan = _profiled_plan(profile, model_name, config, devices, search.cost, found.cuts, slicing, dtype, predicted,
+                          fixed)
+    return PlanResult(plan, search.cost, timeline, bound)
+
+
+def _slicing_tables(cost: CostModel, cuts: list[int], slices: list[int], seq_len: int, granularity: int,
+                    overlap: bool) -> formats.Slicing:
+    """The planned prompt's slices, and Algorithm 2's for every shorter prompt and every context
+    a cached prefix leaves (`Slicing.by_seq_len`, `by_context`)."""
+    d = len(cuts) - 1
+    return formats.Slicing(count=len(slices), granularity=granularity,
+                           by_seq_len={**slicings_by_length(cost, cuts, seq_len, granularity, d, overlap),
+                                       seq_len: tuple(slices)},
+                           by_context=slicings_by_context(cost, cuts, seq_len, granularity, d, overlap))
+
+
+def _check_request(config, d: int, seq_len: int, batch: int, objective: str, new_tokens: int) -> None:
+    if objective not in OBJECTIVES:
+        raise HpipeError(f"--objective {objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if new_tokens < 1:
+        raise HpipeError(f"--new-tokens must be at least 1, got {new_tokens}")
+    ctx = models.context_length(config)
+    if not 1 <= seq_len <= ctx:
+        raise HpipeError(f"--seq-len {seq_len}: must be between 1 and the model's context ({ctx} tokens)")
+    if batch < 1:
+        raise HpipeError(f"--batch must be at least 1, got {batch}")
+    n_units = models.num_units(config)
+    if d > n_units:
+        raise HpipeError(f"{d} devices but the model has only {n_units} units")
+
+
+class _CutSearcher:
+    """`plan_from_profile`'s cuts for given slices, and the figures of the plan it keeps: what the
+    profile, the batch, the objective and the memory margin fix once."""
+
+    def __init__(self, cost: CostModel, config, batch: int, seq_len: int, new_tokens: int, margin: float,
+                 objective: str, overlap: bool, names: list[str]):
+        self.cost, self.batch, self.seq_len, self.new_tokens = cost, batch, seq_len, new_tokens
+        self.margin, self.objective, self.overlap, self.names = margin, objective, overlap, names
+        self.n_units = models.num_units(config)
+        self.kv_tokens = (seq_len + (new_tokens if objective != "prefill" else 0)) * batch
+        self.unit_mem = memory.unit_memory(cost.bytes, self.kv_tokens)
+        self.decoding = decode_workload(cost, batch, seq_len, new_tokens) if objective != "prefill" else None
+        self.uniform = [0, *uniform_cuts(self.n_units, len(names)), self.n_units]
+        self.sharing = cost.sharing
+
+    def device_mem(self, slices) -> np.ndarray:
+        act = memory.activation_bytes(self.cost.bytes, memory.microbatch_tokens(slices))
+        return np.array([e["memory"]["free_bytes"] * (1 - self.margin) - act for e in self.cost.entries])
+
+    def partition(self, slices) -> Partition:
+        unit_time, out_comm = workload(self.cost, slices, self.batch)
+        if self.objective == "decode":
+            unit_time, out_comm = self.decoding
+        elif self.objective == "mixed":
+            unit_time, out_comm = unit_time + self.decoding[0], out_comm + self.decoding[1]
+        return partition_layers(unit_time, out_comm, self.unit_mem, self.device_mem(slices), self.names,
+                                overlap=self.overlap)
+
+    def by_makespan(self, slices, starts) -> tuple[Partition, CutSearch]:
+        """Algorithm 1's cuts for these slices, then the cuts that minimize the simulated objective
+        (never worse than Algorithm 1's, uniform cuts or the other starts)."""
+        part, cost, batch = self.partition(slices), self.cost, self.batch
+        if self.objective == "mixed":      # one workload, prefill and decode interleaved: Algorithm 1 is exact for it
+            return part, CutSearch(part.cuts, part.bottleneck, "algorithm 1 (mixed: the busiest stage's work)", 1)
+        costs = cut_costs(cost, slices, batch, self.unit_mem, self.device_mem(slices), self.objective, self.seq_len,
+                          self.new_tokens)
+        found = search_cuts(costs, [part.cuts, self.uniform, *starts])
+        if self.sharing.oversubscribed and self.objective == "prefill":
+            # the search runs every stage at full speed; where stages share cores the processor-
+            # sharing simulation (`predict`) decides between its result and the starts
+            cands = [list(c) for c in dict.fromkeys(tuple(c) for c in [found.cuts, part.cuts, self.uniform, *starts])]
+            fits = np.isfinite(objective_values(costs, cands))
+            value, cuts = min((predict(cost, c, slices, batch).makespan, c) for c, ok in zip(cands, fits) if ok)
+            found = CutSearch(cuts, value, f"{found.method}, then shared cores", found.evaluated + len(cands))
+        return part, found
+
+    def prediction(self, profile_path: str, part: Partition, found: CutSearch, slices: list[int], timeline: Timeline,
+                   bound: LowerBound, binding: dict | None, host_experts: dict | None) -> Prediction:
+        """The figures of the plan kept (its cuts `found.cuts`), as the plan file holds them."""
+        cost, cuts, batch, seq_len, d = self.cost, found.cuts, self.batch, self.seq_len, len(self.names)
+        slice_compute, slice_send = pipeline_times(cost, cuts, slices, batch)
+        work = unit_work(cost, slices, batch)
+        busy = timeline.busy()
+        return Prediction(
+            profile=profile_path, seq_len=seq_len, batch=batch, slices=tuple(slices),
+            makespan_s=timeline.makespan, throughput_tokens_per_s=seq_len * batch / timeline.makespan,
+            stage_busy_s=tuple(busy.tolist()), utilization=tuple((busy / timeline.makespan).tolist()),
+            # per slice, for the run's check (a re-simulation with the stages' measured computes)
+            slice_compute_s=_rows(slice_compute), slice_send_s=_rows(slice_send), way_back_s=cost.way_back(),
+            partition_bottleneck_s=part.bottleneck, overlap_sends=self.overlap,
+            cut_search={"method": found.method, "candidates": found.evaluated, "algorithm1_cuts": part.cuts,
+                        "algorithm1_makespan_s": predict(cost, part.cuts, slices, batch).makespan},
+            objective=self.objective, margin=self.margin,
+            memory_bytes_per_stage=tuple(memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), self.kv_tokens,
+                                                             memory.microbatch_tokens(slices),
+                                                             cost.placed.get(j, frozenset())).total for j in range(d)),
+            memory_free_bytes=tuple(int(e["memory"]["free_bytes"]) for e in cost.entries),
+            uniform_makespan_s=predict(cost, self.uniform, slices, batch).makespan,
+            lower_bound_s=bound.makespan_s, lower_bound=bound.as_dict(),
+            ratio_to_lower_bound=timeline.makespan / bound.makespan_s,
+            gap=gap(timeline.makespan, busy.tolist(), bound, partition_layers(work, np.zeros_like(work)).bottleneck),
+            assumptions=tuple(assumptions(cost, self.sharing)),
+            memory_binding=binding or None, host_experts=host_experts,
+            decode=decode_prediction(cost, cuts, batch, seq_len, self.new_tokens)
+            if all(e.get("decode") for e in cost.entries) else None)
+
+
+def _profiled_plan(profile: dict, model_name: str, config, devices, cost: CostModel, cuts: list[int],
+                   slicing: formats.Slicing, dtype: str | None, predicted: Prediction, fixed: bool) -> formats.Plan:
     weights = profile.get("weights", "none")           # the units whose times these are
     stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]),
                                      weights=quant.planned(weights, h, dv), host_experts=len(cost.placed.get(j, ())))
@@ -653,4 +688,4 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
                         predicted=predicted, created_by=f"hpipe {__version__} (profile: DP partition"
                                                         f"{'' if fixed else ' and DP slicing'})")
     formats.validate_plan(plan)
-    return PlanResult(plan, cost, timeline, bound)
+    return plan
