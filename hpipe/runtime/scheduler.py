@@ -403,20 +403,7 @@ class Scheduler:
         if not prefilling:
             return [], []
         decoders = sum(1 for s in self.active if s.decoding)
-        # alone: nothing decodes and nothing else can start now (requests may wait for a slot, as
-        # with --max-batch 1: they do not share this prompt's micro-batches, so it is sliced as when
-        # it came by itself, and a job gives the tokens a server gives one request at a time)
-        alone = not decoders and len(prefilling) == 1 and not (self.queue and self.free_slots) \
-            and not any(s.status is Status.PREEMPTED and s.prefilled for s in self.active)
-        if alone:   # the plan's latency-optimal slicing for this prompt's exact length (set once it starts)
-            budget = 1
-        else:
-            waiting = sum(len(s.tokens) - s.pos for s in prefilling) + \
-                sum(len(s.known_tokens) for s in self.queue)
-            budget = self.policy.prefill_tokens(waiting, self.pool.free_rate, decode_tokens)
-            if budget <= 0 and not decode_tokens and not self.inflight:   # never idle with prompts waiting
-                budget = self.policy.min_prefill
-        budget = min(budget, self.max_tokens - decode_tokens)
+        budget, alone = self._prefill_budget(prefilling, decoders, decode_tokens)
         hard = self.max_tokens - decode_tokens      # the stages' receive buffers: never more
         segments, ids = [], []
         size = self.pool.page_size
@@ -448,31 +435,57 @@ class Scheduler:
                     self._preempt_for(seq)
                     free = self.pool.available
             room = (len(seq.pages) + max(0, free)) * size - seq.pos
-            n = min(budget, len(seq.tokens) - seq.pos, room)
-            if self.grid and 0 < n and seq.pos + n < min(len(seq.tokens), len(seq.request.input_ids)):
-                end = (seq.pos + n) // self.grid * self.grid      # deterministic: a prompt's cuts on the grid
-                n = (end if end > seq.pos else min((seq.pos // self.grid + 1) * self.grid, len(seq.tokens))) - seq.pos
-                n = n if n <= min(room, hard) else 0
+            n = self._piece_on_grid(seq, min(budget, len(seq.tokens) - seq.pos, room), min(room, hard))
             if n <= 0 or not self._grow(seq, seq.pos + n):
                 break
             leader = False
             hard -= n
-            sample = seq.pos + n == len(seq.tokens)
-            segments.append(Segment(seq.index, seq.slot, seq.pos, n, sample=sample, prefill=True,
-                                    pages=tuple(seq.pages), fresh=seq.fresh, scored=seq.scoring,
-                                    prompt=len(seq.request.input_ids)))
-            fresh += seq.fresh
-            seq.fresh = False
-            ids += seq.tokens[seq.pos:seq.pos + n]
-            seq.pos += n
-            seq.fed = seq.pos
-            self._register(seq)
             budget -= n
-            if sample:
-                seq.status = Status.DECODING
-                seq.in_flight += 1
-                seq.committed = len(seq.output) + 1
+            fresh += seq.fresh
+            segments.append(self._feed(seq, n))
+            ids += seq.tokens[seq.pos - n:seq.pos]
         return segments, ids
+
+    def _prefill_budget(self, prefilling: list[Sequence], decoders: int, decode_tokens: int) -> tuple[int, bool]:
+        """The prompt tokens this micro-batch may carry, and whether its one prompt is alone: nothing
+        decodes and nothing else can start now (requests may wait for a slot, as with --max-batch 1:
+        they do not share this prompt's micro-batches, so it is sliced as when it came by itself, and
+        a job gives the tokens a server gives one request at a time)."""
+        alone = not decoders and len(prefilling) == 1 and not (self.queue and self.free_slots) \
+            and not any(s.status is Status.PREEMPTED and s.prefilled for s in self.active)
+        if alone:   # the plan's latency-optimal slicing for this prompt's exact length (set once it starts)
+            budget = 1
+        else:
+            waiting = sum(len(s.tokens) - s.pos for s in prefilling) + \
+                sum(len(s.known_tokens) for s in self.queue)
+            budget = self.policy.prefill_tokens(waiting, self.pool.free_rate, decode_tokens)
+            if budget <= 0 and not decode_tokens and not self.inflight:   # never idle with prompts waiting
+                budget = self.policy.min_prefill
+        return min(budget, self.max_tokens - decode_tokens), alone
+
+    def _piece_on_grid(self, seq: Sequence, n: int, most: int) -> int:
+        """--deterministic on: a prompt piece of n tokens ends on the grid (its last piece excepted),
+        rounded down, or up to the next grid line where down leaves nothing (0 if that is over `most`)."""
+        if not (self.grid and 0 < n and seq.pos + n < min(len(seq.tokens), len(seq.request.input_ids))):
+            return n
+        end = (seq.pos + n) // self.grid * self.grid
+        n = (end if end > seq.pos else min((seq.pos // self.grid + 1) * self.grid, len(seq.tokens))) - seq.pos
+        return n if n <= most else 0
+
+    def _feed(self, seq: Sequence, n: int) -> Segment:
+        """The sequence's next n prompt tokens into this micro-batch (its first token sampled after the last)."""
+        sample = seq.pos + n == len(seq.tokens)
+        segment = Segment(seq.index, seq.slot, seq.pos, n, sample=sample, prefill=True, pages=tuple(seq.pages),
+                          fresh=seq.fresh, scored=seq.scoring, prompt=len(seq.request.input_ids))
+        seq.fresh = False
+        seq.pos += n
+        seq.fed = seq.pos
+        self._register(seq)
+        if sample:
+            seq.status = Status.DECODING
+            seq.in_flight += 1
+            seq.committed = len(seq.output) + 1
+        return segment
 
     # ------------------------------------------------------------------ ids in
     def running(self) -> int:
