@@ -146,10 +146,7 @@ def parse_inventory(data: dict, path: str = "<inventory>") -> Inventory:
         raise _fail(path, "hosts", "expected at least one [[hosts]] table")
     hosts: list[Host] = []
     for i, h in enumerate(hosts_list):
-        host = _parse_host(path, f"hosts[{i}]", h)
-        if host.name in {x.name for x in hosts}:
-            raise _fail(path, f"hosts[{i}].name", f"host name {host.name!r} appears twice")
-        hosts.append(host)
+        hosts.append(_parse_host(path, f"hosts[{i}]", h, {x.name for x in hosts}))
     return Inventory(ssh=ssh, hosts=tuple(hosts), path=path,
                      links=_parse_links(path, data.get("links", []), {h.name for h in hosts}))
 
@@ -170,8 +167,9 @@ def _parse_ssh(path: str, ssh_table) -> SSHSettings:
                        known_hosts=ssh_table.get("known_hosts"), connect_timeout_s=float(timeout))
 
 
-def _parse_host(path: str, where: str, h) -> Host:
-    """One [[hosts]] table: how to reach the host, then what it has."""
+def _parse_host(path: str, where: str, h, seen: set[str]) -> Host:
+    """One [[hosts]] table (`seen`: the names of the hosts before it): how to reach the host, then
+    what it has."""
     _expect(path, where, h, dict, "a table")
     _no_unknown_keys(path, where, h, {"name", "address", "port", "user", "python", "devices", "env",
                                       "device_types", "intra_link", "threads"})
@@ -181,6 +179,8 @@ def _parse_host(path: str, where: str, h) -> Host:
     name = _expect(path, f"{where}.name", h["name"], str, "a string")
     if not _HOST_NAME_RE.match(name):
         raise _fail(path, f"{where}.name", f"{name!r}: use letters, digits, '.', '_' or '-'")
+    if name in seen:
+        raise _fail(path, f"{where}.name", f"host name {name!r} appears twice")
     address = _expect(path, f"{where}.address", h["address"], str, "a host name or IP address")
     if not _ADDRESS_RE.match(address):
         raise _fail(path, f"{where}.address", f"{address!r} is not a host name or IP address "
@@ -856,9 +856,7 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
     devices = _expect(path, "devices", data["devices"], list, "a list of device profiles")
     seen = set()
     for i, d in enumerate(devices):
-        _check_device_profile(path, f"devices[{i}]", d)
-        if d["id"] in seen:
-            raise _fail(path, f"devices[{i}].id", f"{d['id']!r} appears twice")
+        _check_device_profile(path, f"devices[{i}]", d, seen)
         seen.add(d["id"])
     if "runtime" in data:
         rt = _expect(path, "runtime", data["runtime"], dict, "an object")
@@ -870,12 +868,15 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
     return data
 
 
-def _check_device_profile(path: str, where: str, d) -> None:
-    """One measured (or estimated) device of a profile: who it is, its memory and its unit tables."""
+def _check_device_profile(path: str, where: str, d, seen: set[str]) -> None:
+    """One measured (or estimated) device of a profile (`seen`: the ids before it): who it is, its
+    memory and its unit tables."""
     _expect(path, where, d, dict, "an object")
     for key in ("id", "host", "device", "type", "source", "identity", "memory", "compute"):
         if key not in d:
             raise _fail(path, where, f"missing required key {key!r}")
+    if d["id"] in seen:
+        raise _fail(path, f"{where}.id", f"{d['id']!r} appears twice")
     if d["source"] not in ("measured", "estimated"):
         raise _fail(path, f"{where}.source", "expected 'measured' or 'estimated'")
     check_device(path, f"{where}.device", d["device"])

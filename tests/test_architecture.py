@@ -409,8 +409,8 @@ def redefined(source_dirs: dict[str, str], root: Path) -> list[str]:
                 for node in scope.body:
                     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         continue
-                    if any(isinstance(d, ast.Attribute) or (isinstance(d, ast.Name) and d.id == "overload")
-                           for d in node.decorator_list):
+                    if any((isinstance(d, ast.Attribute) and d.attr in ("setter", "deleter"))
+                           or (isinstance(d, ast.Name) and d.id == "overload") for d in node.decorator_list):
                         continue
                     if node.name in seen:
                         owner = getattr(scope, "name", None)
