@@ -903,10 +903,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
     """Each unit's packed tensors come from the disk cache (built once from the GGUF blocks or the
     float checkpoint, then mapped); every nn.Linear and nn.Embedding of the unit is replaced. The
     experts of `host_experts` units come from the unit's CPU packing (its own cache entry)."""
-    import numpy as np
     import torch
-
-    from hpipe import experts, quant, quantized
 
     if config.model_type not in LLAMA_LIKE:
         raise HpipeError(f"quantized weights run {', '.join(LLAMA_LIKE)} models; {config.model_type} runs "
@@ -914,36 +911,71 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
     if weights.kind == "gguf" and source.gguf is None:
         raise HpipeError(f"{source.name}: --quantize gguf keeps a .gguf file's own blocks, and this model is a "
                          f"float checkpoint; use --quantize int8 or int4[:group]")
-    device_type = torch.device(device).type
-    readers = {}
-
-    def reader():
-        if "r" not in readers:
-            readers["r"] = quant.GGUFTensors(source.gguf, model) if source.gguf is not None \
-                else _SafetensorsTensors(source.path, config)
-        return readers["r"]
-
-    def tied(hf_name: str) -> bool:
-        return hf_name == "lm_head.weight" and bool(getattr(config, "tie_word_embeddings", False)) and \
-            reader().name(hf_name) is None
-
-    def read(key: str, u: int):
-        if reader().name(key) is None:
-            raise HpipeError(f"{source.name}: no tensor for {key!r} (unit {unit_name(config, u)})")
-        return reader().read(key)
-
-    def pack_unit(u: int, device_type: str) -> dict:
-        out = {}
+    packs = _UnitPacks(model, source, config, weights)
+    for u in units:
+        tensors = packs.tensors(u, torch.device(device).type)
         for mod_path in unit_modules(config, u):
+            _swap_stacked(model, mod_path, tensors, device, tdtype)
+            _swap_modules(model, config, u, mod_path, tensors, packs, device, tdtype, host_experts)
+
+
+def _parts_of(tensors: dict, full: str) -> dict:
+    """The packed tensors of the module at `full`, by their own names."""
+    return {k[len(full) + 1:]: v for k, v in tensors.items() if k.startswith(full + ".")}
+
+
+class _UnitPacks:
+    """A model's units packed for a device kind: each built once from the GGUF blocks or the float
+    checkpoint (read only when a unit is not in the disk cache yet), then mapped; a tied head
+    shares the embedding's tensors."""
+
+    def __init__(self, model, source: ModelSource, config, weights):
+        self.model, self.source, self.config, self.weights = model, source, config, weights
+        self._reader = None
+        self._mapped: dict[tuple[int, str], dict] = {}
+
+    def reader(self):
+        if self._reader is None:
+            from hpipe import quant
+            self._reader = quant.GGUFTensors(self.source.gguf, self.model) if self.source.gguf is not None \
+                else _SafetensorsTensors(self.source.path, self.config)
+        return self._reader
+
+    def tied(self, hf_name: str) -> bool:
+        return hf_name == "lm_head.weight" and bool(getattr(self.config, "tie_word_embeddings", False)) and \
+            self.reader().name(hf_name) is None
+
+    def read(self, key: str, u: int):
+        if self.reader().name(key) is None:
+            raise HpipeError(f"{self.source.name}: no tensor for {key!r} (unit {unit_name(self.config, u)})")
+        return self.reader().read(key)
+
+    def tensors(self, u: int, packed_for: str) -> dict:
+        """Unit u's packed tensors for `packed_for` ("cpu", "cuda"), mapped once."""
+        from hpipe import quant
+
+        if (u, packed_for) not in self._mapped:
+            self._mapped[u, packed_for] = quant.cached_unit(_packed_dir(self.source, self.weights, packed_for), u,
+                                                            lambda: self.pack(u, packed_for))
+        return self._mapped[u, packed_for]
+
+    def pack(self, u: int, device_type: str) -> dict:
+        import numpy as np
+        import torch
+
+        from hpipe import experts, quant
+
+        model, weights, out = self.model, self.weights, {}
+        for mod_path in unit_modules(self.config, u):
             for name, sub in model.get_submodule(mod_path).named_modules():
                 if experts.is_experts(sub):    # all of a block's experts in one set of stacked tensors
-                    gate, up, down = reader().read_experts((u - 1) // 2)
+                    gate, up, down = self.reader().read_experts((u - 1) // 2)
                     out.update({f"{mod_path}.{name}.{k}": v for k, v in
                                 experts.pack_experts(gate, up, down, weights, device_type).items()})
             stacked = set()
             for path, names in quant.stacked_groups(model.get_submodule(mod_path)):
                 owner = f"{mod_path}.{path}" if path else mod_path
-                rows = quant.stack_rows([read(f"{owner}.{n}.weight", u) for n in names])
+                rows = quant.stack_rows([self.read(f"{owner}.{n}.weight", u) for n in names])
                 if rows is not None:        # one matrix under the joined names (`quant.STACKED`)
                     packed = quant.pack(rows, weights, device_type)
                     out.update({f"{owner}.{'+'.join(names)}.{k}": v for k, v in packed.items()})
@@ -955,67 +987,68 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
                 for pname, _ in sub.named_parameters(recurse=False):
                     key = f"{full}.{pname}"
                     if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)) and pname == "weight":
-                        if tied(key) or key in stacked:
+                        if self.tied(key) or key in stacked:
                             continue                     # the embedding's (unit 0's file), or stacked above
-                        packed = quant.pack(read(key, u), weights, device_type,
+                        packed = quant.pack(self.read(key, u), weights, device_type,
                                             as_embedding=isinstance(sub, torch.nn.Embedding))
                         out.update({f"{full}.{k}": v for k, v in packed.items()})
                     else:
-                        out[key] = torch.from_numpy(np.asarray(_as_float(read(key, u)))).reshape(-1).clone()
+                        out[key] = torch.from_numpy(np.asarray(_as_float(self.read(key, u)))).reshape(-1).clone()
         return out
 
-    mapped: dict[tuple[int, str], dict] = {}
 
-    def unit_tensors(u: int, packed_for: str = device_type) -> dict:
-        """Mapped once: a tied head shares the embedding's tensors."""
-        if (u, packed_for) not in mapped:
-            mapped[u, packed_for] = quant.cached_unit(_packed_dir(source, weights, packed_for), u,
-                                                      lambda: pack_unit(u, packed_for))
-        return mapped[u, packed_for]
+def _swap_stacked(model, mod_path: str, tensors: dict, device: str, tdtype) -> None:
+    """Linears packed as one matrix (`quant.STACKED`): one module, its parts in their places."""
+    import torch
 
-    def parts_of(tensors: dict, full: str) -> dict:
-        return {k[len(full) + 1:]: v for k, v in tensors.items() if k.startswith(full + ".")}
+    from hpipe import quant, quantized
 
-    for u in units:
-        tensors = unit_tensors(u)
-        for mod_path in unit_modules(config, u):
-            for path, names in quant.stacked_groups(model.get_submodule(mod_path)):
-                owner_path = f"{mod_path}.{path}" if path else mod_path
-                parts = parts_of(tensors, f"{owner_path}.{'+'.join(names)}")
-                if not parts:
-                    continue                    # packed apart (`quant.stack_rows`)
-                owner = model.get_submodule(owner_path)
-                linears = [getattr(owner, n) for n in names]
-                bias = None if linears[0].bias is None else \
-                    torch.cat([parts_of(tensors, f"{owner_path}.{n}")["bias"] for n in names]).to(device, tdtype)
-                stacked = quantized.linear_module(parts, device, bias)
-                for n, part in zip(names, quantized.linear_parts(stacked, [lin.out_features for lin in linears])):
-                    setattr(owner, n, part)
-            for name, sub in list(model.get_submodule(mod_path).named_modules()):
-                full = f"{mod_path}.{name}" if name else mod_path
-                parent_path, _, child = full.rpartition(".")
-                if experts.is_experts(sub) and u in host_experts:
-                    routed = experts.quantized_experts(parts_of(unit_tensors(u, "cpu"), full), sub.act_fn, "cpu")
-                    setattr(model.get_submodule(parent_path), child, experts.HostExperts(routed))
-                elif experts.is_experts(sub):
-                    setattr(model.get_submodule(parent_path), child,
-                            experts.quantized_experts(parts_of(tensors, full), sub.act_fn, device))
-                elif isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
-                    parts = parts_of(tensors, full)
-                    if not parts and f"{full}.weight" == "lm_head.weight":
-                        # a tied head's unit holds none of its own (pack_unit skipped them): the
-                        # embedding's, read from unit 0's file (no GGUF parse when the cache is warm)
-                        parts = {k[len(unit_modules(config, 0)[0]) + 1:]: v for k, v in unit_tensors(0).items()
-                                 if k.startswith(unit_modules(config, 0)[0] + ".")}
-                    bias = parts.pop("bias", None)
-                    bias = None if bias is None else bias.to(device, tdtype)
-                    new = quantized.embedding_module(parts, device, tdtype) if isinstance(sub, torch.nn.Embedding) \
-                        else quantized.linear_module(parts, device, bias)
-                    setattr(model.get_submodule(parent_path), child, new)
-                else:
-                    for pname, p in list(sub.named_parameters(recurse=False)):
-                        t = tensors[f"{full}.{pname}"].reshape(p.shape).to(device, tdtype)
-                        sub._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+    for path, names in quant.stacked_groups(model.get_submodule(mod_path)):
+        owner_path = f"{mod_path}.{path}" if path else mod_path
+        parts = _parts_of(tensors, f"{owner_path}.{'+'.join(names)}")
+        if not parts:
+            continue                    # packed apart (`quant.stack_rows`)
+        owner = model.get_submodule(owner_path)
+        linears = [getattr(owner, n) for n in names]
+        bias = None if linears[0].bias is None else \
+            torch.cat([_parts_of(tensors, f"{owner_path}.{n}")["bias"] for n in names]).to(device, tdtype)
+        stacked = quantized.linear_module(parts, device, bias)
+        for n, part in zip(names, quantized.linear_parts(stacked, [lin.out_features for lin in linears])):
+            setattr(owner, n, part)
+
+
+def _swap_modules(model, config, u: int, mod_path: str, tensors: dict, packs: _UnitPacks, device: str, tdtype,
+                  host_experts: frozenset[int]) -> None:
+    """Every other module of the unit: experts routed (in the host's RAM for `host_experts`
+    units), linears and embeddings through the packings, the rest's parameters in `tdtype`."""
+    import torch
+
+    from hpipe import experts, quantized
+
+    for name, sub in list(model.get_submodule(mod_path).named_modules()):
+        full = f"{mod_path}.{name}" if name else mod_path
+        parent_path, _, child = full.rpartition(".")
+        if experts.is_experts(sub) and u in host_experts:
+            routed = experts.quantized_experts(_parts_of(packs.tensors(u, "cpu"), full), sub.act_fn, "cpu")
+            setattr(model.get_submodule(parent_path), child, experts.HostExperts(routed))
+        elif experts.is_experts(sub):
+            setattr(model.get_submodule(parent_path), child,
+                    experts.quantized_experts(_parts_of(tensors, full), sub.act_fn, device))
+        elif isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+            parts = _parts_of(tensors, full)
+            if not parts and f"{full}.weight" == "lm_head.weight":
+                # a tied head's unit holds none of its own (`_UnitPacks.pack` skipped them): the
+                # embedding's, read from unit 0's file (no GGUF parse when the cache is warm)
+                parts = _parts_of(packs.tensors(0, torch.device(device).type), unit_modules(config, 0)[0])
+            bias = parts.pop("bias", None)
+            bias = None if bias is None else bias.to(device, tdtype)
+            new = quantized.embedding_module(parts, device, tdtype) if isinstance(sub, torch.nn.Embedding) \
+                else quantized.linear_module(parts, device, bias)
+            setattr(model.get_submodule(parent_path), child, new)
+        else:
+            for pname, p in list(sub.named_parameters(recurse=False)):
+                t = tensors[f"{full}.{pname}"].reshape(p.shape).to(device, tdtype)
+                sub._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
 
 
 def _as_float(x):

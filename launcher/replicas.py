@@ -174,85 +174,102 @@ def _restart(clients: list[PipelineClient], job: PreparedJob, plan_path: str, se
 
 async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: str, report: ReplicaReport, log,
                     t0: float, restart=None, together: dict[int, tuple[int, ...]] | None = None) -> None:
-    loop = asyncio.get_running_loop()
-    room = asyncio.Condition()
-    lost: set[int] = set()              # replicas gone for good
-    restarting: set[int] = set()
-    total = len(job.requests)
-    report.replicas = [{"device": f"{c.job.plan.stages[0].host}/{c.job.plan.stages[0].device}", "requests": 0,
-                        "output_tokens": 0} for c in clients]
-    tokens = 0
-    last_line = 0.0
+    """Every request of the job on the replicas, as they have room; a lost replica's requests on the
+    others (`_Dispatcher`)."""
+    dispatcher = _Dispatcher(clients, job, out_path, report, log, t0, restart, together or {})
+    tasks = [asyncio.ensure_future(dispatcher.run(r)) for r in job.requests]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
 
-    taken = [0] * len(clients)          # requests handed to each replica so far
 
-    def pick() -> int | None:
+class _Dispatcher:
+    """The replicas' shared state while a job runs on them: which have room, which are lost for
+    good or starting again, how many requests each has taken, and the job's progress."""
+
+    def __init__(self, clients: list[PipelineClient], job: PreparedJob, out_path: str, report: ReplicaReport, log,
+                 t0: float, restart, together: dict[int, tuple[int, ...]]):
+        self.clients, self.job, self.out_path, self.report, self.log = clients, job, out_path, report, log
+        self.t0, self.restart, self.together = t0, restart, together
+        self.loop = asyncio.get_running_loop()
+        self.room = asyncio.Condition()
+        self.lost: set[int] = set()              # replicas gone for good
+        self.restarting: set[int] = set()
+        self.taken = [0] * len(clients)          # requests handed to each replica so far
+        self.causes: list[str] = []
+        self.tokens, self.last_line = 0, 0.0
+        report.replicas = [{"device": f"{c.job.plan.stages[0].host}/{c.job.plan.stages[0].device}", "requests": 0,
+                            "output_tokens": 0} for c in clients]
+        for r, c in enumerate(clients):
+            c.on_failure = lambda cause, r=r: self.failed(r, cause)
+
+    def pick(self) -> int | None:
         # ties go to the replica that has taken fewer: where the event loop runs late (a loaded machine)
         # and a short request ends before the next is handed out, the lower index would take them all
-        loads = [(c.load() / max(1, c.max_batch), taken[r], r) for r, c in enumerate(clients)
-                 if c.failure is None and r not in restarting and c.load() < c.max_batch]
+        loads = [(c.load() / max(1, c.max_batch), self.taken[r], r) for r, c in enumerate(self.clients)
+                 if c.failure is None and r not in self.restarting and c.load() < c.max_batch]
         return min(loads)[-1] if loads else None
 
-    causes: list[str] = []
+    def none_left(self) -> bool:
+        return len(self.lost) == len(self.clients)
 
-    def none_left() -> bool:
-        return len(lost) == len(clients)
+    def failed(self, r: int, cause: str) -> None:       # a client's run thread: replica r failed
+        if not self.loop.is_closed():                  # (after the job: nothing left to hand over)
+            asyncio.run_coroutine_threadsafe(self.replica_lost(r, cause), self.loop)
 
-    def failed(r: int, cause: str) -> None:       # a client's run thread: replica r failed
-        if not loop.is_closed():                  # (after the job: nothing left to hand over)
-            asyncio.run_coroutine_threadsafe(replica_lost(r, cause), loop)
-
-    async def replica_lost(r: int, cause: str) -> None:
+    async def replica_lost(self, r: int, cause: str) -> None:
         """Replica r failed (its client says so, with or without requests of its own): one that
         fell with another is started again alone; one that failed by itself is gone. Its requests
         go on the others (each `run` resubmits its own)."""
-        async with room:
+        clients, lost, restarting = self.clients, self.lost, self.restarting
+        async with self.room:
             if r in lost or r in restarting or clients[r].failure is None:
                 return
             fell_with_peer = bool(clients[r].output.peers_lost)
-            readers = [q for q in (together or {}).get(r, ()) if q != r and q not in lost]
-            (restarting if fell_with_peer and restart is not None and not readers else lost).add(r)
-            causes.append(f"replica {r}: {cause}")
-            log(f"hpipe: replica {r} ({report.replicas[r]['device']}) lost: {cause}; its open requests go on the "
-                + ("others; starting it again on its own (WaS)" if r in restarting else "others"))
+            readers = [q for q in self.together.get(r, ()) if q != r and q not in lost]
+            (restarting if fell_with_peer and self.restart is not None and not readers else lost).add(r)
+            self.causes.append(f"replica {r}: {cause}")
+            self.log(f"hpipe: replica {r} ({self.report.replicas[r]['device']}) lost: {cause}; its open requests go "
+                     f"on the " + ("others; starting it again on its own (WaS)" if r in restarting else "others"))
             if readers:     # they read its freed GPU memory from now on: they stop too
                 lost.update(readers)
                 restarting.difference_update(readers)
-                causes.append(f"replicas {', '.join(map(str, readers))}: stopped with replica {r}, whose GPU memory "
-                              f"they read (--sidp-source peer; host-pool survives a lost replica)")
-                log(f"hpipe: {causes[-1]}")
-            room.notify_all()
+                self.causes.append(f"replicas {', '.join(map(str, readers))}: stopped with replica {r}, whose GPU "
+                                   f"memory they read (--sidp-source peer; host-pool survives a lost replica)")
+                self.log(f"hpipe: {self.causes[-1]}")
+            self.room.notify_all()
         for q in readers:
-            await loop.run_in_executor(None, clients[q].close)
+            await self.loop.run_in_executor(None, clients[q].close)
         if r in restarting:
             try:
-                await loop.run_in_executor(None, restart, r, lambda cause, r=r: failed(r, cause))
+                await self.loop.run_in_executor(None, self.restart, r, lambda cause, r=r: self.failed(r, cause))
             except HpipeError as e:
-                log(f"hpipe: replica {r} could not start again: {e}")
+                self.log(f"hpipe: replica {r} could not start again: {e}")
                 lost.add(r)
-            async with room:
+            async with self.room:
                 restarting.discard(r)
-                room.notify_all()
+                self.room.notify_all()
 
-    for r, c in enumerate(clients):
-        c.on_failure = lambda cause, r=r: failed(r, cause)
-
-    async def run(request) -> None:
-        nonlocal tokens, last_line
+    async def run(self, request) -> None:
+        """One request to its end on a replica with room, resumed on another where its replica is lost."""
         while True:
-            async with room:
-                await room.wait_for(lambda: pick() is not None or none_left())
-                if none_left():
-                    raise HpipeError(f"every replica was lost ({'; '.join(causes)}); rerun with --resume to finish")
-                r = pick()
-                handle = clients[r].submit_request(request, loop)
-                taken[r] += 1
+            async with self.room:
+                await self.room.wait_for(lambda: self.pick() is not None or self.none_left())
+                if self.none_left():
+                    raise HpipeError(f"every replica was lost ({'; '.join(self.causes)}); rerun with --resume to "
+                                     f"finish")
+                r = self.pick()
+                handle = self.clients[r].submit_request(request, self.loop)
+                self.taken[r] += 1
             kind, value, _ = await handle.queue.get()     # no output assembled: the end or an error alone
             if kind != "error":
                 break
-            if clients[r].failure is None:
-                raise HpipeError(f"replica {r} ({report.replicas[r]['device']}): {value}")
-            await replica_lost(r, value)
+            if self.clients[r].failure is None:
+                raise HpipeError(f"replica {r} ({self.report.replicas[r]['device']}): {value}")
+            await self.replica_lost(r, value)
             if handle.tokens:           # it goes on after the tokens it had
                 reason = request.finish_reason(handle.tokens[-1], len(handle.tokens))
                 if reason is not None:
@@ -260,33 +277,27 @@ async def _dispatch(clients: list[PipelineClient], job: PreparedJob, out_path: s
                                                     None, 0.0, None, None)
                     break
                 request = request.resumed(handle.tokens)
-        result = handle.result
+        self.record(request, handle.result, r)
+        async with self.room:
+            self.room.notify_all()
+
+    def record(self, request, result: protocol.Result, r: int) -> None:
+        """A finished request into the results file and the report, and the progress line every 2 s."""
         fields = protocol.as_dict(result)
         del fields["index"]
-        text = job.tokenizer.decode(result.output_ids, skip_special_tokens=True) if job.tokenizer else None
+        text = self.job.tokenizer.decode(result.output_ids, skip_special_tokens=True) if self.job.tokenizer else None
         record = {"id": request.id, "output_ids": result.output_ids, "text": text, **fields, "replica": r}
-        formats.append_result(out_path, record)
-        report.results.append(record)
-        report.replicas[r]["requests"] += 1
-        report.replicas[r]["output_tokens"] += len(result.output_ids)
-        tokens += len(result.output_ids)
-        now = time.time()
-        done = len(report.results)
-        if now - last_line > 2 or done == total:
-            rate = tokens / max(now - t0, 1e-9)
-            eta = (now - t0) / done * (total - done)
-            log(f"hpipe: {done}/{total} done, {rate:.1f} tokens/s, ETA {eta:.0f} s")
-            last_line = now
-        async with room:
-            room.notify_all()
-
-    tasks = [asyncio.ensure_future(run(r)) for r in job.requests]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        raise
+        formats.append_result(self.out_path, record)
+        self.report.results.append(record)
+        self.report.replicas[r]["requests"] += 1
+        self.report.replicas[r]["output_tokens"] += len(result.output_ids)
+        self.tokens += len(result.output_ids)
+        now, done, total = time.time(), len(self.report.results), len(self.job.requests)
+        if now - self.last_line > 2 or done == total:
+            rate = self.tokens / max(now - self.t0, 1e-9)
+            eta = (now - self.t0) / done * (total - done)
+            self.log(f"hpipe: {done}/{total} done, {rate:.1f} tokens/s, ETA {eta:.0f} s")
+            self.last_line = now
 
 
 def write_mode_trace(path: str, traces: list[dict], title: str = "") -> None:

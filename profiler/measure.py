@@ -183,11 +183,11 @@ def peer_copies(devices: list[str], torch, repeats: int = 5) -> list[dict]:
 
 def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype: str, repeats: int | None,
             weights: str = "none", kv_dtype: str = KV_DTYPE) -> dict:
+    import numpy as np
     import torch
 
-    from hpipe import models
-    from hpipe.runtime.pages import Segment
-    from hpipe.runtime.stage import StageRunner
+    from hpipe import models, quant
+    from hpipe.grid import heldout_errors
 
     source = models.resolve_model(model)
     config = models.load_config(source.path)
@@ -195,119 +195,24 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
     n = min(max_seq_len or 2048, ctx)
     if max_seq_len and max_seq_len > ctx:
         raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's context of {ctx} tokens")
-    n_units = models.num_units(config)
-    from hpipe import quant
-
     fmt = quant.stage_weights(quant.WeightFormat.parse(weights), device)   # the units the stage will run
-    # A stage runs one block after another, each block's weights coming from memory, not from a cache
-    # warmed by the same unit a moment ago: the blocks are measured in turn, as many as hold
-    # COLD_BYTES (twice a large L3; quantized SmolLM2 blocks are 2.2 MB each).
-    sizes = models.unit_bytes(config, dtype, str(fmt))["weights_per_unit"]
-    cycle = max(1, min(models.num_blocks(config), -(-COLD_BYTES // max(1, sizes[1] + sizes[2]))))
-    runner = functools.partial(StageRunner, source, config, device=device, dtype=dtype, weights=fmt, kv_dtype=kv_dtype)
-    body, head = runner(range(1 + 2 * cycle)), runner(range(n_units - 1, n_units))   # embed and the blocks; the head
-    dev = body.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     repeats = repeats or (3 if quick else 5)
-    hidden = int(config.hidden_size)
+    timer = _UnitTimer(source, config, device, dtype, fmt, kv_dtype, repeats)
     s_grid, c_grid = grid(n, quick, quant.path_switches(fmt, device))
-
-    def timed(fn) -> float:
-        return median_time(fn, sync, repeats)
-
-    # The head is one unit, measured over and over: its weights (the vocabulary's embedding, tens of
-    # MB) would stay in the CPU's last-level cache, where a run never finds them (the stage's blocks
-    # ran in between). Each timed call of it comes after COLD_BYTES of other memory were written.
-    scratch = torch.zeros(COLD_BYTES // 4) if dev.type == "cpu" else None
-
-    def timed_cold(fn) -> float:
-        return median_time(fn, sync, repeats, before=None if scratch is None else (lambda: scratch.add_(1.0)))
-
-    def unit_fn(runner, u, segments):
-        inputs = runner.prepare_inputs(segments)
-        rows, per_row = inputs.shape
-        if u == 0:
-            x = torch.randint(0, int(config.vocab_size), (rows, per_row), device=dev)
-        else:
-            x = torch.randn(rows, per_row, hidden, device=dev, dtype=runner.dtype)
-        if runner is body and u > 0:          # the same half of the next block each call
-            units = itertools.cycle(range(u, 1 + 2 * cycle, 2))
-            return lambda: runner._run_unit(next(units), x, inputs, runner.eager)
-        return lambda: runner._run_unit(u, x, inputs, runner.eager)
-
-    def step_of_halves(u, segments):
-        """One decode step's worth of one kind of half: unit u's half of every block of the cycle
-        in a row, as a step meets them; timed, then divided by the cycle. A decode half is short
-        (0.2-0.7 ms here) and its cost is the memory it reads: timed alone, a few calls on the
-        first blocks right after another point's work read 10-30 % slower than the same halves
-        inside a step (the 2,047-token context's attention: 0.62-0.71 against 0.52 ms)."""
-        half = unit_fn(body, u, segments)       # the same half of the next block each call
-
-        def run():
-            for _ in range(cycle):
-                half()
-        return run
-
     points = [(s, c) for c in c_grid for s in s_grid if s + c <= n]
     decode_batches = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
     decode_ctx = sorted({x for x in ([128, n // 2, n - 1] if quick else [64, 256, 1024, n // 2, n - 1]) if 0 < x < n})
     total = len(points) + 3 * len(s_grid) + len(decode_batches) * len(decode_ctx)  # ticks: the last pass
-    # up-front estimate: time the largest slice once and scale by tokens
-    with torch.inference_mode():
-        probe = unit_fn(body, 1, [Segment(0, 0, 0, min(256, n), True)])
-        probe()
-        t0 = time.perf_counter()
-        probe(), unit_fn(body, 2, [Segment(0, 0, 0, min(256, n), True)])()
-        sync()
-        per_token = (time.perf_counter() - t0) / min(256, n)
     token_sum = sum(s for s, _ in points) + 2 * sum(s_grid) + sum(b for b in decode_batches) * len(decode_ctx)
-    emit("estimate", seconds=round(per_token * token_sum * (repeats + 1) * 2 * 1.3 + 2, 1), points=total)
-
-    done = 0
-
-    def tick():
-        nonlocal done
-        done += 1
-        emit("progress", done=done, total=total)
+    emit("estimate", seconds=round(timer.per_token(n) * token_sum * (repeats + 1) * 2 * 1.3 + 2, 1), points=total)
 
     tables = {k: {"s": s_grid, "c": [0], "t": [[None] for _ in s_grid]} for k in ("embed", "mlp", "head")}
     tables["attn"] = {"s": s_grid, "c": c_grid, "t": [[None] * len(c_grid) for _ in s_grid]}
-    kind_unit = {"embed": (body, 0), "attn": (body, 1), "mlp": (body, 2), "head": (head, n_units - 1)}
     decode = {"batch": decode_batches, "context": decode_ctx,
               "t": {k: [[None] * len(decode_ctx) for _ in decode_batches] for k in ("attn", "mlp", "head")}}
     jobs = [(k, s, 0) for k in ("embed", "mlp", "head") for s in s_grid] + [("attn", s, c) for s, c in points]
     jobs += [("decode", i, j) for i in range(len(decode_batches)) for j in range(len(decode_ctx))]
-    # Two passes over the grid and the decode steps together, each pass in its own shuffled order,
-    # and per point the mean of the two medians: a slow spell of the machine (other tenants,
-    # frequency changes; here spells of 10-20 s at 1.35x) is spread over many points instead of
-    # landing on neighbours, or on every decode step when they were measured in a row. Not the
-    # lesser of the two: a run meets the machine as it usually is, not at its best, and the lesser
-    # made every prediction ~10 % short on this shared machine (bench/fidelity.py).
-    passes = 2
-
-    def keep(cell: list, i: int, j: int, t: float) -> None:
-        cell[i][j] = t if cell[i][j] is None else (cell[i][j] + t) / 2
-
-    with torch.inference_mode():
-        for p in range(passes):
-            random.Random(p).shuffle(jobs)
-            for kind, a, b in jobs:
-                if kind == "decode":
-                    segs = [Segment(k, k, decode_ctx[b], 1, True) for k in range(decode_batches[a])]
-                    keep(decode["t"]["attn"], a, b, timed(step_of_halves(1, segs)) / cycle)
-                    keep(decode["t"]["mlp"], a, b, timed(step_of_halves(2, segs)) / cycle)
-                    keep(decode["t"]["head"], a, b, timed_cold(unit_fn(head, n_units - 1, segs)))
-                else:
-                    runner, u = kind_unit[kind]
-                    table = tables[kind]
-                    t = (timed_cold if kind == "head" else timed)(unit_fn(runner, u, [Segment(0, 0, b, a, True)]))
-                    keep(table["t"], s_grid.index(a), table["c"].index(b), t)
-                if p == passes - 1:
-                    tick()
-
-    import numpy as np
-
-    from hpipe.grid import heldout_errors
+    _time_all(timer, jobs, tables, decode, total)
 
     errors = {k: heldout_errors(tab["s"], tab["c"], tab["t"]) for k, tab in tables.items()}
     fit_error = {k: float(np.median(e)) if e.size else None for k, e in errors.items()}
@@ -318,6 +223,121 @@ def measure(model: str, device: str, quick: bool, max_seq_len: int | None, dtype
             "fetch": fetch_bandwidth(device, torch),
             "max_seq_len": n, "quick": quick, "repeats": repeats, "dtype": dtype,
             "weights": str(fmt)}
+
+
+class _UnitTimer:
+    """A stage's units as the profiler times them. A stage runs one block after another, each
+    block's weights coming from memory, not from a cache warmed by the same unit a moment ago: the
+    blocks are measured in turn, as many as hold COLD_BYTES (twice a large L3; quantized SmolLM2
+    blocks are 2.2 MB each). The head is one unit, measured over and over: its weights (the
+    vocabulary's embedding, tens of MB) would stay in the CPU's last-level cache, where a run never
+    finds them (the stage's blocks ran in between), so each timed call of it comes after
+    COLD_BYTES of other memory were written."""
+
+    def __init__(self, source, config, device: str, dtype: str, fmt, kv_dtype: str, repeats: int):
+        import torch
+
+        from hpipe import models
+        from hpipe.runtime.stage import StageRunner
+
+        sizes = models.unit_bytes(config, dtype, str(fmt))["weights_per_unit"]
+        self.cycle = max(1, min(models.num_blocks(config), -(-COLD_BYTES // max(1, sizes[1] + sizes[2]))))
+        self.n_units = models.num_units(config)
+        runner = functools.partial(StageRunner, source, config, device=device, dtype=dtype, weights=fmt,
+                                   kv_dtype=kv_dtype)
+        self.body = runner(range(1 + 2 * self.cycle))                   # the embedding and the blocks
+        self.head = runner(range(self.n_units - 1, self.n_units))
+        self.dev = self.body.device
+        self.sync = torch.cuda.synchronize if self.dev.type == "cuda" else (lambda: None)
+        self.repeats, self.hidden, self.vocab = repeats, int(config.hidden_size), int(config.vocab_size)
+        self.scratch = torch.zeros(COLD_BYTES // 4) if self.dev.type == "cpu" else None
+
+    def timed(self, fn) -> float:
+        return median_time(fn, self.sync, self.repeats)
+
+    def timed_cold(self, fn) -> float:
+        scratch = self.scratch
+        return median_time(fn, self.sync, self.repeats, before=None if scratch is None else (lambda: scratch.add_(1.0)))
+
+    def unit_fn(self, runner, u, segments):
+        import torch
+
+        inputs = runner.prepare_inputs(segments)
+        rows, per_row = inputs.shape
+        if u == 0:
+            x = torch.randint(0, self.vocab, (rows, per_row), device=self.dev)
+        else:
+            x = torch.randn(rows, per_row, self.hidden, device=self.dev, dtype=runner.dtype)
+        if runner is self.body and u > 0:          # the same half of the next block each call
+            units = itertools.cycle(range(u, 1 + 2 * self.cycle, 2))
+            return lambda: runner._run_unit(next(units), x, inputs, runner.eager)
+        return lambda: runner._run_unit(u, x, inputs, runner.eager)
+
+    def step_of_halves(self, u, segments):
+        """One decode step's worth of one kind of half: unit u's half of every block of the cycle
+        in a row, as a step meets them; timed, then divided by the cycle. A decode half is short
+        (0.2-0.7 ms here) and its cost is the memory it reads: timed alone, a few calls on the
+        first blocks right after another point's work read 10-30 % slower than the same halves
+        inside a step (the 2,047-token context's attention: 0.62-0.71 against 0.52 ms)."""
+        half = self.unit_fn(self.body, u, segments)       # the same half of the next block each call
+
+        def run():
+            for _ in range(self.cycle):
+                half()
+        return run
+
+    def per_token(self, n: int) -> float:
+        """The up-front estimate's rate: a block's two halves on the largest slice, once."""
+        import torch
+
+        from hpipe.runtime.pages import Segment
+
+        with torch.inference_mode():
+            probe = self.unit_fn(self.body, 1, [Segment(0, 0, 0, min(256, n), True)])
+            probe()
+            t0 = time.perf_counter()
+            probe(), self.unit_fn(self.body, 2, [Segment(0, 0, 0, min(256, n), True)])()
+            self.sync()
+            return (time.perf_counter() - t0) / min(256, n)
+
+
+def _time_all(timer: _UnitTimer, jobs: list, tables: dict, decode: dict, total: int) -> None:
+    """Two passes over the grid and the decode steps together, each pass in its own shuffled order,
+    and per point the mean of the two medians: a slow spell of the machine (other tenants,
+    frequency changes; here spells of 10-20 s at 1.35x) is spread over many points instead of
+    landing on neighbours, or on every decode step when they were measured in a row. Not the
+    lesser of the two: a run meets the machine as it usually is, not at its best, and the lesser
+    made every prediction ~10 % short on this shared machine (bench/fidelity.py)."""
+    import torch
+
+    from hpipe.runtime.pages import Segment
+
+    passes, done, head_unit = 2, 0, timer.n_units - 1
+    kind_unit = {"embed": (timer.body, 0), "attn": (timer.body, 1), "mlp": (timer.body, 2),
+                 "head": (timer.head, head_unit)}
+    s_grid, decode_batches, decode_ctx = tables["attn"]["s"], decode["batch"], decode["context"]
+
+    def keep(cell: list, i: int, j: int, t: float) -> None:
+        cell[i][j] = t if cell[i][j] is None else (cell[i][j] + t) / 2
+
+    with torch.inference_mode():
+        for p in range(passes):
+            random.Random(p).shuffle(jobs)
+            for kind, a, b in jobs:
+                if kind == "decode":
+                    segs = [Segment(k, k, decode_ctx[b], 1, True) for k in range(decode_batches[a])]
+                    keep(decode["t"]["attn"], a, b, timer.timed(timer.step_of_halves(1, segs)) / timer.cycle)
+                    keep(decode["t"]["mlp"], a, b, timer.timed(timer.step_of_halves(2, segs)) / timer.cycle)
+                    keep(decode["t"]["head"], a, b, timer.timed_cold(timer.unit_fn(timer.head, head_unit, segs)))
+                else:
+                    runner, u = kind_unit[kind]
+                    table = tables[kind]
+                    fn = timer.unit_fn(runner, u, [Segment(0, 0, b, a, True)])
+                    keep(table["t"], s_grid.index(a), table["c"].index(b),
+                         (timer.timed_cold if kind == "head" else timer.timed)(fn))
+                if p == passes - 1:
+                    done += 1
+                    emit("progress", done=done, total=total)
 
 
 def probe(model: str, device_entry: dict, threads: int, weights: str, dtype: str = "float32") -> float:
