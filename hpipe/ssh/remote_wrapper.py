@@ -31,84 +31,91 @@ import time
 
 def main():
     config = json.loads(sys.stdin.readline() or "{}")
-    marker = config.get("marker", "@@hpipe ")
-    timeout = float(config.get("timeout_s", 30))
     env = dict(os.environ)
     env.update(config.get("env", {}))
     env["HPIPE_PARENT_PID"] = str(os.getpid())   # the worker dies with this wrapper (hpipe/lifeline.py)
-    lock = threading.Lock()
-    out, err = sys.stdout.buffer, sys.stderr.buffer
-
-    def say(stream, data):
-        with lock:
-            stream.write(data)
-            stream.flush()
-
-    def report(kind, **fields):
-        fields["type"] = kind
-        say(out, (marker + json.dumps(fields) + "\n").encode())
-
+    wrapper = WorkerRelay(config.get("marker", "@@hpipe "), float(config.get("timeout_s", 30)))
     try:
         child = subprocess.Popen(sys.argv[1:], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True, cwd=config.get("cwd") or None,
                                  preexec_fn=die_with_parent)
     except OSError as e:
-        report("exit", code=127, why="cannot start %s: %s" % (sys.argv[1] if len(sys.argv) > 1 else "?", e))
+        wrapper.report("exit", code=127, why="cannot start %s: %s" % (sys.argv[1] if len(sys.argv) > 1 else "?", e))
         return 127
-
-    state = {"heard": time.monotonic(), "why": None}
-
-    def stop(why):
-        if state["why"] is None:
-            state["why"] = why
-
-    def relay(src, dst):
-        for line in iter(src.readline, b""):
-            say(dst, line)
-
-    def to_worker(text):
-        try:
-            child.stdin.write(text.encode())
-            child.stdin.flush()
-        except (OSError, ValueError):
-            pass
-
-    def listen():
-        for line in sys.stdin:
-            state["heard"] = time.monotonic()
-            if line.startswith("input "):
-                to_worker(line[len("input "):])
-            elif line.strip() == "stop":
-                stop("stopped by the launcher")
-        stop("the launcher's connection closed")
-
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop("wrapper got signal %d" % signum))
-    relays = [threading.Thread(target=relay, args=(child.stdout, out), daemon=True),
-              threading.Thread(target=relay, args=(child.stderr, err), daemon=True)]
-    for t in relays + [threading.Thread(target=listen, daemon=True)]:
-        t.start()
-    next_beat = 0.0
-    while child.poll() is None:
-        now = time.monotonic()
-        if now - state["heard"] > timeout:
-            stop("no word from the launcher for %.0f s" % timeout)
-        if state["why"] is not None:
-            kill_group(child)
-            break
-        if now >= next_beat:
-            report("alive")
-            next_beat = now + 1.0
-        time.sleep(0.05)
-    try:
-        os.killpg(child.pid, signal.SIGKILL)  # anything the worker left in its group
-    except OSError:
-        pass
-    for t in relays:
-        t.join(timeout=2)
-    code = child.returncode
-    report("exit", code=code, why=state["why"])
+        signal.signal(sig, lambda signum, frame: wrapper.stop("wrapper got signal %d" % signum))
+    code = wrapper.watch(child)
     return code if code >= 0 else 128 - code
+
+
+class WorkerRelay:
+    """One worker's relay: its output to the launcher line by line, the launcher's `input` lines
+    to it, a heartbeat every second, and the reason it is stopped (the first one given)."""
+
+    def __init__(self, marker, timeout):
+        self.marker, self.timeout = marker, timeout
+        self.lock = threading.Lock()
+        self.out, self.err = sys.stdout.buffer, sys.stderr.buffer
+        self.heard = time.monotonic()
+        self.why = None
+
+    def say(self, stream, data):
+        with self.lock:
+            stream.write(data)
+            stream.flush()
+
+    def report(self, kind, **fields):
+        fields["type"] = kind
+        self.say(self.out, (self.marker + json.dumps(fields) + "\n").encode())
+
+    def stop(self, why):
+        if self.why is None:
+            self.why = why
+
+    def relay(self, src, dst):
+        for line in iter(src.readline, b""):
+            self.say(dst, line)
+
+    def listen(self, child):
+        for line in sys.stdin:
+            self.heard = time.monotonic()
+            if line.startswith("input "):
+                try:
+                    child.stdin.write(line[len("input "):].encode())
+                    child.stdin.flush()
+                except (OSError, ValueError):
+                    pass
+            elif line.strip() == "stop":
+                self.stop("stopped by the launcher")
+        self.stop("the launcher's connection closed")
+
+    def watch(self, child):
+        """Relays until the worker exits or is stopped; reports its exit and returns its code."""
+        self.heard = time.monotonic()
+        relays = [threading.Thread(target=self.relay, args=(child.stdout, self.out), daemon=True),
+                  threading.Thread(target=self.relay, args=(child.stderr, self.err), daemon=True)]
+        for t in relays + [threading.Thread(target=self.listen, args=(child,), daemon=True)]:
+            t.start()
+        next_beat = 0.0
+        while child.poll() is None:
+            now = time.monotonic()
+            if now - self.heard > self.timeout:
+                self.stop("no word from the launcher for %.0f s" % self.timeout)
+            if self.why is not None:
+                kill_group(child)
+                break
+            if now >= next_beat:
+                self.report("alive")
+                next_beat = now + 1.0
+            time.sleep(0.05)
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # anything the worker left in its group
+        except OSError:
+            pass
+        for t in relays:
+            t.join(timeout=2)
+        self.report("exit", code=child.returncode, why=self.why)
+        return child.returncode
 
 
 def die_with_parent():
