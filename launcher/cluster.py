@@ -399,15 +399,7 @@ def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory
             c.close()
 
     try:
-        runtime = settings.runtime
-        if settings.serve:    # the KV pool sizes itself from free memory: room for one longest sequence
-            kv_tokens = models.max_model_len(runtime.max_model_len, job.config)
-            microbatch = memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], runtime.max_batch)
-        else:
-            kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests)
-            kv_tokens *= min(runtime.max_batch, len(job.requests))
-            slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in job.requests]
-            microbatch = memory.microbatch_tokens(slices, min(runtime.max_batch, len(job.requests)))
+        kv_tokens, microbatch = _memory_asked(job, settings)
         spec = remote_model_spec(job.source)
         checks = preflight(conns, plan=plan, config=job.config, model_spec=spec, kv_tokens=kv_tokens,
                            microbatch_tokens=microbatch, push_model=push, checked=frozenset(checked or ()))
@@ -416,27 +408,15 @@ def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory
             checked.update(names)
         by_name = {c.name: c for c in checks}
         model_on = push_model(conns, by_name, job, log) if push else {n: spec for n in names}
-        with open(plan_path, "rb") as f:
-            plan_bytes = f.read()
-        requests_text = "".join(json.dumps(r.to_json()) + "\n" for r in job.requests)
+        files = {"plan.json": Path(plan_path).read_bytes(),
+                 "requests.jsonl": "".join(json.dumps(r.to_json()) + "\n" for r in job.requests).encode()}
         for name in names:
-            ssh.write_files(conns[name], remote_tmp, {"plan.json": plan_bytes, "requests.jsonl": requests_text.encode()})
-        master = hosts[plan.stages[0].host]
-        port = by_name[master.name].info["free_port"]
-        token = secrets.token_hex(16)
-        world = len(plan.stages)
+            ssh.write_files(conns[name], remote_tmp, files)
         lines: queue.Queue = queue.Queue()
-        for rank, st in enumerate(plan.stages):
-            host = hosts[st.host]
-            threads = stage_threads(plan, st, host, by_name[st.host].info.get("cores") or 1)
-            logits = f"{remote_tmp}/logits.npz" if settings.logits_out and rank == world - 1 else None
-            argv = worker_command(host.python, f"{remote_tmp}/plan.json", rank, world, master.address, port,
-                                  model_on[st.host], None if settings.serve else f"{remote_tmp}/requests.jsonl",
-                                  settings, threads, logits)
-            env = {**host.env, "HPIPE_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-            workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s))
+        rendezvous = _start_workers(workers, lines, conns, hosts, by_name, plan, model_on, remote_tmp, settings,
+                                    host_timeout_s)
         if not quiet:
-            log(f"hpipe: launched {world} stages on {', '.join(names)} (rendezvous {master.address}:{port})")
+            log(f"hpipe: launched {len(plan.stages)} stages on {', '.join(names)} (rendezvous {rendezvous})")
     except BaseException:
         cleanup()
         raise
@@ -447,6 +427,38 @@ def start_cluster(job: PreparedJob, plan_path: str, inventory: formats.Inventory
 
     return Launch(workers, lines, output, plan, log, quiet, host_timeout_s=host_timeout_s,
                   finish=fetch_logits if settings.logits_out else None, cleanup=cleanup, log_dir=settings.log_dir)
+
+
+def _start_workers(workers: list, lines: queue.Queue, conns: dict, hosts: dict, by_name: dict, plan: formats.Plan,
+                   model_on: dict[str, str], remote_tmp: str, settings: LaunchSettings, host_timeout_s: float) -> str:
+    """Every stage's worker on its host, under the wrapper, into `workers` as each starts (so that a
+    failure midway stops those already running); returns the rendezvous, host:port on stage 0's host."""
+    master = hosts[plan.stages[0].host]
+    port = by_name[master.name].info["free_port"]
+    token, world = secrets.token_hex(16), len(plan.stages)
+    for rank, st in enumerate(plan.stages):
+        host = hosts[st.host]
+        threads = stage_threads(plan, st, host, by_name[st.host].info.get("cores") or 1)
+        logits = f"{remote_tmp}/logits.npz" if settings.logits_out and rank == world - 1 else None
+        argv = worker_command(host.python, f"{remote_tmp}/plan.json", rank, world, master.address, port,
+                              model_on[st.host], None if settings.serve else f"{remote_tmp}/requests.jsonl",
+                              settings, threads, logits)
+        env = {**host.env, "HPIPE_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+        workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s))
+    return f"{master.address}:{port}"
+
+
+def _memory_asked(job: PreparedJob, settings: LaunchSettings) -> tuple[int, int]:
+    """What the preflight checks each host's memory for: KV tokens and the largest micro-batch's.
+    A server's KV pool sizes itself from free memory: room for one longest sequence."""
+    plan, runtime = job.plan, settings.runtime
+    if settings.serve:
+        kv_tokens = models.max_model_len(runtime.max_model_len, job.config)
+        return kv_tokens, memory.microbatch_tokens([plan.slicing.slices_for(kv_tokens)[0]], runtime.max_batch)
+    running = min(runtime.max_batch, len(job.requests))
+    kv_tokens = max(len(r.input_ids) + r.max_new_tokens for r in job.requests) * running
+    slices = [max(plan.slicing.slices_for(len(r.input_ids))) for r in job.requests]
+    return kv_tokens, memory.microbatch_tokens(slices, running)
 
 
 def _remove_remote_tmp(conns: dict[str, ssh.Connection], path: str) -> None:

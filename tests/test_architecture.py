@@ -364,12 +364,10 @@ def test_the_workers_reports_and_ops_are_written_in_one_module():
     assert found == []
 
 
-# Functions over MAX_FUNCTION_LINES, each at most the length it had when this table was made
-# (2026-11-29): the list only shrinks. Split one and take its line out.
+# No function of the packages is over MAX_FUNCTION_LINES (2026-11-29: the last of the 21 that
+# were, split). LONG_FUNCTIONS is where one would be allowed, at most its length then: keep it empty.
 MAX_FUNCTION_LINES = 60
-LONG_FUNCTIONS = {
-    "launcher/cluster.py:start_cluster": 75,
-}
+LONG_FUNCTIONS: dict[str, int] = {}
 
 
 def function_lengths(source_dirs: dict[str, str], root: Path) -> dict[str, int]:
