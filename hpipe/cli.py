@@ -36,8 +36,16 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 # the launch transport's flags, shared by launch and serve
 ACCEPT_NEW_HOST_KEYS = typer.Option(False, "--accept-new-host-keys", help="record unknown host keys in known_hosts "
                                     "(changed keys are always refused)")
-QUANTIZE, KV_DTYPE_OPTION = (typer.Option(None, *f.metadata["flags"], help=f.metadata["help"])    # as `hpipe plan`'s
-                             for f in dataclasses.fields(planner.PlanRequest) if f.name in ("quantize", "kv_dtype"))
+
+
+def _option_of(f: dataclasses.Field):
+    """The typer option of a request's field (`hpipe.planner.request.option`): its flags, help and default."""
+    return typer.Option(... if f.default is dataclasses.MISSING else f.default, *f.metadata["flags"],
+                        help=f.metadata["help"])
+
+
+_PLAN_FIELDS = {f.name: f for f in dataclasses.fields(planner.PlanRequest)}
+QUANTIZE, KV_DTYPE_OPTION = _option_of(_PLAN_FIELDS["quantize"]), _option_of(_PLAN_FIELDS["kv_dtype"])   # as plan's
 PUSH_MODEL = typer.Option(False, "--push-model", help="copy the model files each host's stages need over SFTP "
                           "(checksummed)")
 LOG_DIR = typer.Option(None, "--log-dir", help="also write every stage's whole log to DIR/stage-R.log (created; "
@@ -76,8 +84,7 @@ def request_options(request_type):
     a flag, its default and its help are written once, in the request."""
     hints = typing.get_type_hints(request_type)
     params = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
-                                default=typer.Option(... if f.default is dataclasses.MISSING else f.default,
-                                                     *f.metadata["flags"], help=f.metadata["help"]))
+                                default=_option_of(f))
               for f in dataclasses.fields(request_type)]
 
     def wrap(command):

@@ -564,8 +564,9 @@ def plan_from_profile(profile: dict, profile_path: str, model_name: str, config,
     if placed is not None:
         search.cost, found, binding = placed[0], placed[1], None
     timeline = predict(search.cost, found.cuts, slices, batch)
-    bound = lower_bound(search.cost, unit_work(search.cost, slices, batch), slices, batch)
-    predicted = search.prediction(profile_path, part, found, slices, timeline, bound, binding,
+    work = unit_work(search.cost, slices, batch)
+    bound = lower_bound(search.cost, work, slices, batch)
+    predicted = search.prediction(profile_path, part, found, slices, timeline, work, bound, binding,
                                   placed[2] if placed is not None else None)
     if not fixed:     # every shorter prompt gets its own Algorithm 2 slicing too (serving: any length comes)
         slicing = _slicing_tables(search.cost, found.cuts, slices, seq_len, granularity, overlap)
@@ -647,11 +648,11 @@ class _CutSearcher:
         return part, found
 
     def prediction(self, profile_path: str, part: Partition, found: CutSearch, slices: list[int], timeline: Timeline,
-                   bound: LowerBound, binding: dict | None, host_experts: dict | None) -> Prediction:
-        """The figures of the plan kept (its cuts `found.cuts`), as the plan file holds them."""
+                   work: np.ndarray, bound: LowerBound, binding: dict | None, host_experts: dict | None) -> Prediction:
+        """The figures of the plan kept (its cuts `found.cuts`; `work`: its units' work, as the bound
+        took it), as the plan file holds them."""
         cost, cuts, batch, seq_len, d = self.cost, found.cuts, self.batch, self.seq_len, len(self.names)
         slice_compute, slice_send = pipeline_times(cost, cuts, slices, batch)
-        work = unit_work(cost, slices, batch)
         busy = timeline.busy()
         return Prediction(
             profile=profile_path, seq_len=seq_len, batch=batch, slices=tuple(slices),
