@@ -13,7 +13,6 @@ once on those shared cores, which the prediction does not know.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 
 def hpipe(*args, cwd, check=True):
@@ -75,12 +76,8 @@ def fault_run(cluster, plan, prompts, work: Path, fault: str) -> dict:
 def main() -> None:
     from netns_hosts import HostSpec, start_cluster, stop_cluster, unavailable_reason
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--max-seq-len", type=int, default=2048)
-    ap.add_argument("--h2-cpus", type=float, default=0.5)
-    ap.add_argument("--skip-faults", action="store_true")
-    ap.add_argument("--faults-only", action="store_true", help="re-measure the faults, keep the rest of the JSON")
-    args = ap.parse_args()
+    args = bench_arguments(max_seq_len=2048, h2_cpus=0.5, skip_faults=False,
+                           faults_only=(False, "re-measure the faults, keep the rest of the JSON"))
     reason = unavailable_reason()
     if reason:
         raise SystemExit(f"emulated hosts unavailable: {reason}")

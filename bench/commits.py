@@ -14,7 +14,6 @@ throughput), throttle policy. Writes bench/results/commits[-NAME].json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -27,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 
 def _bench_module(name: str):
@@ -50,21 +51,10 @@ def run_hpipe(root: Path, args: list, cwd: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--base", default="HEAD~1", help="the commit to compare against (a git ref)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--num-prompts", type=int, default=24)
-    ap.add_argument("--rate", type=float, default=8.0)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--kv-pages", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--skip", default="", help="decode or serve: leave that part out")
-    ap.add_argument("--name", default="")
-    args = ap.parse_args()
+    args = bench_arguments(base=("HEAD~1", "the commit to compare against (a git ref)"), rounds=3, prompts=8,
+                           new_tokens=48, num_prompts=24, rate=8.0, max_model_len=1024, max_output_len=64,
+                           max_batch=16, kv_pages=0, seed=0, skip=("", "decode or serve: leave that part out"),
+                           name="")
     base_rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
     head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,

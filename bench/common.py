@@ -3,6 +3,7 @@ synthetic prompts as token ids, and `hpipe` run as a child process."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -122,3 +123,28 @@ def fetch_figures(summary: dict, wall_s: float) -> dict:
                     "slot_wait_ms_per_was_step": round(1e3 * s["was"]["wait_s"] / max(was, 1), 2),
                     "cas_rows_sent": s["cas"]["rows_sent"], "cas_rows_served": s["cas"]["rows_served"]})
     return {"group": out} if out else {}
+
+
+def bench_parser(description: str | None = None, **options) -> argparse.ArgumentParser:
+    """A bench's command line from its options' defaults, one way for every bench: `name=default` is
+    `--name` (underscores as dashes) of the default's type (`None`: a string), `False` a switch;
+    `name=(default, "help")` the same with its help. The caller adds what this does not cover."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, value in options.items():
+        default, help_text = value if isinstance(value, tuple) else (value, None)
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            ap.add_argument(flag, action="store_true", help=help_text)
+        else:
+            ap.add_argument(flag, type=str if default is None else type(default), default=default, help=help_text)
+    return ap
+
+
+def bench_arguments(description: str | None = None, **options) -> argparse.Namespace:
+    """`bench_parser(...)`'s arguments, parsed."""
+    return bench_parser(description, **options).parse_args()
+
+
+def results_path(name: str) -> str:
+    """Where a bench writes its JSON unless told otherwise: bench/results/NAME.json."""
+    return str(Path(__file__).resolve().parent / "results" / f"{name}.json")

@@ -20,7 +20,6 @@ bench/results/decode[-NAME].json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 VARIANTS = {
     "all off": ["--no-tsem", "--no-sat", "--sampling", "inline", "--no-cuda-graphs"],
@@ -305,16 +306,9 @@ def floor_setup(work: Path, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--setups", default="local,hosts,floor")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--vocab", type=int, default=151643)
-    ap.add_argument("--gpu-stages", type=int, default=2, help="the gpu setup's stages on --device")
-    ap.add_argument("--name", default="", help="suffix of the results file")
-    args = ap.parse_args()
+    args = bench_arguments(setups="local,hosts,floor", repeats=2, prompts=8, new_tokens=48, device="cuda:0",
+                           vocab=151643, gpu_stages=(2, "the gpu setup's stages on --device"),
+                           name=("", "suffix of the results file"))
     report = {"machine_cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
     setups = {"local": local_setup, "hosts": hosts_setup, "gpu": gpu_setup, "floor": floor_setup,
               "gpu-floor": gpu_floor_setup, "objective": objective_setup}

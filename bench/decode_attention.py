@@ -22,7 +22,6 @@ Writes bench/results/decode_attention.json (--out).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments, results_path  # noqa: E402
 
 LAYERS, KV_HEADS, GROUP, HEAD = 30, 3, 3, 64        # SmolLM2-135M
 SCALE = HEAD ** -0.5
@@ -78,12 +79,7 @@ def main() -> None:
 
     from bench.common import cpu_name
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--contexts", default="256,1024,2048")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_attention.json"))
-    args = ap.parse_args()
+    args = bench_arguments(contexts="256,1024,2048", threads=2, repeats=9, out=results_path("decode_attention"))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "threads": args.threads,

@@ -18,7 +18,6 @@ Writes bench/results/decode_compile.json (--out).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_parser  # noqa: E402
 
 PROMPT = 256
 # profiler events by kind: hpipe's kernels or torch's weight-only ops (HPIPE_CPU_KERNELS=torch), the
@@ -47,9 +48,7 @@ def main() -> None:
     from hpipe.runtime.stage import StageRunner
     from hpipe.runtime.static_decode import StaticDecode
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=64)
+    ap = bench_parser(threads=2, steps=64)
     ap.add_argument("--prompt", type=int, default=PROMPT, help="context before the timed steps")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_compile.json"))
     args = ap.parse_args()

@@ -7,7 +7,6 @@ number of micro-batches, from `hpipe launch --timeline-out`. A random-init Llama
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import sys
@@ -17,19 +16,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
+from bench.common import bench_arguments  # noqa: E402
+
 
 def main() -> None:
     from bench.common import random_llama, token_prompts
     from hpipe.cli import main as hpipe
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--vocab", type=int, default=151643)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--sampling", default="inline")
-    ap.add_argument("--dtype", default="bfloat16")
-    args = ap.parse_args()
+    args = bench_arguments(device="cpu", vocab=151643, prompts=16, new_tokens=64, sampling="inline", dtype="bfloat16")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         random_llama(tmp / "m", args.vocab)

@@ -19,7 +19,6 @@ Writes bench/results/determinism.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -30,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 CASES = {"batch 1": (1, 512, 64), "batch 8": (8, 512, 64), "prefill 2048": (1, 2048, 1)}
 
@@ -93,10 +94,7 @@ def stage_steps(rounds: int) -> dict:
 def main() -> None:
     from bench.common import hpipe
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=15)
-    args = ap.parse_args()
+    args = bench_arguments(repeats=2, rounds=15)
     report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores (the stage takes them all)",
               "model": "SmolLM2-135M-Instruct Q4_1 (GGUF kept quantized), one local stage",
               "steps": stage_steps(args.rounds), "jobs": {}}

@@ -19,7 +19,6 @@ Needs root and openssh-server for the hosts-* settings (others run anywhere).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import datetime
 import json
@@ -33,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import hpipe as run_hpipe, launch_checked, prompt_ids  # noqa: E402
+from bench.common import bench_parser, hpipe as run_hpipe, launch_checked, prompt_ids, results_path  # noqa: E402
 
 SETTINGS = {   # name: (local stages or None, hosts as (name, link Mbit/s or None), profile threads)
     "local-1": (1, None, 0),
@@ -124,13 +123,10 @@ def run_setting(name: str, lengths: list[int], new_tokens: int, work: Path, keep
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--model", default="smollm2", help="what `hpipe plan --model` takes (a MoE GGUF file: bench/moe.py's)")
-    ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="launches per length; the median is compared")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fidelity.json"))
+    ap = bench_parser(settings=",".join(SETTINGS),
+                      model=("smollm2", "what `hpipe plan --model` takes (a MoE GGUF file: bench/moe.py's)"),
+                      lengths="512,2048", new_tokens=64, repeats=(3, "launches per length; the median is compared"),
+                      out=results_path("fidelity"))
     ap.add_argument("--keep-profile", action="append", default=[], help="SETTING=PATH: keep that setting's profile")
     args = ap.parse_args()
     keep = dict(x.split("=", 1) for x in args.keep_profile)

@@ -13,7 +13,6 @@ empty: it ran on the H100 that day):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]   # [out, in]
 
@@ -86,12 +87,8 @@ def launch(device: str, log_dir: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--log-dir", default=str(Path(os.environ.get("OUT", "/tmp")) / "int4-logs"))
-    ap.add_argument("--skip-linears", action="store_true")
-    ap.add_argument("--skip-launch", action="store_true")
-    args = ap.parse_args()
+    args = bench_arguments(device="cuda:0", log_dir=str(Path(os.environ.get("OUT", "/tmp")) / "int4-logs"),
+                           skip_linears=False, skip_launch=False)
     report = {"date": time.strftime("%Y-%m-%d")}
     try:
         if not args.skip_linears:

@@ -9,7 +9,6 @@ eager step (host time per op against device time). Writes bench/results/gpu_step
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -18,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 
 def timed(fn, steps: int) -> float:
@@ -42,11 +43,7 @@ def main() -> None:
     from hpipe.runtime.stage import StageRunner
     from hpipe.runtime.static_decode import StaticDecode
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=30)
-    args = ap.parse_args()
+    args = bench_arguments(device="cuda:0", rows=8, steps=30)
     n, prompt = args.rows, 64
     with tempfile.TemporaryDirectory() as tmp:
         path = random_llama(Path(tmp) / "m", 151643, layers=16, dtype="bfloat16")

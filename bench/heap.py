@@ -8,7 +8,6 @@ shared and noisy: compare the ratio of medians, not the seconds across runs).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -20,18 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import hpipe, prompt_ids  # noqa: E402
+from bench.common import bench_arguments, hpipe, prompt_ids, results_path  # noqa: E402
 
 VARIANTS = {"glibc defaults": "default", "hpipe.heap": ""}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="512,2048")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "heap.json"))
-    args = ap.parse_args()
+    args = bench_arguments(lengths="512,2048", rounds=3, new_tokens=32, out=results_path("heap"))
     lengths = [int(x) for x in args.lengths.split(",")]
     base = dict(os.environ, PYTHONPATH=str(ROOT))
     runs = {(v, n): {"ttft_s": [], "tpot_ms": []} for v in VARIANTS for n in lengths}

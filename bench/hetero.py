@@ -11,7 +11,6 @@ built here, no download. Writes bench/results/hetero_<devices>[_<name>].json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -20,24 +19,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import hpipe, launch_checked, prompt_ids, random_llama  # noqa: E402
+from bench.common import bench_arguments, hpipe, launch_checked, prompt_ids, random_llama  # noqa: E402
 
 
 def main() -> None:
     from hpipe import formats
     from hpipe.launcher.local import threads_per_stage
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--devices", default="cuda:0,cpu")
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--slices", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2, help="launches of the plan; the faster is kept")
-    ap.add_argument("--name", default="", help="suffix of the results file (the device)")
-    args = ap.parse_args()
+    args = bench_arguments(devices="cuda:0,cpu", tokens=1024, slices=8, new_tokens=64, dtype="bfloat16", hidden=2048,
+                           layers=16, repeats=(2, "launches of the plan; the faster is kept"),
+                           name=("", "suffix of the results file (the device)"))
     devices = args.devices.split(",")
     report = {"devices": devices, "dtype": args.dtype, "tokens": args.tokens, "new_tokens": args.new_tokens}
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,6 @@ Writes bench/results/kv_dtype.json (--out).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -34,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments, results_path  # noqa: E402
 
 KV_TYPES = ("float32", "bfloat16", "float16")
 SLICE = 128
@@ -154,15 +155,8 @@ def main() -> None:
 
     from bench.common import cpu_flags
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--contexts", default="1024,4096")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ROOT / "bench/results/kv_dtype.json"))
-    args = p.parse_args()
+    args = bench_arguments(__doc__, model="smollm2", window=512, tokens=2048, contexts="1024,4096", repeats=15,
+                           threads=2, out=results_path("kv_dtype"))
     torch.set_num_threads(args.threads)
     result = {"date": time.strftime("%Y-%m-%d"), "cpu_flags": cpu_flags(), "threads": args.threads,
               "model": args.model, "window": args.window,

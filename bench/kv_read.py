@@ -9,7 +9,6 @@ default model (Q4_1 GGUF kept quantized), one process, one thread (a host's shar
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -19,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 
 def main() -> None:
@@ -31,11 +32,7 @@ def main() -> None:
     from hpipe.runtime.inprocess import run_inprocess
     from hpipe.runtime.stage import StageRunner
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=1700)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    args = bench_arguments(context=1700, new=64, repeats=3)
     torch.set_num_threads(1)
     source = models.resolve_model("smollm2")
     config = models.load_config(source.path)

@@ -13,7 +13,6 @@ Writes bench/results/long_context.json (--out), the CPU's flags with it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import cpu_flags, cpu_name, hpipe, prompt_ids  # noqa: E402
+from bench.common import bench_arguments, cpu_flags, cpu_name, hpipe, prompt_ids, results_path  # noqa: E402
 
 NEW = 32
 LLAMA_BENCH = Path("/opt/llama.cpp/build/bin/llama-bench")
@@ -68,14 +67,9 @@ def theirs(model: str, contexts: list[int], threads: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2 or a GGUF file")
-    p.add_argument("--contexts", default="1024,4096,8000")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kv-dtypes", default="float16,float32")
-    p.add_argument("--work", default="/tmp/hpipe-long-context")
-    p.add_argument("--out", default=str(ROOT / "bench/results/long_context.json"))
-    args = p.parse_args()
+    args = bench_arguments(__doc__, model=("smollm2", "smollm2 or a GGUF file"), contexts="1024,4096,8000", threads=2,
+                           kv_dtypes="float16,float32", work="/tmp/hpipe-long-context",
+                           out=results_path("long_context"))
     contexts = [int(c) for c in args.contexts.split(",")]
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ two stages truly overlap.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -22,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -88,10 +89,7 @@ def pipeline(ids: list[int], slices: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=2048)
-    args = ap.parse_args()
+    args = bench_arguments(repeats=3, tokens=2048)
     ids = prompt_ids(args.tokens)
     report = {"model": "smollm2 (SmolLM2-135M-Instruct, float32)", "prompt_tokens": len(ids),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},

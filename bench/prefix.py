@@ -34,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -184,13 +186,7 @@ def main() -> None:
     from hpipe import models
     from hpipe.cli import main as hpipe_main
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--setups", default="local,hosts")
-    ap.add_argument("--docs", default="1700,8000")
-    ap.add_argument("--questions", type=int, default=3)
-    ap.add_argument("--sharegpt", type=int, default=24)
-    ap.add_argument("--max-batch", type=int, default=4)
-    args = ap.parse_args()
+    args = bench_arguments(setups="local,hosts", docs="1700,8000", questions=3, sharegpt=24, max_batch=4)
     source = models.resolve_model("smollm2")
     tokenizer = models.load_tokenizer(source.path)
     docs = documents(tokenizer, [int(x) for x in args.docs.split(",")])

@@ -8,7 +8,6 @@ prefill makespan against the measured one. Writes bench/results/profile.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -22,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # this file's name shadows the standard library's `profile` module: keep bench/ off the path
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
+from bench.common import bench_arguments  # noqa: E402
+
 
 def main() -> None:
     from bench.prefill import prompt_ids
@@ -30,10 +31,7 @@ def main() -> None:
     from hpipe.launcher.jobs import LaunchSettings, busy_fractions, prepare
     from hpipe.launcher.local import launch_local
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--slices", type=int, default=8)
-    args = ap.parse_args()
+    args = bench_arguments(tokens=2048, slices=8)
     report = {"machine": {"cpus": os.cpu_count()}}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

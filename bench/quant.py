@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import cpu_name, hpipe, kernels_line, prompt_ids  # noqa: E402
+from bench.common import bench_parser, cpu_name, hpipe, kernels_line, prompt_ids  # noqa: E402
 
 TORCH_KERNELS = "@torch"          # a variant's suffix: torch's kernels (hpipe.cpu_kernels.ENV)
 
@@ -361,13 +361,10 @@ def quality(model: str, formats: list[str], n_tokens: int, threads: int, theirs:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--files", default="smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0")
-    ap.add_argument("--formats", default="gguf,gguf@torch,int8,int4:32", help="the variants of smollm2")
-    ap.add_argument("--shape-formats", default="gguf,gguf@torch", help="the variants of the SHAPE-TYPE files")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--quality-tokens", type=int, default=4096)
+    ap = bench_parser(files="smollm2,1b-Q4_0,1b-Q4_K,1b-Q8_0,8b-4-Q4_0,8b-4-Q4_K,8b-4-Q8_0",
+                      formats=("gguf,gguf@torch,int8,int4:32", "the variants of smollm2"),
+                      shape_formats=("gguf,gguf@torch", "the variants of the SHAPE-TYPE files"), threads=2, repeats=2,
+                      quality_tokens=4096)
     ap.add_argument("--contexts", default="",
                     help="prompt lengths (e.g. 256,1024,2048) after which the first --formats variant and "
                          "llama.cpp also decode %d tokens" % CONTEXT_NEW)

@@ -10,7 +10,6 @@ bench/results/sampler.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,6 +20,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 
 from hpipe.sampling import CPUSampler, SamplingParams  # noqa: E402
 
@@ -68,15 +69,7 @@ def allocated_bytes(fn) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=151643)
-    ap.add_argument("--warm", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--naive-steps", type=int, default=3)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=0)
-    args = ap.parse_args()
+    args = bench_arguments(batch=256, vocab=151643, warm=64, steps=10, naive_steps=3, prompt=128, threads=0)
     if args.threads:
         torch.set_num_threads(args.threads)
     b, v = args.batch, args.vocab

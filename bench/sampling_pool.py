@@ -9,7 +9,6 @@ penalties (the tokens must be equal; checked here). Writes bench/results/samplin
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,20 +18,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
+from bench.common import bench_arguments  # noqa: E402
+
 
 def main() -> None:
     from hpipe import formats
     from hpipe.cli import main as hpipe
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--random-vocab", type=int, default=0)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--sampler-procs", type=int, default=1)
-    args = ap.parse_args()
+    args = bench_arguments(device="cpu", prompts=8, new_tokens=64, repeats=2, random_vocab=0, dtype="float32",
+                           sampler_procs=1)
     topics = ["rivers", "compilers", "tea", "volcanoes", "chess", "bridges", "owls", "glass", "maps", "bees",
               "clocks", "salt", "kites", "moss", "ink", "wind"]
     report = {"device": args.device, "stages": 2, "prompts": args.prompts, "new_tokens": args.new_tokens,

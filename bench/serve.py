@@ -28,7 +28,6 @@ request rate per policy, the rate where TTFT turns up marked; micro-batch tokens
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -42,6 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_parser  # noqa: E402
 
 
 # ------------------------------------------------------------------------------- the workload
@@ -332,17 +333,8 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--setups", default="local,hosts")
-    ap.add_argument("--policies", default="throttle,sarathi")
-    ap.add_argument("--rates", default="0.5,1,2,4")
-    ap.add_argument("--num-prompts", type=int, default=24)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--max-output-len", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=16)
-    ap.add_argument("--kv-pages", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--name", default="")
+    ap = bench_parser(__doc__, setups="local,hosts", policies="throttle,sarathi", rates="0.5,1,2,4", num_prompts=24,
+                      max_model_len=1024, max_output_len=64, max_batch=16, kv_pages=0, seed=0, name="")
     ap.add_argument("--quantize", default="gguf", help="the plans' weights (hpipe plan --quantize): gguf, the "
                     "default model's own blocks, or none (float32)")
     ap.add_argument("--save-workload", default=None, metavar="DIR", help="draw the requests, write them and their "

@@ -24,7 +24,6 @@ Writes bench/results/serve_start.json (--out), with the CPU's name.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -37,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import cpu_name, hpipe, kernels_line, prompt_ids  # noqa: E402
+from bench.common import bench_arguments, cpu_name, hpipe, kernels_line, prompt_ids, results_path  # noqa: E402
 
 RAN = "steps run them from now"
 
@@ -91,15 +90,8 @@ def serve_case(plan: Path, work: Path, env: dict, compile: str, seconds: float, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--quantize", default="gguf")
-    ap.add_argument("--seconds", type=float, default=150)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--gap", type=float, default=5.0)
-    ap.add_argument("--cases", default="cold,warm,on", help="of cold, warm, on; in that order")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_start.json"))
-    args = ap.parse_args()
+    args = bench_arguments(model="smollm2", quantize="gguf", seconds=150.0, new_tokens=64, gap=5.0,
+                           cases=("cold,warm,on", "of cold, warm, on; in that order"), out=results_path("serve_start"))
     report = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "machine_cores": os.cpu_count(),
               "kernels": kernels_line(), "model": args.model, "quantize": args.quantize, "prompt": 256,
               "new_tokens": args.new_tokens, "gap_s": args.gap,

@@ -24,7 +24,6 @@ as bench/results/sidp_modes.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -35,6 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
+
+from bench.common import bench_arguments  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 
 
@@ -52,13 +53,7 @@ def main() -> None:
 
     from hpipe import models
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--switch-at", type=int, default=4)
-    args = ap.parse_args()
+    args = bench_arguments(requests=24, max_new_tokens=64, replicas=2, repeats=2, switch_at=4)
     source = models.resolve_model("smollm2")
     tokenizer = models.load_tokenizer(source.path)
     chosen, info = sample_requests(tokenizer, args.requests, 1024, args.max_new_tokens, seed=0)

@@ -20,7 +20,6 @@ Writes bench/results/sidp_gpu[_NAME].json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import fetch_figures, hpipe, random_llama, token_prompts  # noqa: E402
+from bench.common import bench_arguments, fetch_figures, hpipe, random_llama, token_prompts  # noqa: E402
 
 
 def runs_of(modes: list[str]) -> list[list]:
@@ -45,16 +44,8 @@ def runs_of(modes: list[str]) -> list[list]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--name", default="")
-    args = ap.parse_args()
+    args = bench_arguments(device="cuda:0", requests=24, prompt_len=256, max_new_tokens=64, max_batch=8, hidden=2048,
+                           layers=16, name="")
     gpu = args.device.startswith("cuda")
     dtype = "bfloat16" if gpu else "float32"
     report = {"date": time.strftime("%Y-%m-%d"), "device": args.device, "requests": args.requests,

@@ -15,7 +15,6 @@ request's TPOT. Batch 8: all 8 at once (--max-batch 8), output tokens / the run'
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import hpipe  # noqa: E402
+from bench.common import bench_arguments, hpipe  # noqa: E402
 
 QUESTIONS = [
     "What was Larkspur Analytics' monthly inference cost after moving to its in-house office cluster?",
@@ -118,12 +117,7 @@ def chart(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--speculative", default="ngram")
-    ap.add_argument("--skip-hosts", action="store_true")
-    ap.add_argument("--skip-local", action="store_true")
-    args = ap.parse_args()
+    args = bench_arguments(new_tokens=64, speculative="ngram", skip_hosts=False, skip_local=False)
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "model": "smollm2",
               "speculative": args.speculative, "new_tokens": args.new_tokens, "settings": {}}
     out_path = ROOT / "bench" / "results" / "speculative.json"

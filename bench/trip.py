@@ -30,7 +30,6 @@ Writes bench/results/trip.json (or --out).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -44,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import cpu_name, hpipe, kernels_line, prompt_ids  # noqa: E402
+from bench.common import bench_arguments, cpu_name, hpipe, kernels_line, prompt_ids, results_path  # noqa: E402
 from hpipe.net import free_port  # noqa: E402
 
 PROMPT, NEW, PREFILL = 256, 128, 2048
@@ -135,13 +134,9 @@ class LlamaRpc:
 def main() -> None:
     from hpipe import models
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stages", type=int, default=3)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--extra", default="", help="more `hpipe launch` flags, e.g. \"--compile on\"")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the two, alternated (this machine is shared)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "trip.json"))
-    args = ap.parse_args()
+    args = bench_arguments(stages=3, model="smollm2", extra=("", "more `hpipe launch` flags, e.g. \"--compile on\""),
+                           rounds=(3, "rounds of the two, alternated (this machine is shared)"),
+                           out=results_path("trip"))
     path = models.smollm2_gguf_path() if args.model == "smollm2" else Path(args.model)
     extra = shlex.split(args.extra)
     rounds = []
