@@ -138,7 +138,7 @@ def serve_part(sides: dict, tmp: Path, args) -> dict:
                 run = asyncio.run(serve_bench.run_rate(base, requests, args.rate, args.seed))
                 s = serve_bench.summarize(run, [])
             finally:
-                serve_bench.stop_server(proc)
+                serve_bench.stop_serve(proc)
             runs[side].append({k: s[k] for k in ("output_throughput", "request_throughput", "median_ttft_ms",
                                                  "median_tpot_ms")})
             print(f"  serve {side}: {s['output_throughput']} tok/s out, TPOT median {s['median_tpot_ms']} ms",

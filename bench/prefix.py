@@ -181,7 +181,8 @@ def suffix_slicing() -> list[dict]:
 
 
 def main() -> None:
-    from serve import sample_requests, start_server, stop_server
+    from serve import sample_requests, start_server
+    from serving import stop_serve
 
     from hpipe import models
     from hpipe.cli import main as hpipe_main
@@ -223,7 +224,7 @@ def main() -> None:
                             row["shared_system_prompt"] = asyncio.run(shared_system_prompt(base, sharegpt))
                             print(f"    ShareGPT with a shared system prompt: {row['shared_system_prompt']}", flush=True)
                     finally:
-                        stop_server(proc)
+                        stop_serve(proc)
             finally:
                 if stopper is not None:
                     stopper()

@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
 from bench.common import bench_parser  # noqa: E402
+from serving import start_serve, stop_serve  # noqa: E402  (tests/serving.py)
 
 
 # ------------------------------------------------------------------------------- the workload
@@ -217,7 +217,6 @@ def start_server(plan: Path, policy: str, args, work: Path, cluster: Path | None
     from hpipe.net import free_port
 
     port = free_port()
-    log = open(work / f"serve-{policy}-{port}.log", "w")
     where = ["--cluster", str(cluster)] if cluster else ["--local"]
     cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), *where, "--port", str(port), "--policy", policy,
            "--max-model-len", str(args.max_model_len), "--max-batch", str(args.max_batch),
@@ -225,30 +224,8 @@ def start_server(plan: Path, policy: str, args, work: Path, cluster: Path | None
     if args.kv_pages:
         cmd += ["--kv-pages", str(args.kv_pages)]
     cmd += list(extra)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(root)),
-                            start_new_session=True, cwd=work)
-    base = f"http://127.0.0.1:{port}"
-    import urllib.request
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"hpipe serve exited {proc.returncode}: {(work / log.name).read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("hpipe serve did not come up")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    return start_serve(cmd, work / f"serve-{policy}-{port}.log", port, within=300,
+                       env=dict(os.environ, PYTHONPATH=str(root)), cwd=work)
 
 
 def get_json(base: str, path: str) -> dict:
@@ -273,7 +250,7 @@ def run_policy(plan: Path, policy: str, requests: list, args, work: Path, cluste
                   f"micro-batch tokens CoV {s['microbatch_tokens_cov']}", flush=True)
         return {"rates": by_rate, "server": get_json(base, "/hpipe/microbatches")["stats"]}
     finally:
-        stop_server(proc)
+        stop_serve(proc)
 
 
 def ttft_knee(rates: dict) -> float | None:

@@ -33,7 +33,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Plan and launch pipeline-parallel LLM inference on mixed commodity hardware.")
 
 
-# the launch transport's flags, shared by launch and serve
+# what a plan runs on and the launch transport's flags, shared by launch and serve
+PLAN_ARGUMENT = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`")
+LOCAL = typer.Option(False, "--local", help="run every stage as a process on this machine")
+CLUSTER = typer.Option(None, "--cluster", help="cluster inventory TOML: run the stages on its hosts over SSH")
 ACCEPT_NEW_HOST_KEYS = typer.Option(False, "--accept-new-host-keys", help="record unknown host keys in known_hosts "
                                     "(changed keys are always refused)")
 
@@ -385,10 +388,9 @@ def _log_dir(path: str | None) -> str | None:
 @app.command()
 @runtime_options
 def launch(
-    plan_path: str = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`"),
-    local: bool = typer.Option(False, "--local", help="run every stage as a process on this machine"),
-    cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML: run the stages on its "
-                                                                  "hosts over SSH"),
+    plan_path: str = PLAN_ARGUMENT,
+    local: bool = LOCAL,
+    cluster: str | None = CLUSTER,
     accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
     push_model: bool = PUSH_MODEL,
     host_timeout: float = HOST_TIMEOUT,
@@ -465,10 +467,9 @@ def _where_stages_run(local: bool, cluster: str | None, host_timeout: float) -> 
 @app.command()
 @runtime_options
 def serve(
-    plan_path: str = typer.Argument(..., metavar="PLAN", help="plan file from `hpipe plan`"),
-    local: bool = typer.Option(False, "--local", help="run every stage as a process on this machine"),
-    cluster: str | None = typer.Option(None, "--cluster", help="cluster inventory TOML: run the stages on its "
-                                                                  "hosts over SSH"),
+    plan_path: str = PLAN_ARGUMENT,
+    local: bool = LOCAL,
+    cluster: str | None = CLUSTER,
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0 opens it to the network)"),
     port: int = typer.Option(8000, "--port"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="HPIPE_API_KEY",

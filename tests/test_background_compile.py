@@ -18,7 +18,8 @@ from hpipe import models
 from hpipe.cli import main
 from hpipe.runtime import compile_choice
 from hpipe.runtime.stage import StageRunner, compile_if_it_pays, graph_keys, record_compile, warm_up
-from test_serve import client, start_server, stop_server
+from serving import stop_serve
+from test_serve import client, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ def test_a_server_gets_its_graphs_beside_it_compiled_on_a_cold_host_loaded_on_a_
             answers.append(greedy())
             assert not [cmd for cmd in descendants(proc.pid).values() if CHILD in cmd]
         finally:
-            stop_server(proc)
+            stop_serve(proc)
         assert proc.returncode in (0, 130), log.read_text()
         for tokens in answers:
             assert_greedy_equal(reference, prompt, tokens, expected[len(prompt):])

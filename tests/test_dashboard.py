@@ -18,7 +18,8 @@ import pytest
 from browser import browser, open_page, page_value, unavailable_reason, wait_polls, wait_until
 from hpipe import formats, models
 from hpipe.cli import main
-from test_serve import metric, request, start_server, stop_server
+from serving import stop_serve
+from test_serve import metric, request, start_server
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"a real browser: {REASON}")]
@@ -34,7 +35,7 @@ def served(tmp_path_factory):
     assert main(["plan", "--model", "smollm2", "--stages", "2", "-o", str(plan)]) == 0
     proc, base, log = start_server(tmp, plan, key=KEY)
     yield base, formats.load_plan(plan)
-    stop_server(proc)
+    stop_serve(proc)
     assert proc.returncode in (0, 130), log.read_text()
 
 

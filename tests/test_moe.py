@@ -446,7 +446,8 @@ def test_a_served_moe_model_answers_with_its_own_tokens_logprobs_n_and_cached_pr
     from conftest import save_random_model, tiny_config
     from hpipe.cli import main
     from test_openai_fields import reference_logprobs
-    from test_serve import client, metric, start_server, stop_server
+    from serving import stop_serve
+    from test_serve import client, metric, start_server
 
     source = models.resolve_model("smollm2").path
     config = tiny_config("qwen2_moe")
@@ -480,5 +481,5 @@ def test_a_served_moe_model_answers_with_its_own_tokens_logprobs_n_and_cached_pr
             time.sleep(0.2)
         assert metric(base, "hpipe_prefix_cache_hit_tokens_total") > 0
     finally:
-        stop_server(proc)
+        stop_serve(proc)
     assert proc.returncode in (0, 130), log.read_text()

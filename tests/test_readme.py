@@ -8,13 +8,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import typer
 
 from hpipe import cli
+from serving import start_serve
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -74,21 +74,6 @@ def needs_no_cluster(block: str) -> bool:
     return not any(line.startswith("make ") or "cluster.toml" in line.split("#")[0] for line in lines)
 
 
-def wait_up(proc: subprocess.Popen, url: str, log: Path, seconds: float = 300) -> None:
-    import urllib.request
-
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        assert proc.poll() is None, f"hpipe serve exited {proc.returncode}: {log.read_text()[-3000:]}"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"hpipe serve did not come up: {log.read_text()[-3000:]}")
-
-
 @pytest.mark.slow
 def test_the_readmes_commands_run_as_written(tmp_path):
     """Every shell and Python block of the README that needs no cluster of one's own, run in order
@@ -118,10 +103,8 @@ def test_the_readmes_commands_run_as_written(tmp_path):
             assert r.stdout.strip() or not asks, f"{text}: no answer"
             if serve:
                 log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
-                with open(log, "w") as f:
-                    server = (subprocess.Popen(["bash", "-c", f"exec {serve[0].split('#')[0]}"], cwd=tmp_path, env=env,
-                                               stdout=f, stderr=subprocess.STDOUT, start_new_session=True), log)
-                wait_up(server[0], "http://127.0.0.1:8000/health", log)
+                server = start_serve(["bash", "-c", f"exec {serve[0].split('#')[0]}"], log, 8000, within=300,
+                                     cwd=tmp_path, env=env)[0], log
         assert (tmp_path / "results.jsonl").read_text().count("\n") == 2       # the two prompts, answered
     finally:
         if server is not None:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ from conftest import assert_greedy_equal
 from hpipe import models
 from hpipe.cli import main
 from hpipe.net import free_port
+from serving import start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 
@@ -60,30 +59,8 @@ def start_server(tmp: Path, plan: Path, *extra: str, key: str | None = KEY,
            "512", "--kv-pages", "80", "--max-batch", "8", "--compile", compile, *extra]
     if key:
         cmd += ["--api-key", key]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"hpipe serve exited {proc.returncode}: {log.read_text()}")
-        try:
-            if request(base, "GET", "/health")[0] == 200:
-                return proc, base, log
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError(f"hpipe serve did not come up: {log.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, base = start_serve(cmd, log, port)
+    return proc, base, log
 
 
 def metric(base: str, name: str) -> float:
@@ -114,7 +91,7 @@ def server(smollm2):
     # serves with the default, the last stage sampling in its loop (a CPU stage)
     proc, base, log = start_server(tmp, plan, "--max-queue", "4", "--sampling", "cpu", "--sampler-procs", "2")
     yield base
-    stop_server(proc)
+    stop_serve(proc)
     assert proc.returncode in (0, 130), log.read_text()
 
 

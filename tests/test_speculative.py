@@ -324,7 +324,8 @@ def test_serve_streams_speculated_tokens(proposer, talking_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpipe.cli import main
-    from test_serve import client, metric, start_server, stop_server
+    from serving import stop_serve
+    from test_serve import client, metric, start_server
 
     plan = tmp_path / "plan.json"
     assert main(["plan", "--kv-dtype", "float32", "--model", str(talking_model), "--stages", "3", "-o", str(plan)]) == 0
@@ -370,7 +371,7 @@ def test_serve_streams_speculated_tokens(proposer, talking_model, tmp_path):
         assert metric(base, "hpipe_spec_accepted_tokens_total") > 0
         assert metric(base, "hpipe_spec_proposed_tokens_total") >= metric(base, "hpipe_spec_accepted_tokens_total")
     finally:
-        stop_server(proc)
+        stop_serve(proc)
     assert proc.returncode in (0, 130), log.read_text()
 
 

@@ -76,11 +76,13 @@ def plan_and_prompts(cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def undisturbed(cluster, plan_and_prompts, tmp_path_factory) -> dict:
-    """The prompts' output ids from `hpipe launch --cluster` (64 tokens, one at a time), nothing lost."""
+    """The first two prompts' output ids from `hpipe launch --cluster` (12 tokens, one prompt at a
+    time), nothing lost: what the server's answers are checked against."""
     plan, prompts = plan_and_prompts
     d = tmp_path_factory.mktemp("undisturbed")
-    hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", prompts, "--out", d / "out.jsonl",
-          "--max-new-tokens", "64", "--max-batch", "1", "--quiet", cwd=d, check=True)
+    (d / "two.jsonl").write_text("".join(prompts.read_text().splitlines(keepends=True)[:2]))
+    hpipe("launch", plan, "--cluster", cluster.inventory_path, "--prompts", d / "two.jsonl", "--out", d / "out.jsonl",
+          "--max-new-tokens", "12", "--max-batch", "1", "--quiet", cwd=d, check=True)
     return {r["id"]: r["output_ids"] for r in map(json.loads, (d / "out.jsonl").read_text().splitlines())}
 
 
