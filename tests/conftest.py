@@ -5,6 +5,7 @@ against."""
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import shutil
 import tempfile
@@ -178,7 +179,24 @@ def assert_run_matches(reference, requests, results, tol: float) -> None:
                             reference_greedy(reference, list(r.input_ids), r.max_new_tokens, None), tie=tol)
 
 
-def write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe", seed: int = 0, hidden: int = 256,
+_MOE_FILES = Path(tempfile.mkdtemp(prefix="hpipe-test-moe-"))
+atexit.register(shutil.rmtree, _MOE_FILES, True)
+
+
+def write_moe_gguf(path: Path, expert_types: list[tuple], **shape) -> Path:
+    """`_write_moe_gguf`'s file at `path`, written once per session for each set of arguments (it is
+    seeded: the same arguments, the same bytes) and copied: each writing reads the default model's
+    file for its tokenizer and copies its 49,152 tokens through the gguf package's writer."""
+    key = hashlib.sha256(repr((expert_types, sorted(shape.items()))).encode()).hexdigest()[:16]
+    made = _MOE_FILES / f"{key}.gguf"
+    if not made.exists():
+        part = _write_moe_gguf(made.with_suffix(".part"), expert_types, **shape)
+        part.rename(made)
+    shutil.copyfile(made, path)
+    return Path(path)
+
+
+def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe", seed: int = 0, hidden: int = 256,
                    experts: int = 8, used: int = 2, ff: int = 256, heads: int = 4,
                    kv_heads: int = 2, head_dim: int = 64) -> Path:
     """A small mixture-of-experts GGUF file as llama.cpp lays one out (merged `ffn_*_exps` tensors

@@ -133,6 +133,10 @@ def test_per_prompt_sampling_overrides(tiny_models, reference_models, tmp_path):
 
 
 SWITCHES = [(tsem, sat, sampling) for tsem in (False, True) for sat in (False, True) for sampling in ("inline", "cpu")]
+# each combination's number of stages: 1-4 eagerly and 2-4 through compiled halves (the three
+# combinations `switch_args` compiles take 2, 3 and 4 stages, a thread each: they share graphs,
+# where a 2-thread single stage compiled a set of its own)
+SWITCH_STAGES = (1, 2, 3, 4, 2, 3, 1, 4)
 
 
 def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
@@ -193,9 +197,9 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
 
 def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, reference_models, tmp_path):
     """--no-tsem/--no-sat/--sampling inline|cpu, all eight combinations, each on its own random plan
-    (1-4 stages, mid-block cuts, random slicing) with early EOS: greedy prompts give transformers'
-    tokens, seeded prompts with every penalty give the tokens of the baseline (all off, which is
-    the first runtime)."""
+    (1-4 stages as `SWITCH_STAGES` says, mid-block cuts, random slicing) with early EOS: greedy
+    prompts give transformers' tokens, seeded prompts with every penalty give the tokens of the
+    baseline (all off, which is the first runtime)."""
     family = "qwen2"
     path = tiny_models[family]
     ref_model = reference_models[family]
@@ -216,8 +220,9 @@ def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, 
     prompts_file.write_text("".join(json.dumps(x) + "\n" for x in lines))
     runs = {}
     for k, (tsem, sat, sampling) in enumerate(SWITCHES):
-        n_stages = 1 + k % 4
-        cuts = sorted(rng.sample(range(1, n_units), n_stages - 1))
+        n_stages, compiled = SWITCH_STAGES[k], "--compile" in switch_args(tsem, sat, sampling)
+        # a compiled run's first stage holds a block's half at least (its summary's modes are stage 0's)
+        cuts = sorted(rng.sample(range(2 if compiled else 1, n_units), n_stages - 1))
         slices = [rng.randint(2, 25) for _ in range(rng.randint(1, 3))]
         plan, out = tmp_path / f"plan{k}.json", tmp_path / f"out{k}.jsonl"
         assert main(["plan", "--kv-dtype", "float32", "--model", str(path), "--stages", str(n_stages), "--slices", ",".join(map(str, slices)),
@@ -227,7 +232,7 @@ def test_every_switch_combination_gives_the_tokens_of_the_baseline(tiny_models, 
                      *switch_args(tsem, sat, sampling)]) == 0
         runs[(tsem, sat, sampling)] = {k2: v["output_ids"] for k2, v in read_results(out).items()}
         options = json.loads(out.with_name(out.name + ".summary.json").read_text())["run"]["options"]
-        assert options["compiled"] == ("--compile" in switch_args(tsem, sat, sampling))
+        assert options["compiled"] == compiled
     baseline = runs[(False, False, "inline")]
     assert len(baseline) == len(lines)
     stopped = [pid for pid, out in baseline.items() if int(pid[1:]) % 2 and len(out) < 12]

@@ -44,15 +44,26 @@ static int group_pairs(const int64_t *ids, int64_t n_ids, int64_t n_experts, Gro
     return 0;
 }
 
+/* A routed call's state: its pairs grouped, x quantized, and what a pair's row of them is found by. */
+typedef struct { Activations a; Groups g; int64_t blocks, every; } Routed;
+
 static int routed_prologue(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *ids, int64_t n_ids,
-                           int64_t n_experts, Activations *a, Groups *g) {
-    int rc = group_pairs(ids, n_ids, n_experts, g);
+                           int64_t n_experts, Routed *r) {
+    int rc = group_pairs(ids, n_ids, n_experts, &r->g);
     if (rc)
         return rc;
-    if (quantize_rows(x, x_bf16, m, k, a)) {
-        free(g->order);
+    if (quantize_rows(x, x_bf16, m, k, &r->a)) {
+        free(r->g.order);
         return -1;
     }
+    r->blocks = k / BLOCK;
+    r->every = n_ids / m;
+    return 0;
+}
+
+static int routed_done(Routed *r) {
+    free(r->g.order);
+    free(r->a.q);
     return 0;
 }
 
@@ -60,12 +71,12 @@ static int routed_prologue(const void *x, int x_bf16, int64_t m, int64_t k, cons
 int hpipe_int4_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *packed, int64_t stride,
                          const uint8_t *sz, int64_t sz_stride, int form, int64_t n, int64_t group,
                          const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads) {
-    Activations a;
-    Groups g;
-    int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &a, &g);
+    Routed r;
+    int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &r);
     if (rc)
         return rc;
-    const int64_t blocks = k / BLOCK, every = n_ids / m, nb = n / ROWS, sb = scale_bytes(form, k, group);
+    const Groups g = r.g;
+    const int64_t nb = n / ROWS, sb = scale_bytes(form, k, group);
     const int64_t parts = threads < nb ? threads : nb, per = (nb + parts - 1) / parts;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < g.groups * parts; ++t) {
@@ -73,27 +84,25 @@ int hpipe_int4_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
         for (int64_t b = b0; b < b1; ++b) {
             const uint8_t *codes = packed + e * stride + b * k * 32, *scales = sz + e * sz_stride + b * sb;
             for (int64_t j = g.begin[i]; j < g.begin[i + 1]; ++j) {
-                const int64_t p = g.order[j], r = p / every;
-                int4_block_row(form, codes, scales, k, group, a.q + r * k, a.d + r * blocks, a.dsum + r * blocks,
-                               y + p * n + b * ROWS);
+                const int64_t p = g.order[j], row = p / r.every;
+                int4_block_row(form, codes, scales, k, group, r.a.q + row * k, r.a.d + row * r.blocks,
+                               r.a.dsum + row * r.blocks, y + p * n + b * ROWS);
             }
         }
     }
-    free(g.order);
-    free(a.q);
-    return 0;
+    return routed_done(&r);
 }
 
 /* int8 (`hpipe_int8_mm`'s: row scales, or Q8_0's block scales when `blocks_scaled`): shares of rows. */
 int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const int8_t *w, int64_t stride,
                          const uint16_t *scales, int64_t sc_stride, int blocks_scaled, int64_t n,
                          const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads) {
-    Activations a;
-    Groups g;
-    int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &a, &g);
+    Routed r;
+    int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &r);
     if (rc)
         return rc;
-    const int64_t blocks = k / BLOCK, every = n_ids / m, per_row = blocks_scaled ? blocks : 1;
+    const Groups g = r.g;
+    const int64_t per_row = blocks_scaled ? r.blocks : 1;
     const int64_t parts = threads, per = ((n + parts - 1) / parts + 1) / 2 * 2;    /* even: row pairs */
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t t = 0; t < g.groups * parts; ++t) {
@@ -101,9 +110,9 @@ int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
         const int8_t *we = w + g.expert[i] * stride;
         const uint16_t *se = scales + g.expert[i] * sc_stride;
         for (int64_t j = g.begin[i]; j < g.begin[i + 1]; ++j) {
-            const int64_t p = g.order[j], r = p / every;
-            const int16_t *q = a.q + r * k;
-            const float *d = a.d + r * blocks;
+            const int64_t p = g.order[j], row = p / r.every;
+            const int16_t *q = r.a.q + row * k;
+            const float *d = r.a.d + row * r.blocks;
             float *yp = y + p * n;
             int64_t o = j0;
             for (; o + 1 < j1; o += 2)
@@ -115,7 +124,5 @@ int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
                           row_scale(se, blocks_scaled, o), yp + o, n);
         }
     }
-    free(g.order);
-    free(a.q);
-    return 0;
+    return routed_done(&r);
 }
