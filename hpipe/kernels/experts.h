@@ -75,16 +75,15 @@ int hpipe_int4_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
     int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &r);
     if (rc)
         return rc;
-    const Groups g = r.g;
     const int64_t nb = n / ROWS, sb = scale_bytes(form, k, group);
     const int64_t parts = threads < nb ? threads : nb, per = (nb + parts - 1) / parts;
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t t = 0; t < g.groups * parts; ++t) {
-        const int64_t i = t / parts, e = g.expert[i], b0 = (t % parts) * per, b1 = b0 + per < nb ? b0 + per : nb;
+    for (int64_t t = 0; t < r.g.groups * parts; ++t) {
+        const int64_t i = t / parts, e = r.g.expert[i], b0 = (t % parts) * per, b1 = b0 + per < nb ? b0 + per : nb;
         for (int64_t b = b0; b < b1; ++b) {
             const uint8_t *codes = packed + e * stride + b * k * 32, *scales = sz + e * sz_stride + b * sb;
-            for (int64_t j = g.begin[i]; j < g.begin[i + 1]; ++j) {
-                const int64_t p = g.order[j], row = p / r.every;
+            for (int64_t j = r.g.begin[i]; j < r.g.begin[i + 1]; ++j) {
+                const int64_t p = r.g.order[j], row = p / r.every;
                 int4_block_row(form, codes, scales, k, group, r.a.q + row * k, r.a.d + row * r.blocks,
                                r.a.dsum + row * r.blocks, y + p * n + b * ROWS);
             }
@@ -101,16 +100,15 @@ int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
     int rc = routed_prologue(x, x_bf16, m, k, ids, n_ids, n_experts, &r);
     if (rc)
         return rc;
-    const Groups g = r.g;
     const int64_t per_row = blocks_scaled ? r.blocks : 1;
     const int64_t parts = threads, per = ((n + parts - 1) / parts + 1) / 2 * 2;    /* even: row pairs */
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t t = 0; t < g.groups * parts; ++t) {
+    for (int64_t t = 0; t < r.g.groups * parts; ++t) {
         const int64_t i = t / parts, j0 = (t % parts) * per, j1 = j0 + per < n ? j0 + per : n;
-        const int8_t *we = w + g.expert[i] * stride;
-        const uint16_t *se = scales + g.expert[i] * sc_stride;
-        for (int64_t j = g.begin[i]; j < g.begin[i + 1]; ++j) {
-            const int64_t p = g.order[j], row = p / r.every;
+        const int8_t *we = w + r.g.expert[i] * stride;
+        const uint16_t *se = scales + r.g.expert[i] * sc_stride;
+        for (int64_t j = r.g.begin[i]; j < r.g.begin[i + 1]; ++j) {
+            const int64_t p = r.g.order[j], row = p / r.every;
             const int16_t *q = r.a.q + row * k;
             const float *d = r.a.d + row * r.blocks;
             float *yp = y + p * n;
