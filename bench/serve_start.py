@@ -33,7 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
 from bench.common import bench_arguments, cpu_name, hpipe, kernels_line, prompt_ids, results_path  # noqa: E402

@@ -102,6 +102,50 @@ def request_options(request_type):
     return wrap
 
 
+@dataclasses.dataclass(frozen=True)
+class StageHosts:
+    """Where launch's and serve's stages run, from the flags the two share, checked once:
+    `inventory` None for --local (processes on this machine), else --cluster's hosts over SSH with
+    the transport's flags."""
+    plan_path: str
+    inventory: formats.Inventory | None
+    cluster: str | None
+    accept_new_keys: bool
+    push: bool
+    host_timeout_s: float
+    recover: bool
+
+
+_HOSTS_OPTIONS = (("plan_path", str, PLAN_ARGUMENT), ("local", bool, LOCAL), ("cluster", str | None, CLUSTER),
+                  ("accept_new_host_keys", bool, ACCEPT_NEW_HOST_KEYS), ("push_model", bool, PUSH_MODEL),
+                  ("host_timeout", float, HOST_TIMEOUT), ("recover", bool, RECOVER))
+
+
+def stage_hosts_options(command):
+    """Puts PLAN, --local or --cluster and the SSH transport's flags before a command's own options
+    and hands it one `hosts: StageHosts`: launch and serve take them alike, checked in one place."""
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.name != "hosts"]
+    added = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=kind)
+             for name, kind, default in _HOSTS_OPTIONS]
+
+    @functools.wraps(command)
+    def with_hosts(*args, **kwargs):
+        plan_path, local, cluster, keys, push, timeout, recover = [kwargs.pop(name) for name, _, _ in _HOSTS_OPTIONS]
+        if local == (cluster is not None):
+            raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
+        if timeout <= 0:
+            raise HpipeError(f"--heartbeat-timeout must be > 0, got {timeout}")
+        hosts = StageHosts(plan_path, formats.load_inventory(cluster) if cluster else None, cluster, keys, push,
+                           timeout, recover)
+        return command(*args, hosts=hosts, **kwargs)
+
+    del with_hosts.__wrapped__             # typer reads the signature below, not the command's
+    with_hosts.__signature__ = sig.replace(parameters=added + own)
+    with_hosts.__annotations__ = {p.name: p.annotation for p in added + own}
+    return with_hosts
+
+
 def _note(msg: str) -> None:
     typer.echo(msg, err=True)
 
@@ -387,14 +431,8 @@ def _log_dir(path: str | None) -> str | None:
 
 @app.command()
 @runtime_options
+@stage_hosts_options
 def launch(
-    plan_path: str = PLAN_ARGUMENT,
-    local: bool = LOCAL,
-    cluster: str | None = CLUSTER,
-    accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
-    push_model: bool = PUSH_MODEL,
-    host_timeout: float = HOST_TIMEOUT,
-    recover: bool = RECOVER,
     prompts: str = typer.Option(..., "--prompts", help="JSONL: {\"id\", \"prompt\"} or {\"id\", \"input_ids\"}"),
     out: str = typer.Option(..., "--out", help="results JSONL, one line per prompt as it finishes"),
     max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens"),
@@ -418,9 +456,9 @@ def launch(
     quiet: bool = typer.Option(False, "--quiet", help="do not stream the workers' logs"),
     log_dir: str | None = LOG_DIR,
     runtime: RuntimeConfig = None,
+    hosts: StageHosts = None,
 ):
     """Run a plan: start the stage workers and pipeline the prompts through them."""
-    inventory = _where_stages_run(local, cluster, host_timeout)
     if timeline_out:
         launcher.check_timeline_out(timeline_out)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -428,19 +466,19 @@ def launch(
                             presence_penalty=presence_penalty)
     settings = launcher.LaunchSettings(runtime=runtime, max_new_tokens=max_new_tokens, params=params, seed=seed,
                                        logits_out=logits_out, resume=resume, log_dir=_log_dir(log_dir))
-    if local:
-        launcher.prestart_local(plan_path)
-    job = launcher.prepare(plan_path, prompts, out, settings, model=model, progress=_note)
+    if hosts.inventory is None:
+        launcher.prestart_local(hosts.plan_path)
+    job = launcher.prepare(hosts.plan_path, prompts, out, settings, model=model, progress=_note)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
     if job.plan.mode == "sidp":
-        return _launch_replicas(job, plan_path, out, settings, inventory is None, quiet, timeline_out)
-    if inventory is not None:
-        report = launcher.launch_cluster(job, plan_path, inventory, out, settings,
-                                         accept_new_keys=accept_new_host_keys, push=push_model,
-                                         host_timeout_s=host_timeout, quiet=quiet, recover=recover)
+        return _launch_replicas(job, hosts.plan_path, out, settings, hosts.inventory is None, quiet, timeline_out)
+    if hosts.inventory is not None:
+        report = launcher.launch_cluster(job, hosts.plan_path, hosts.inventory, out, settings,
+                                         accept_new_keys=hosts.accept_new_keys, push=hosts.push,
+                                         host_timeout_s=hosts.host_timeout_s, quiet=quiet, recover=hosts.recover)
     else:
-        report = launcher.launch_local(job, plan_path, out, settings, quiet=quiet)
+        report = launcher.launch_local(job, hosts.plan_path, out, settings, quiet=quiet)
     if report.plan is not None:      # a lost host's stages were planned again: the run is checked against that plan
         job = dataclasses.replace(job, plan=report.plan)
     _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
@@ -455,21 +493,10 @@ def _launch_replicas(job, plan_path: str, out: str, settings, local: bool, quiet
         launcher.write_mode_trace(timeline_out, report.traces)
 
 
-def _where_stages_run(local: bool, cluster: str | None, host_timeout: float) -> formats.Inventory | None:
-    """launch's and serve's one check of where the stages run: the inventory, or None for --local."""
-    if local == (cluster is not None):
-        raise HpipeError("give exactly one of --local (processes on this machine) or --cluster FILE (SSH)")
-    if host_timeout <= 0:
-        raise HpipeError(f"--heartbeat-timeout must be > 0, got {host_timeout}")
-    return formats.load_inventory(cluster) if cluster else None
-
-
 @app.command()
 @runtime_options
+@stage_hosts_options
 def serve(
-    plan_path: str = PLAN_ARGUMENT,
-    local: bool = LOCAL,
-    cluster: str | None = CLUSTER,
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0 opens it to the network)"),
     port: int = typer.Option(8000, "--port"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="HPIPE_API_KEY",
@@ -478,31 +505,27 @@ def serve(
                                                  help="the model name clients ask for (default: the plan's)"),
     max_queue: int = typer.Option(MAX_QUEUE, "--max-queue",
                                   help="requests waiting beyond --max-batch before 429"),
-    accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
-    push_model: bool = PUSH_MODEL,
-    host_timeout: float = HOST_TIMEOUT,
-    recover: bool = RECOVER,
     model: str | None = typer.Option(None, "--model", help="load this model instead of the plan's"),
     quiet: bool = typer.Option(True, "--quiet/--verbose", help="stream the workers' logs (--verbose)"),
     log_dir: str | None = LOG_DIR,
     runtime: RuntimeConfig = None,
+    hosts: StageHosts = None,
 ):
     """Serve a plan behind an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     if max_queue < 0:
         raise HpipeError(f"--max-queue must be >= 0, got {max_queue}")
-    inventory = _where_stages_run(local, cluster, host_timeout)
     launcher.check_listen(host, port)
     settings = launcher.LaunchSettings(runtime=runtime, serve=True, background_compile=True, log_dir=_log_dir(log_dir))
-    if local:
-        launcher.prestart_local(plan_path)
-    job = launcher.prepare_model(plan_path, settings, model=model, progress=_note)
+    if hosts.inventory is None:
+        launcher.prestart_local(hosts.plan_path)
+    job = launcher.prepare_model(hosts.plan_path, settings, model=model, progress=_note)
     if job.tokenizer is None:
         raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")
-    client = PipelineClient(job, plan_path, settings, inventory, accept_new_keys=accept_new_host_keys,
-                            push=push_model, host_timeout_s=host_timeout, max_queue=max_queue, log=_note, quiet=quiet,
-                            recover=recover)
+    client = PipelineClient(job, hosts.plan_path, settings, hosts.inventory, accept_new_keys=hosts.accept_new_keys,
+                            push=hosts.push, host_timeout_s=hosts.host_timeout_s, max_queue=max_queue, log=_note,
+                            quiet=quiet, recover=hosts.recover)
     _note(f"starting {len(job.plan.stages)} stages of {job.plan.model.name} ...")
-    launcher.serve_http(client, served_model_name or job.plan.model.name, host, port, api_key, _note, cluster)
+    launcher.serve_http(client, served_model_name or job.plan.model.name, host, port, api_key, _note, hosts.cluster)
 
 
 def _print_replicas(report, out: str) -> None:

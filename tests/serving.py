@@ -4,6 +4,7 @@ user would stop it (Ctrl-C: SIGINT), killed with its process group only when tha
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ def wait_ready(proc: subprocess.Popen, base: str, log: Path, within: float = 240
             with urllib.request.urlopen(base + "/health", timeout=5) as r:
                 if r.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):     # not listening yet, or cut off mid-answer
             time.sleep(0.5)
     stop_serve(proc, within=5)
     raise AssertionError(f"hpipe serve did not come up within {within:.0f} s: {log.read_text()[-3000:]}")

@@ -807,24 +807,6 @@ def test_serve_goes_on_through_a_lost_host_and_takes_it_back(cluster, tmp_path):
     assert wait_until_clean(cluster, 5.0) == [], served.text()
 
 
-def seed_graphs(plan: Path, cwd: Path) -> None:
-    """The plan's graphs compiled once on this machine, into a scratch cache copied into the one the
-    emulated hosts share (this machine's files: `write_inventory`) without its warm marks: each host
-    still runs its warmup, loads the graphs, marks them warm and says so, where the three of them
-    compiled the same graphs at once on two cores (~330 s). A cold compile's own path is tested
-    locally (test_launch_local.py)."""
-    import shutil
-
-    p = json.loads(plan.read_text())
-    scratch = cwd / "seed-inductor"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCHINDUCTOR_CACHE_DIR=str(scratch))
-    subprocess.run([sys.executable, "-m", "hpipe", "warmup", "--model", p["model"]["name"], "--quantize", p["weights"],
-                    "--dtype", p["dtype"], "--kv-dtype", p["kv_dtype"], "--threads", "1"], env=env, check=True,
-                   capture_output=True, timeout=900)
-    shutil.copytree(scratch, os.environ["TORCHINDUCTOR_CACHE_DIR"], dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns("hpipe-warm"))
-
-
 def test_warmup_on_every_host_at_once_then_the_default_launch_runs_compiled(cluster, tiny_models, tmp_path):
     """`hpipe warmup --cluster FILE --plan plan.json`: each host of the plan compiles its graphs with
     the plan's settings and the threads its stage will run with, a line per host as it goes; a
@@ -833,7 +815,6 @@ def test_warmup_on_every_host_at_once_then_the_default_launch_runs_compiled(clus
     plan = tmp_path / "plan.json"
     hpipe("plan", "--model", tiny_models["llama"], "--cluster", cluster.inventory_path, "-o", plan, cwd=tmp_path,
           check=True)
-    seed_graphs(plan, tmp_path)
     r = hpipe("warmup", "--cluster", cluster.inventory_path, "--plan", plan, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     hosts = [st["host"] for st in json.loads(plan.read_text())["stages"]]
