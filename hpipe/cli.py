@@ -61,6 +61,14 @@ RECOVER = typer.Option(True, "--recover/--no-recover", help="with --cluster: whe
                        "back); --no-recover stops everything at the first failure")
 
 
+def _as_typer_sees_it(wrapper, params: list[inspect.Parameter]):
+    """Gives a command's wrapper the parameters typer makes its options from (not the command's own)."""
+    del wrapper.__wrapped__
+    wrapper.__signature__ = inspect.Signature(params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
 def runtime_options(command):
     """Adds every RuntimeConfig setting to a command as its flag (default, help and rule from the
     config) and hands the command one `runtime: RuntimeConfig`: launch and serve take the same
@@ -75,10 +83,7 @@ def runtime_options(command):
         values = {name: kwargs.pop(name) for name in SETTINGS}
         return command(*args, runtime=from_cli(values), **kwargs)
 
-    del with_runtime.__wrapped__            # typer reads the signature below, not the command's
-    with_runtime.__signature__ = sig.replace(parameters=own + added)
-    with_runtime.__annotations__ = {p.name: p.annotation for p in own + added}
-    return with_runtime
+    return _as_typer_sees_it(with_runtime, own + added)
 
 
 def request_options(request_type):
@@ -95,10 +100,7 @@ def request_options(request_type):
         def with_request(**options):
             return command(request_type(**options))
 
-        del with_request.__wrapped__           # typer reads the signature below, not the command's
-        with_request.__signature__ = inspect.Signature(params)
-        with_request.__annotations__ = {p.name: p.annotation for p in params}
-        return with_request
+        return _as_typer_sees_it(with_request, params)
     return wrap
 
 
@@ -140,10 +142,7 @@ def stage_hosts_options(command):
                            timeout, recover)
         return command(*args, hosts=hosts, **kwargs)
 
-    del with_hosts.__wrapped__             # typer reads the signature below, not the command's
-    with_hosts.__signature__ = sig.replace(parameters=added + own)
-    with_hosts.__annotations__ = {p.name: p.annotation for p in added + own}
-    return with_hosts
+    return _as_typer_sees_it(with_hosts, added + own)
 
 
 def _note(msg: str) -> None:
