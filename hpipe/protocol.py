@@ -33,7 +33,7 @@ from typing import ClassVar
 from hpipe.reports import emit, parse
 from hpipe.request import Request
 
-__all__ = ["Abort", "Add", "Close", "Error", "Notice", "Pulse", "Ready", "Rejected", "Result", "Stats", "Summary",
+__all__ = ["Abort", "Add", "Close", "Error", "Notice", "Pulse", "Ready", "Rejected", "Result", "SinceStart", "Stats", "Summary",
            "IntervalsReport",
            "Tokens", "op_line", "read_op", "read_report", "send"]
 
@@ -116,20 +116,26 @@ class Rejected:
     message: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class SinceStart:
+    """Stage 0's counters since the run's start, as `Stats` (while it runs) and `Summary` (at its
+    end) both carry them, flat in their JSON: `Scheduler.since_start` fills them."""
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0         # prompt tokens found in the prefix cache (started after a cached prefix)
+    prefix_query_tokens: int = 0       # prompt tokens looked up (a hit rate's denominator)
+    spec_proposed_tokens: int = 0      # speculative decoding: tokens proposed, and of them accepted
+    spec_accepted_tokens: int = 0
+
+
 @dataclass(frozen=True)
-class Stats:
+class Stats(SinceStart):
     KIND: ClassVar[str] = "stats"
     waiting: int
     running: int
     pages_used: int
     pages_free: int
-    preemptions: int
     inflight: int
     pages_cached: int = 0              # pages holding a cached prefix (in use or evictable)
-    prefix_hit_tokens: int = 0         # prompt tokens found in the prefix cache, since the start
-    prefix_query_tokens: int = 0       # prompt tokens looked up (a hit rate's denominator)
-    spec_proposed_tokens: int = 0      # speculative decoding: tokens proposed, and of them accepted, since the start
-    spec_accepted_tokens: int = 0
     microbatches: list = field(default_factory=list)   # (time, decode tokens, prefill tokens) since the last
 
 
@@ -184,29 +190,29 @@ PULSE_INTERVALS = 256
 
 @dataclass(frozen=True)
 class IntervalsReport:
+    """Every stage, once, at its end: where it ran, what it held and each interval of its work."""
     KIND: ClassVar[str] = "timeline"
     rank: int
     host: str
     device: str
-    units: list
-    start: float
+    units: list                # the plan's units this stage ran
+    start: float               # wall clock (the stage's) when its compute loop started, and when it ended
     end: float
-    load_s: float
+    load_s: float              # the model's load, before `start`
     peak_rss_bytes: int
-    kv_bytes: int
-    intervals: list
-    links: dict
-    cuda_graphs: int
+    kv_bytes: int              # its KV pool
+    intervals: list            # {what, start, end (, mb, kind, tokens)}: its computes, sends, waits (runtime.pipeline.Timeline)
+    links: dict                # messages and bytes it sent per link and kind (runtime.comm.Counters)
+    cuda_graphs: int           # CUDA graphs captured for its decode steps
 
 
 @dataclass(frozen=True)
-class Summary:
+class Summary(SinceStart):
     KIND: ClassVar[str] = "summary"
     wall_s: float
     generated_tokens: int
     tokens_per_s: float | None
     t0_wall: float
-    preemptions: int
     requests: int
     prompt_tokens: int
     options: dict               # the modes each switch resolved to on stage 0
@@ -215,10 +221,6 @@ class Summary:
     page_size: int
     config: dict                # the RuntimeConfig the stages ran with
     sidp: dict | None = None    # a SiDP replica's figures: steps per mode, fetches, CaS rows, the step trace
-    prefix_hit_tokens: int = 0  # prompt tokens that started after a cached prefix, of
-    prefix_query_tokens: int = 0   # the prompt tokens looked up
-    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed, and of them accepted
-    spec_accepted_tokens: int = 0
 
 
 REPORTS = {cls.KIND: cls for cls in (Ready, Tokens, Result, Rejected, Stats, Logprobs, Error, Notice, Pulse,

@@ -723,9 +723,7 @@ def run_summary(sched: Scheduler, wall0: float) -> dict:
     wall = time.time() - wall0
     n = sched.generated
     return {"wall_s": round(wall, 6), "generated_tokens": n, "tokens_per_s": round(n / wall, 3) if wall else None,
-            "t0_wall": wall0, "preemptions": sched.preemptions, "prefix_hit_tokens": sched.pool.hit_tokens,
-            "prefix_query_tokens": sched.pool.asked_tokens, "spec_proposed_tokens": sched.proposed,
-            "spec_accepted_tokens": sched.accepted}
+            "t0_wall": wall0, **sched.since_start()}
 
 
 def _send_on(ex: Executors, transport, work: Work, out: torch.Tensor, pending: comm.Pending) -> None:

@@ -180,13 +180,17 @@ class Scheduler:
         """Requests waiting, running or in flight: a micro-batch is coming."""
         return bool(self.queue or self.active or self.inflight)
 
+    def since_start(self) -> dict:
+        """The counters since the start (`protocol.SinceStart`'s fields)."""
+        return {"preemptions": self.preemptions, "prefix_hit_tokens": self.pool.hit_tokens,
+                "prefix_query_tokens": self.pool.asked_tokens, "spec_proposed_tokens": self.proposed,
+                "spec_accepted_tokens": self.accepted}
+
     def stats(self) -> dict:
         pool = self.pool
         return {"waiting": len(self.queue), "running": len(self.active), "pages_used": pool.usable - pool.available,
-                "pages_free": pool.available, "pages_cached": pool.cached, "prefix_hit_tokens": pool.hit_tokens,
-                "prefix_query_tokens": pool.asked_tokens, "preemptions": self.preemptions,
-                "inflight": len(self.inflight), "spec_proposed_tokens": self.proposed,
-                "spec_accepted_tokens": self.accepted}
+                "pages_free": pool.available, "pages_cached": pool.cached, "inflight": len(self.inflight),
+                **self.since_start()}
 
     def _admit(self) -> None:
         while self.queue and self.free_slots:
