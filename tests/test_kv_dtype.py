@@ -79,7 +79,7 @@ def test_a_float16_cache_holds_the_float32_runs_keys_rounded_once(tiny_models):
 
 
 @pytest.mark.parametrize("b,kv_heads,group,d,n", [(1, 3, 3, 64, 1000), (2, 8, 4, 64, 300), (3, 2, 1, 128, 9),
-                                                  (2, 1, 16, 32, 600)])
+                                                  (2, 1, 16, 32, 600), (1, 2, 5, 72, 300)])
 def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_heads, group, d, n):
     """`hpipe::attend_f16` (both routes: the C++ op and its Python twin) against float64 SDPA over
     the same float16 keys and values, with and without a mask (a row with nothing to attend gives

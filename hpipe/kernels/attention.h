@@ -1,5 +1,7 @@
 /* Decode attention over a float16 KV cache, read where it lies (included by vnni.c and avx2.c; AVX2,
- * FMA and F16C, which both builds have).
+ * FMA and F16C, which both builds have; the VNNI build's AVX-512 takes 16 elements of a row at a
+ * time where the head size allows, half the conversions' and products' instructions, and the
+ * remainder 8 at a time).
  *
  * One query row per sequence: q [b, kv heads, g, d] float32 (the g query heads of one KV head
  * together, so each key and value row is read once for all of them), k and v [b, kv heads, n, d]
@@ -21,6 +23,10 @@
 
 static inline void f16_row(const uint16_t *src, float *dst, int64_t d) {
     int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= d; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#endif
     for (; i + 8 <= d; i += 8)
         _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
     for (; i < d; ++i)
@@ -63,6 +69,74 @@ static inline __m256 sums8(const __m256 *acc) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+/* g queries' scores against 8 key rows (float32, rows [8][d]), scaled, into s[j CHUNK .. + 7]: each
+ * query's 8 dot products summed across lanes together. */
+static inline void scores8(const float *q, int64_t g, int64_t d, const float *rows, float scale, float *s) {
+    for (int64_t j = 0; j < g; ++j) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i)
+            acc[i] = _mm256_setzero_ps();
+        int64_t c = 0;
+#ifdef __AVX512F__
+        __m512 wide[8];
+        for (int i = 0; i < 8; ++i)
+            wide[i] = _mm512_setzero_ps();
+        for (; c + 16 <= d; c += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + j * d + c);
+            for (int i = 0; i < 8; ++i)
+                wide[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + i * d + c), wide[i]);
+        }
+        for (int i = 0; i < 8; ++i)         /* its two halves added: 8 lanes, as below */
+            acc[i] = _mm256_add_ps(_mm512_castps512_ps256(wide[i]),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide[i]), 1)));
+#endif
+        for (; c < d; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + j * d + c);
+            for (int i = 0; i < 8; ++i)
+                acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + i * d + c), acc[i]);
+        }
+        _mm256_storeu_ps(s + j * CHUNK, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
+    }
+}
+
+/* part's weighted values: for each of the g queries, sum over the chunk's attended positions of its
+ * weight (scores, exponentials by now) times the value row, 16 (AVX-512) or 8 elements at a time,
+ * the g sums in registers. */
+static inline void weighted_values(const float *scores, int64_t g, int64_t d, const uint16_t *v, int64_t pos_stride,
+                                   const uint8_t *mask, int64_t p0, int64_t len, float *part, int64_t width) {
+    int64_t c = 0;
+#ifdef __AVX512F__
+    for (; c + 16 <= d; c += 16) {
+        __m512 acc[16];
+        for (int64_t j = 0; j < g; ++j)
+            acc[j] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < len; ++p) {
+            if (mask && !mask[p0 + p])
+                continue;
+            const __m512 row = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (p0 + p) * pos_stride + c)));
+            for (int64_t j = 0; j < g; ++j)
+                acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(scores[j * CHUNK + p]), row, acc[j]);
+        }
+        for (int64_t j = 0; j < g; ++j)
+            _mm512_storeu_ps(part + j * width + 2 + c, acc[j]);
+    }
+#endif
+    for (; c < d; c += 8) {
+        __m256 acc[16];
+        for (int64_t j = 0; j < g; ++j)
+            acc[j] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < len; ++p) {
+            if (mask && !mask[p0 + p])
+                continue;
+            const __m256 row = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + (p0 + p) * pos_stride + c)));
+            for (int64_t j = 0; j < g; ++j)
+                acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + j * CHUNK + p), row, acc[j]);
+        }
+        for (int64_t j = 0; j < g; ++j)
+            _mm256_storeu_ps(part + j * width + 2 + c, acc[j]);
+    }
+}
+
 /* One task: g queries against positions [p0, p1) of one sequence's KV head, into part: g entries of
  * (max score, sum of exponentials, d weighted values); a max of -inf where no position is attended.
  * Three passes over the chunk: the scores (scores[j][p]; 8 key rows at a time made float32 once
@@ -82,17 +156,7 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
             else
                 memset(rows + i * d, 0, sizeof(float) * d);
         }
-        for (int64_t j = 0; j < g; ++j) {
-            __m256 acc[8];
-            for (int i = 0; i < 8; ++i)
-                acc[i] = _mm256_setzero_ps();
-            for (int64_t c = 0; c < d; c += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + j * d + c);
-                for (int i = 0; i < 8; ++i)
-                    acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + i * d + c), acc[i]);
-            }
-            _mm256_storeu_ps(scores + j * CHUNK + p, _mm256_mul_ps(sums8(acc), _mm256_set1_ps(scale)));
-        }
+        scores8(q, g, d, rows, scale, scores + p);
         for (int64_t i = 0; i < 8; ++i)
             if (p + i >= len || (mask && !mask[p0 + p + i]))
                 for (int64_t j = 0; j < g; ++j)
@@ -114,20 +178,7 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
         part[j * width] = m;
         part[j * width + 1] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
     }
-    for (int64_t c = 0; c < d; c += 8) {
-        __m256 acc[16];
-        for (int64_t j = 0; j < g; ++j)
-            acc[j] = _mm256_setzero_ps();
-        for (int64_t p = 0; p < len; ++p) {
-            if (mask && !mask[p0 + p])
-                continue;
-            const __m256 row = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + (p0 + p) * pos_stride + c)));
-            for (int64_t j = 0; j < g; ++j)
-                acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + j * CHUNK + p), row, acc[j]);
-        }
-        for (int64_t j = 0; j < g; ++j)
-            _mm256_storeu_ps(part + j * width + 2 + c, acc[j]);
-    }
+    weighted_values(scores, g, d, v, pos_stride, mask, p0, len, part, width);
 }
 
 /* Returns 0; -1 without memory; -3 for a head size over MAX_HEAD or not a multiple of 8, or a group

@@ -30,7 +30,8 @@
 #include "common.h"
 
 #define PF_BYTES 2048         /* codes prefetched this far ahead of the dot products (one block's stream) */
-#define MAX_TILE 2            /* rows of x sharing one pass over a block's codes */
+#define MAX_TILE 4            /* rows of x sharing one pass over a block's codes (a verification step's,
+                                 * a small batch's: 3 rows 0.75x and 5 rows 0.86x the time of tiles of 2) */
 
 static inline __m512 bf16_to_f32(const uint16_t *p) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
@@ -197,14 +198,17 @@ int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
             const int16_t *qt = a.q + r * k;
             const float *dt = a.d + r * blocks, *st = a.dsum + r * blocks;
             float *yt = y + r * n;
-            const int two = m - r >= 2;       /* the tile's shape and the scales' as constants */
+            const int rows = m - r < MAX_TILE ? (int)(m - r) : MAX_TILE;   /* the tile's shape and the scales' as constants */
             #define TILE(rows, f) block_tile(rows, f, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx)
+            #define TILES(f) do { switch (rows) { case 1: TILE(1, f); break; case 2: TILE(2, f); break; \
+                                                  case 3: TILE(3, f); break; default: TILE(4, f); } } while (0)
             if (form == PAIRS)
-                two ? TILE(2, PAIRS) : TILE(1, PAIRS);
+                TILES(PAIRS);
             else if (form == SCALES)
-                two ? TILE(2, SCALES) : TILE(1, SCALES);
+                TILES(SCALES);
             else
-                two ? TILE(2, SUPER) : TILE(1, SUPER);
+                TILES(SUPER);
+            #undef TILES
             #undef TILE
         }
     }
