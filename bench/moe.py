@@ -7,7 +7,9 @@ saved by transformers as bf16 safetensors, written to an F16 GGUF by llama.cpp's
 `convert_hf_to_gguf.py` and quantized by its `llama-quantize` to Q4_K_M (Q4_K experts, Q6_K for some
 blocks' down and the head, as users' files are). Made once under ~/.cache/hpipe/bench-models/.
 
-Measured, each the best of --repeats, alternated:
+Measured in --repeats rounds, each round the three variants one after another (this machine is
+shared: a round's neighbours see the same load), reported as the best of each and as the median over
+rounds of the round's own ratio to llama.cpp:
 - llama.cpp (`llama-bench -t THREADS`): decode (tg64) and prefill of 512 and 2,048 tokens (pp512, pp2048);
 - hpipe in one process (one stage holding every unit, the file's own blocks, `--compile off` and
   `on`): decode ms/token after a 16-token prompt (64 greedy tokens through the runtime's scheduler,
@@ -16,7 +18,7 @@ Measured, each the best of --repeats, alternated:
   per token over 256 tokens, and top-1 agreement;
 - resident bytes: the tensors a stage holds against the file's size.
 
-    python bench/moe.py [--shape qwen3moe-0.5b | mixtral-shape-0.5b] [--threads 2] [--repeats 2] [--out F]
+    python bench/moe.py [--shape qwen3moe-0.5b | mixtral-shape-0.5b] [--threads 2] [--repeats 5] [--out F]
 
 llama.cpp's binaries and source: $LLAMA_CPP_BIN (default /opt/llama.cpp/build/bin) and
 $LLAMA_CPP_SRC (default /opt/llama.cpp); ../shared/notes/peers.md says how to build them here.
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -161,7 +164,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="qwen3moe-0.5b", choices=list(SHAPES))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quality-tokens", type=int, default=256)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="default bench/results/moe.json (moe-SHAPE.json for another shape)")
@@ -193,11 +196,14 @@ def main() -> None:
                   "seed": SEED, "made_by": "transformers (random N(0, 0.02)) -> convert_hf_to_gguf.py -> llama-quantize Q4_K_M"},
         "runs": runs, "best": best,
         "ratio_to_llama_cpp": {k: {m: v[m] / ref[m] for m in v} for k, v in best.items() if k != "llama.cpp"},
+        "median_round_ratio": {k: {m: statistics.median(r[m] / l[m] for r, l in zip(v, runs["llama.cpp"])) for m in metrics}
+                               for k, v in runs.items() if k != "llama.cpp"},
         "held_over_file": runs["hpipe compile off"][0]["held_bytes"] / path.stat().st_size,
         "quality": quality(path, args.quality_tokens),
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({"best": best, "ratio": report["ratio_to_llama_cpp"], "quality": report["quality"],
+    print(json.dumps({"best": best, "ratio": report["ratio_to_llama_cpp"], "median_round_ratio": report["median_round_ratio"],
+                      "quality": report["quality"],
                       "held_over_file": report["held_over_file"]}, indent=1))
 
 
