@@ -146,12 +146,12 @@ class Int8Linear(WeightOnly):
         self._dequantize = self._vnni_dequantize if vnni else self._torch_dequantize
         if vnni:
             self.mm = self._vnni_mm
-        if weight.is_cuda:
+        elif weight.is_cuda or weight.shape[1] % 16:
             # torch's CUDA `_weight_int8pack_mm` is a plain loop per output that failed with
-            # "invalid argument" on an H200 (2026-11-26): bf16 activations against the codes
-            # in a float32 GEMM (both exact in float32), the row scales on its sums, one
-            # rounding to bf16 at the end: the CPU kernel's arithmetic, not its speed
-            self.mm = self._cuda_mm
+            # "invalid argument" on an H200 (2026-11-26), and on an AVX-512 CPU torch 2.13's
+            # crashes (SIGSEGV) for more than one row when K is not a multiple of 16 (40, 72
+            # here; a tiny model's shared expert): its arithmetic then, not its speed
+            self.mm = self._float_mm
 
     def mm(self, x2):
         return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.weight, self.scales)
@@ -159,7 +159,9 @@ class Int8Linear(WeightOnly):
     def _vnni_mm(self, x2):
         return torch.ops.hpipe.int8_mm(x2, self.weight, self.scales)
 
-    def _cuda_mm(self, x2):
+    def _float_mm(self, x2):
+        """`_weight_int8pack_mm`'s arithmetic: bf16 activations against the codes in a float32 GEMM
+        (both exact in float32), the row scales on its sums, one rounding to bf16 at the end."""
         y = torch.nn.functional.linear(x2.to(torch.bfloat16).float(), self.weight.float(), None)
         return (y * self.scales.float()).to(torch.bfloat16)
 
