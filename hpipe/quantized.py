@@ -128,7 +128,7 @@ class Int4Linear(WeightOnly):
 class Int8Linear(WeightOnly):
     """W int8 with one scale per output row: on a CPU with AVX512-VNNI or AVX2 the 16-bit-activation
     kernel of `hpipe.cpu_kernels` (activations per block of 32, as llama.cpp's Q8_0 dot
-    products), else `_weight_int8pack_mm`.
+    products), else `_weight_int8pack_mm` (its arithmetic as a float32 GEMM where that op fails).
     That op's results come rounded to bf16: logits on a grid of 2^-8 of their size. (Exact int32 sums
     through torch._int_mm with int8 activations, one scale per row, are faster for SmolLM2's
     head, 1.6 against 2.1 ms, but per-row activation steps are coarse: logits moved by up to 1.6

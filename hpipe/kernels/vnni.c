@@ -198,9 +198,9 @@ int hpipe_int4_mm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t
             const int16_t *qt = a.q + r * k;
             const float *dt = a.d + r * blocks, *st = a.dsum + r * blocks;
             float *yt = y + r * n;
-            const int rows = m - r < MAX_TILE ? (int)(m - r) : MAX_TILE;   /* the tile's shape and the scales' as constants */
+            const int tile = m - r < MAX_TILE ? (int)(m - r) : MAX_TILE;   /* the tile's shape and the scales' as constants */
             #define TILE(rows, f) block_tile(rows, f, codes, scales, n, b * ROWS, k, group, qt, dt, st, yt, idx)
-            #define TILES(f) do { switch (rows) { case 1: TILE(1, f); break; case 2: TILE(2, f); break; \
+            #define TILES(f) do { switch (tile) { case 1: TILE(1, f); break; case 2: TILE(2, f); break; \
                                                   case 3: TILE(3, f); break; default: TILE(4, f); } } while (0)
             if (form == PAIRS)
                 TILES(PAIRS);
