@@ -21,7 +21,7 @@ demo: setup
 
 # two workers (pytest-xdist), one test file each at a time: a file's servers and hosts are started once
 test: setup
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"

@@ -16,10 +16,34 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # inductor's cache, and with it what `hpipe warmup` marked warm (`--compile auto`, the default), is
-# the session's own: the suite runs the same paths on a developer's machine as on CI's fresh one
-_INDUCTOR = tempfile.mkdtemp(prefix="hpipe-test-inductor-")
-atexit.register(shutil.rmtree, _INDUCTOR, True)
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR
+# the session's own: the suite runs the same paths on a developer's machine as on CI's fresh one.
+# One for the whole session, both pytest-xdist workers' (started with the controller's environment,
+# after it read this file): a block's graph compiled by one test loads in every later one (the
+# default model's warmup took 72 s cold, 17 s from a warm cache, on 2 AVX-512 cores).
+if "HPIPE_TEST_INDUCTOR" not in os.environ:
+    os.environ["HPIPE_TEST_INDUCTOR"] = tempfile.mkdtemp(prefix="hpipe-test-inductor-")
+    atexit.register(shutil.rmtree, os.environ["HPIPE_TEST_INDUCTOR"], True)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["HPIPE_TEST_INDUCTOR"]
+
+
+def cold_host_cache(directory: Path) -> Path:
+    """An inductor cache at `directory` for a host that never ran `hpipe warmup`: the session's cache
+    hard-linked file by file (what other tests compiled loads, as it would from inductor's own cache
+    on a host that compiled other work), without hpipe's warm marks."""
+    shared = Path(os.environ["HPIPE_TEST_INDUCTOR"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for src in sorted(shared.rglob("*")):
+        rel = src.relative_to(shared)
+        if rel.parts[0] in ("hpipe-warm", "locks"):
+            continue
+        try:
+            if src.is_dir():
+                (directory / rel).mkdir(parents=True, exist_ok=True)
+            else:
+                os.link(src, directory / rel)
+        except (FileNotFoundError, FileExistsError):     # the other worker's compile renaming its files
+            pass
+    return directory
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
@@ -46,10 +70,12 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The emulated hosts' tests first: `make test` runs two pytest-xdist workers, one file per
-    worker at a time, and the hosts' file is the longest (about 10 minutes); started first, the
-    other worker runs every other file beside it. The same order on every worker (xdist needs it)."""
-    items.sort(key=lambda item: "hosts" not in item.keywords)
+    """The longest files first: `make test` runs two pytest-xdist workers, one file per worker at a
+    time, in this order (`--no-loadscope-reorder`), the longest first so that the last to end is a
+    short one: the two files of emulated hosts' tests (about 8 minutes each, one a worker), then
+    the files with slow tests, then the rest. The same order on every worker (xdist needs it)."""
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: ("hosts" not in item.keywords, item.path not in slow_files))
 VOCAB = 256
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_greedy_equal
+from conftest import assert_greedy_equal, cold_host_cache
 from hpipe import models
 from hpipe.cli import main
 from hpipe.runtime import compile_choice
@@ -59,7 +59,7 @@ def test_a_server_gets_its_graphs_beside_it_compiled_on_a_cold_host_loaded_on_a_
     bit for bit: near-ties aside)."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))     # a host that never compiled
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cold_host_cache(tmp_path / "inductor")))
     plan = tmp_path / "plan.json"
     assert main(["plan", "--kv-dtype", "float32", "--model", str(talking_model), "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0
     reference = AutoModelForCausalLM.from_pretrained(talking_model).eval()
@@ -135,7 +135,7 @@ def test_a_cold_batch_job_compiles_first_only_where_its_decode_pays_for_it(tiny_
     said in one line with its numbers; the compile then marks the graphs warm on this host (a later
     stage here is not cold) and records its cost, which the next choice uses instead of the
     estimate."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))      # a host that compiled nothing
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cold_host_cache(tmp_path / "inductor")))
     path = tiny_models["llama"]
     config = models.load_config(path)
     units = range(models.num_units(config))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAMILIES, VOCAB, assert_greedy_equal, reference_greedy, reference_logits
+from conftest import FAMILIES, VOCAB, assert_greedy_equal, cold_host_cache, reference_greedy, reference_logits
 from hpipe import models
 from hpipe.cli import main
 from hpipe.launcher.local import threads_per_stage
@@ -159,7 +159,7 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     then runs them (its summary says so) from the cache, compiling nothing new (a warm-up whose pool
     differed from the run's once missed every graph: the KV pool's shape), and gives the eager
     launch's tokens."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}     # this test's own cache
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cold_host_cache(tmp_path / "inductor"))}
     path = str(tiny_models["llama"])
     plan, prompts = tmp_path / "plan.json", tmp_path / "p.jsonl"
     assert main(["plan", "--kv-dtype", "float32", "--model", path, "--stages", "2", "--cuts", "4", "-o", str(plan)]) == 0   # block 1 cut
