@@ -201,7 +201,7 @@ def gpu_floor_setup(work: Path, args) -> dict:
               "--quantize", weights, "-o", plan, cwd=work)
         packed = json.loads(plan.read_text())["weights"]
         # a step reads every matrix once but the embedding (one row)
-        weight_bytes = sum(models.unit_bytes(config, "bfloat16", packed)["weights_per_unit"][1:])
+        weight_bytes = sum(models.unit_bytes(config, "bfloat16", packed).weights_per_unit[1:])
         for variant in ("all on", "all on, no CUDA graphs"):
             extra = VARIANTS.get(variant, ["--sampling", "cpu", "--no-cuda-graphs"])
             best = None
@@ -282,7 +282,7 @@ def floor_setup(work: Path, args) -> dict:
     config = models.load_config(source.path)
     # a decode step reads every weight once, except the embedding table (one row); the LM head's
     # matrix (tied to the embedding here) is read whole
-    weight_bytes = sum(models.unit_bytes(config, "float32")["weights_per_unit"][1:])
+    weight_bytes = sum(models.unit_bytes(config, "float32").weights_per_unit[1:])
     plan = work / "plan-1.json"
     hpipe("plan", "--model", "smollm2", "--stages", "1", "-o", plan, cwd=work)
     prompt = work / "p1.jsonl"

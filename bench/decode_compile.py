@@ -107,7 +107,7 @@ def main() -> None:
     report["compiled_step_ms_by_kind"] = {"total (profiled)": round(total, 2), **where}
     report["int4_calls_per_step"] = sum(e.count for e in events if e.key.startswith(KINDS["int4 kernel"])) // 20
 
-    weight_bytes = sum(models.unit_bytes(config, "float32", str(weights))["weights_per_unit"][1:])
+    weight_bytes = sum(models.unit_bytes(config, "float32", str(weights)).weights_per_unit[1:])
     rows = 64 * 1024 * 1024 // 4 // 4096
     m, v = torch.randn(rows, 4096), torch.randn(4096)
     best = min((lambda t0: (m.mv(v), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(9))

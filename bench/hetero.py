@@ -43,9 +43,9 @@ def main() -> None:
               "-o", work / "profile.json", cwd=work)
         report["cpu_threads"] = cpu_threads
         prof = formats.load_profile(work / "profile.json")
-        report["fit_error"] = {d["id"]: d["fit_error"] for d in prof["devices"]}
-        report["links"] = [{k: x[k] for k in ("src", "dst", "backend", "alpha_s", "beta_bytes_per_s")}
-                           for x in prof["links"]]
+        report["fit_error"] = {d.id: d.fit_error for d in prof.devices}
+        report["links"] = [{"src": x.src, "dst": x.dst, "backend": x.extra.get("backend"), "alpha_s": x.alpha_s,
+                            "beta_bytes_per_s": x.beta_bytes_per_s} for x in prof.links]
         inv = work / "cluster.toml"
         inv.write_text(f'[[hosts]]\nname = "local"\naddress = "127.0.0.1"\npython = "{sys.executable}"\n'
                        f'devices = {json.dumps(devices)}\n')

@@ -151,7 +151,7 @@ def suffix_slicing() -> list[dict]:
     testbed."""
     import numpy as np
 
-    from hpipe import models
+    from hpipe import formats, models
     from hpipe.planner.profiled import plan_from_profile, slice_time_table
 
     cases = [("profiles/smollm2-cpu-1thread-quick.json", "smollm2", 1712, ["local/cpu"] * 2),
@@ -159,7 +159,7 @@ def suffix_slicing() -> list[dict]:
               [f"p100-box/cuda:{i}" for i in range(4)] + [f"rtx3090-box/cuda:{i}" for i in range(2)])]
     out = []
     for path, name, seq, devices in cases:
-        profile = json.loads((ROOT / path).read_text())
+        profile = formats.load_profile(ROOT / path)
         config = models.load_config(models.resolve_model(name).path) if name == "smollm2" else models.config_for(name)
         devs = [tuple(d.split("/")) for d in devices]
         result = plan_from_profile(profile, path, name, config, devs, seq)

@@ -44,14 +44,15 @@ def main() -> None:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wall = time.time() - t
             prof = formats.load_profile(out)
-            dev = prof["devices"][0]
-            errors = {k: v for k, v in dev["fit_error"].items() if v is not None and k != "all"}
+            dev = prof.devices[0]
+            errors = {k: v for k, v in dev.fit_error.items() if v is not None and k != "all"}
             runs["all_cores" if threads == 0 else f"{threads}_thread"] = {
-                "wall_s": round(wall, 2), "threads": dev["identity"]["threads"],
+                "wall_s": round(wall, 2), "threads": dev.identity["threads"],
                 "fit_heldout_median_rel_error": errors,
                 "fit_error_median_over_kinds": statistics.median(errors.values()),
-                "fit_error_all_heldout_points": dev["fit_error"].get("all"),
-                "links": [{k: link[k] for k in ("src", "dst", "alpha_s", "beta_bytes_per_s")} for link in prof["links"]],
+                "fit_error_all_heldout_points": dev.fit_error.get("all"),
+                "links": [{"src": x.src, "dst": x.dst, "alpha_s": x.alpha_s, "beta_bytes_per_s": x.beta_bytes_per_s}
+                          for x in prof.links],
             }
         report["quick_profile"] = runs
         plan = tmp / "plan.json"

@@ -60,7 +60,7 @@ def kv_capacity(name: str, tp: int, memory_gib: float) -> dict:
     for label, slots in (("sidp", None), ("sidp_1gb_slots", 0)):
         group = sidp.plan_group(config, members, unit_bytes, "peer", 1024, 0, max_batch=512, slots=slots)
         if slots == 0:   # the paper's <= 1 GB of slots per GPU, instead of d - 1 whole FFNs
-            group.kv_tokens = [t - tp * GIB / sum(unit_bytes["kv_per_token_per_unit"]) for t in group.kv_tokens]
+            group.kv_tokens = [t - tp * GIB / sum(unit_bytes.kv_per_token_per_unit) for t in group.kv_tokens]
         out[label] = round(sum(max(t, 0) for t in group.kv_tokens))
         out["plain_dp"] = round(sum(max(t, 0) for t in group.dp_kv_tokens)) if min(group.dp_kv_tokens) > 0 else 0
     out["ratio"] = round(out["sidp"] / out["plain_dp"], 2) if out["plain_dp"] else None
@@ -72,7 +72,7 @@ def prefetch_vs_step() -> dict:
     from hpipe.profiler import catalog
 
     config = models.config_for("llama3.1-70b")
-    ffn = sum(models.unit_bytes(config, "bfloat16")["weights_per_unit"][2::2][:models.num_blocks(config)]) / 2
+    ffn = sum(models.unit_bytes(config, "bfloat16").weights_per_unit[2::2][:models.num_blocks(config)]) / 2
     fetch = {link: ffn / (catalog.link_gbs(link) * 1e9) for link in ("nvlink4", "nvlink5")}
     rows = {}
     for gpu in ("H20", "H200", "B200"):

@@ -191,15 +191,15 @@ def profile(
             raise HpipeError("--devices: name at least one device, e.g. --devices cpu")
         result = profiler.profile_local(model, device_list, out, quick, max_seq_len, dtype, threads=threads,
                                         weights=str(weights), kv_dtype=kv_dtype)
-    if not estimate and result["devices"]:
+    if not estimate and result.devices:
         _note("measuring the runtime's own per-token costs (a small model through 1 and 2 local stages, ~20 s) ...")
         vocab = int(models.load_config(models.resolve_model(model).path).vocab_size)
-        result["runtime"] = profiler.runtime_costs(vocab)
+        result = dataclasses.replace(result, runtime=profiler.runtime_costs(vocab))
         formats.write_profile(result, out)
     typer.echo(profiler.summarize(result))
     typer.echo(f"wrote {out}")
-    if result.get("errors"):
-        raise HpipeError(f"{len(result['errors'])} device(s) or link(s) failed (see above); what was measured "
+    if result.errors:
+        raise HpipeError(f"{len(result.errors)} device(s) or link(s) failed (see above); what was measured "
                          f"is in {out}")
 
 
@@ -235,7 +235,7 @@ def _plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens, m
         raise HpipeError("--mode sidp plans from measured (or estimated) times: add --profile FILE and --seq-len N "
                          "(a request's prompt length; --new-tokens its output)")
     p, groups, pipelines = planner.plan_sidp(prof, profile_path, name, config, devices, seq_len, new_tokens,
-                                             max_batch, margin, dtype or prof["dtype"], weights, source)
+                                             max_batch, margin, dtype or prof.dtype, weights, source)
     formats.write_plan(p, out)
     typer.echo(f"wrote {out}: SiDP, {len(p.stages)} replicas in {len(p.sidp)} group(s), "
                f"requests of {seq_len} + {new_tokens} tokens")
@@ -282,7 +282,7 @@ def _print_sidp_group(g, group, pipeline: dict) -> None:
     typer.echo(f"run: {best[0]} ({best[1]:.0f} tokens/s predicted)")
 
 
-def _weights(model: str, quantize: str | None, prof: dict | None = None, profile_path: str | None = None):
+def _weights(model: str, quantize: str | None, prof: formats.Profile | None = None, profile_path: str | None = None):
     """The weight format: --quantize, else the profile's (its times are those units'), else the
     model's own (a GGUF file in its blocks, a float checkpoint dense)."""
     from hpipe import quant
@@ -291,26 +291,26 @@ def _weights(model: str, quantize: str | None, prof: dict | None = None, profile
     if quantize is not None:
         fmt = quant.WeightFormat.parse(quantize)
     elif prof is not None:
-        fmt = quant.WeightFormat.parse(prof.get("weights", "none"), where=f"{profile_path}: weights")
+        fmt = quant.WeightFormat.parse(prof.weights, where=f"{profile_path}: weights")
     else:
         fmt = quant.default_format(is_gguf)
-    if prof is not None and str(fmt) != prof.get("weights", "none"):
-        raise HpipeError(f"{profile_path}: measured with --quantize {prof.get('weights', 'none')}, not {fmt}; plan "
-                         f"with --quantize {prof.get('weights', 'none')} or profile again with --quantize {fmt}")
+    if prof is not None and str(fmt) != prof.weights:
+        raise HpipeError(f"{profile_path}: measured with --quantize {prof.weights}, not {fmt}; plan "
+                         f"with --quantize {prof.weights} or profile again with --quantize {fmt}")
     if fmt.kind == "gguf" and not is_gguf and model not in models.ARCHITECTURES:
         raise HpipeError(f"--quantize gguf keeps a .gguf file's own blocks and {model} is a float checkpoint; "
                          f"use --quantize int8 or int4[:group]")
     return fmt
 
 
-def _kv_dtype(kv_dtype: str | None, prof: dict | None = None, profile_path: str | None = None) -> str:
+def _kv_dtype(kv_dtype: str | None, prof: formats.Profile | None = None, profile_path: str | None = None) -> str:
     """The KV cache's elements: asked for, else a profile's (its times and bytes are of them), else
     formats.KV_DTYPE."""
     if kv_dtype is not None and kv_dtype not in formats.DTYPES:
         raise HpipeError(f"--kv-dtype {kv_dtype!r}: use one of {', '.join(formats.DTYPES)}")
     if prof is None:
         return kv_dtype or formats.KV_DTYPE
-    measured = formats.profile_kv_dtype(prof)
+    measured = prof.kv_dtype
     if kv_dtype not in (None, measured):
         raise HpipeError(f"{profile_path}: measured with --kv-dtype {measured}, not {kv_dtype}; plan with --kv-dtype "
                          f"{measured} or profile again with --kv-dtype {kv_dtype}")
@@ -328,7 +328,7 @@ def _plan_devices(stages: int | None, cluster: str | None, profile_path: str | N
     if profile_path is None:
         raise HpipeError("give --stages N (local processes) or --cluster FILE (or --profile: one stage per device "
                          "of the profile)")
-    return [(d["host"], d["device"]) for d in formats.load_profile(profile_path)["devices"]]
+    return [(d.host, d.device) for d in formats.load_profile(profile_path).devices]
 
 
 def _plan_model(model: str):

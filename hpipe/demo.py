@@ -10,6 +10,7 @@ one, else one measured here with --quick (about 30 s, kept in hpipe's cache for 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -33,13 +34,12 @@ def profile_fits(path: Path, config, threads: int) -> bool:
         prof = formats.load_profile(path)
     except HpipeError:
         return False
-    dev = next((d for d in prof["devices"] if d["id"] == "local/cpu"), None)
-    if dev is None or prof["model"]["fingerprint"] != models.fingerprint(config) or \
-            prof.get("weights", "none") != DEMO_WEIGHTS:
+    dev = prof.device("local/cpu")
+    if dev is None or prof.model["fingerprint"] != models.fingerprint(config) or prof.weights != DEMO_WEIGHTS:
         return False
     import torch    # here: every `hpipe` command imports this module, and torch costs ~1 s of its start
 
-    ident, here = dev.get("identity", {}), device_identity("cpu", torch)
+    ident, here = dev.identity, device_identity("cpu", torch)
     return ident.get("name") == here["name"] and ident.get("cores") == here["cores"] and ident.get("threads") == threads
 
 
@@ -47,7 +47,7 @@ PROBE_TOLERANCE = 0.2     # a profile this far from a probe of the CPU today is 
                           # machine itself varies by about 15 % from run to run)
 
 
-def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[dict, str, str]:
+def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[formats.Profile, str, str]:
     """(profile, its path, where it came from). A profile of this kind of CPU is still checked
     against the CPU as it runs today (`profiler.probe`: one block timed here): beyond
     PROBE_TOLERANCE it is measured again, and the demo says so, so that its predictions (and the
@@ -57,10 +57,10 @@ def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[di
     for path, origin in ((SHIPPED_PROFILE, "shipped"), (cached, "measured here earlier")):
         if path.exists() and profile_fits(path, config, threads):
             prof = formats.load_profile(path)
-            if "runtime" not in prof:
+            if prof.runtime is None:
                 why = f"the {origin} profile has no runtime costs"
                 continue
-            ratio = profiler.probe(models.DEFAULT_MODEL, prof["devices"][0], threads, DEMO_WEIGHTS)
+            ratio = profiler.probe(models.DEFAULT_MODEL, prof.devices[0], threads, DEMO_WEIGHTS)
             if abs(ratio - 1.0) <= PROBE_TOLERANCE:
                 return prof, str(path), origin
             why = (f"the {origin} profile is {abs(ratio - 1):.0%} {'slower' if ratio < 1 else 'faster'} than this CPU "
@@ -69,7 +69,7 @@ def demo_profile(config, threads: int, work: Path, console: Console) -> tuple[di
     with console.status("[bold]measuring"):
         prof = profiler.profile_local(models.DEFAULT_MODEL, ["cpu"], str(cached), True, None, "float32",
                                       threads=threads, weights=DEMO_WEIGHTS)
-        prof["runtime"] = profiler.runtime_costs(int(config.vocab_size))
+        prof = dataclasses.replace(prof, runtime=profiler.runtime_costs(int(config.vocab_size)))
         formats.write_profile(prof, cached)
     return prof, str(cached), "measured now"
 

@@ -829,8 +829,8 @@ def _check_table(path, where, table, context_dependent: bool):
 RUNTIME_COSTS = ("step_s", "hop_s", "back_s")   # a profile's "runtime": see hpipe.profiler.runtime_costs
 
 
-def validate_profile(data: Any, path: str = "<profile>") -> dict:
-    """Checks a profile (as loaded from JSON); returns it. Fields are documented in docs/formats.md."""
+def validate_profile(data: Any, path: str = "<profile>") -> None:
+    """Checks a profile's JSON (`parse_profile` reads it). Fields are documented in docs/formats.md."""
     _expect(path, "top level", data, dict, "a JSON object")
     _no_unknown_keys(path, "top level", data, {"version", "created", "created_by", "model", "dtype", "kv_dtype",
                                               "weights", "max_seq_len",
@@ -842,7 +842,8 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
         if key not in data:
             raise _fail(path, "top level", f"missing required key {key!r}")
     units = _model_identity(path, _expect(path, "model", data["model"], dict, "an object"))["units"]
-    _check_dtypes(path, {"dtype": data["dtype"], "kv_dtype": profile_kv_dtype(data)})
+    # profiles before 16-bit caches lack kv_dtype: their cache was of the activations' dtype
+    _check_dtypes(path, {"dtype": data["dtype"], "kv_dtype": data.get("kv_dtype", data["dtype"])})
     check_weights(path, "weights", data.get("weights", "none"))
     b = _expect(path, "bytes", data["bytes"], dict, "an object")
     for key, n in (("weights_per_unit", units), ("kv_per_token_per_unit", units),
@@ -865,7 +866,6 @@ def validate_profile(data: Any, path: str = "<profile>") -> dict:
                 raise _fail(path, f"runtime.{key}", "expected seconds (a number >= 0)")
     for i, link in enumerate(_expect(path, "links", data["links"], list, "a list of links")):
         _check_link_profile(path, f"links[{i}]", link, seen)
-    return data
 
 
 def _check_device_profile(path: str, where: str, d, seen: set[str]) -> None:
@@ -904,16 +904,180 @@ def _check_link_profile(path: str, where: str, link, devices: set[str]) -> None:
         raise _fail(path, where, "latency must be >= 0 and bandwidth > 0")
 
 
-def write_profile(data: dict, path: str | os.PathLike) -> None:
+@dataclass(frozen=True)
+class UnitTable:
+    """A unit kind's measured seconds on one device: t[i][j] for s[i] tokens after c[j] tokens of
+    context (None where not measured; c is [0] for the kinds that do not read the context)."""
+    s: tuple[int, ...]
+    c: tuple[int, ...]
+    t: tuple[tuple[float | None, ...], ...]
+
+    @staticmethod
+    def from_json(table: dict) -> "UnitTable":
+        return UnitTable(tuple(table["s"]), tuple(table["c"]), tuple(tuple(row) for row in table["t"]))
+
+    def to_json(self) -> dict:
+        return {"s": list(self.s), "c": list(self.c), "t": [list(row) for row in self.t]}
+
+
+@dataclass(frozen=True)
+class DecodeTable:
+    """A device's decode step per unit kind: t[kind][i][j] seconds for batch[i] rows after
+    context[j] tokens."""
+    batch: tuple[int, ...]
+    context: tuple[int, ...]
+    t: dict[str, tuple[tuple[float | None, ...], ...]]
+
+    @staticmethod
+    def from_json(table: dict) -> "DecodeTable":
+        return DecodeTable(tuple(table["batch"]), tuple(table["context"]),
+                           {k: tuple(tuple(row) for row in rows) for k, rows in table["t"].items()})
+
+    def to_json(self) -> dict:
+        return {"batch": list(self.batch), "context": list(self.context),
+                "t": {k: [list(row) for row in rows] for k, rows in self.t.items()}}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One measured (or estimated) device of a profile."""
+    id: str                          # "host/device"
+    host: str
+    device: str                      # "cpu", "cuda:0", ...
+    type: str                        # what kind of device: one measured device stands for others of its type
+    source: str                      # "measured" or "estimated"
+    identity: dict[str, Any]         # what the device is: name, cores, threads, machine, flags, ...
+    free_bytes: int
+    total_bytes: int | None
+    compute: dict[str, UnitTable]    # per unit kind (UNIT_KINDS)
+    decode: DecodeTable | None = None
+    fit_error: dict[str, float | None] = field(default_factory=dict)    # the fit's held-out error per kind
+    extra: dict[str, Any] = field(default_factory=dict)   # what else the profiler recorded (its settings, fetch)
+
+    @staticmethod
+    def from_json(d: dict) -> "DeviceProfile":
+        known = {"id", "host", "device", "type", "source", "identity", "memory", "compute", "decode", "fit_error"}
+        return DeviceProfile(d["id"], d["host"], d["device"], d["type"], d["source"], dict(d["identity"]),
+                             d["memory"]["free_bytes"], d["memory"].get("total_bytes"),
+                             {k: UnitTable.from_json(t) for k, t in d["compute"].items()},
+                             DecodeTable.from_json(d["decode"]) if d.get("decode") else None,
+                             dict(d.get("fit_error") or {}), {k: v for k, v in d.items() if k not in known})
+
+    def to_json(self) -> dict:
+        memory = {"free_bytes": self.free_bytes, **({} if self.total_bytes is None else {"total_bytes": self.total_bytes})}
+        return {"id": self.id, "host": self.host, "device": self.device, "type": self.type, "source": self.source,
+                "identity": self.identity, "memory": memory, "compute": {k: t.to_json() for k, t in self.compute.items()},
+                **({"decode": self.decode.to_json()} if self.decode else {}),
+                **({"fit_error": self.fit_error} if self.fit_error else {}), **self.extra}
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A measured (or estimated) link from one device to another: alpha_s + bytes / beta."""
+    src: str
+    dst: str
+    alpha_s: float
+    beta_bytes_per_s: float
+    source: str
+    extra: dict[str, Any] = field(default_factory=dict)   # the measurement's backend and points
+
+    @staticmethod
+    def from_json(x: dict) -> "LinkProfile":
+        known = {"src", "dst", "alpha_s", "beta_bytes_per_s", "source"}
+        return LinkProfile(x["src"], x["dst"], float(x["alpha_s"]), float(x["beta_bytes_per_s"]), x["source"],
+                           {k: v for k, v in x.items() if k not in known})
+
+    def to_json(self) -> dict:
+        return {"src": self.src, "dst": self.dst, "alpha_s": self.alpha_s, "beta_bytes_per_s": self.beta_bytes_per_s,
+                "source": self.source, **self.extra}
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """The model's bytes per partition unit, as the profile counted them."""
+    weights_per_unit: tuple[int, ...]
+    kv_per_token_per_unit: tuple[int, ...]
+    activation_per_token_at_cut: tuple[int, ...]      # one per cut position: units + 1
+    experts_per_unit: tuple[int, ...]                  # the routed experts' share of weights_per_unit
+
+    @staticmethod
+    def from_json(b: dict) -> "UnitBytes":
+        units = len(b["weights_per_unit"])
+        return UnitBytes(tuple(b["weights_per_unit"]), tuple(b["kv_per_token_per_unit"]),
+                         tuple(b["activation_per_token_at_cut"]), tuple(b.get("experts_per_unit", [0] * units)))
+
+    def to_json(self) -> dict:
+        return {k: list(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """The runtime's own costs, measured on the profiling host (hpipe.profiler.runtime_costs)."""
+    step_s: float         # one process's per-step machinery
+    hop_s: float          # a hop between stages beyond the link's own time
+    back_s: float         # the last stage's end to stage 0's next step: sampling, the ids' trip, the commit
+    measured: str = ""    # how they were had
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v != "" or k != "measured"}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """`hpipe profile`'s file: every device's unit times and every link, for one model, dtype and
+    weight format. Written by hpipe.profiler alone; the planner reads it. Fields: docs/formats.md."""
+    model: dict[str, Any]             # the model identity (name, family, units, blocks, fingerprint)
+    dtype: str                        # the activations' dtype the units were timed in
+    kv_dtype: str                     # the KV cache's elements it measured and counted
+    weights: str                      # the weight format the units ran
+    max_seq_len: int
+    bytes: UnitBytes
+    devices: tuple[DeviceProfile, ...]
+    links: tuple[LinkProfile, ...]
+    runtime: RuntimeCosts | None = None     # absent from profiles before its measurement
+    quick: bool = False
+    peers: Any = None                 # GPU peer-to-peer links of one host, where measured
+    errors: tuple[dict, ...] = ()     # devices and links that could not be measured, and why
+    created: str = ""
+    created_by: str = ""
+    version: int = PROFILE_VERSION
+
+    def device(self, device_id: str) -> DeviceProfile | None:
+        return next((d for d in self.devices if d.id == device_id), None)
+
+    def to_json(self) -> dict:
+        out = {"version": self.version, "created": self.created, "created_by": self.created_by, "model": self.model,
+               "dtype": self.dtype, "kv_dtype": self.kv_dtype, "weights": self.weights, "max_seq_len": self.max_seq_len,
+               "quick": self.quick, "bytes": self.bytes.to_json(), "devices": [d.to_json() for d in self.devices],
+               "links": [x.to_json() for x in self.links], "errors": list(self.errors)}
+        if self.runtime is not None:
+            out["runtime"] = self.runtime.to_json()
+        if self.peers is not None:
+            out["peers"] = self.peers
+        return out
+
+
+def parse_profile(data: Any, path: str = "<profile>") -> Profile:
+    """A profile from its JSON (validated: one line naming the field where it is wrong)."""
+    validate_profile(data, path)
+    rt = data.get("runtime")
+    return Profile(model=dict(data["model"]), dtype=data["dtype"], kv_dtype=data.get("kv_dtype", data["dtype"]),   # (above)
+                   weights=data.get("weights", "none"), max_seq_len=data["max_seq_len"],
+                   bytes=UnitBytes.from_json(data["bytes"]),
+                   devices=tuple(DeviceProfile.from_json(d) for d in data["devices"]),
+                   links=tuple(LinkProfile.from_json(x) for x in data["links"]),
+                   runtime=RuntimeCosts(**{k: float(rt[k]) for k in RUNTIME_COSTS}, measured=str(rt.get("measured", "")))
+                   if rt else None,
+                   quick=bool(data.get("quick", False)), peers=data.get("peers"), errors=tuple(data.get("errors", ())),
+                   created=str(data.get("created", "")), created_by=str(data.get("created_by", "")),
+                   version=data["version"])
+
+
+def write_profile(profile: Profile, path: str | os.PathLike) -> None:
+    data = profile.to_json()
     validate_profile(data, str(path))
     _write_json(data, path, indent=1)
 
 
-def profile_kv_dtype(profile: dict) -> str:
-    """The KV cache's elements a profile measured and counted (profiles before 16-bit caches used
-    the activations' dtype)."""
-    return profile.get("kv_dtype", profile["dtype"])
-
-
-def load_profile(path: str | os.PathLike) -> dict:
-    return validate_profile(_read_json(str(path), "profile", "profile"), str(path))
+def load_profile(path: str | os.PathLike) -> Profile:
+    return parse_profile(_read_json(str(path), "profile", "profile"), str(path))

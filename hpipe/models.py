@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpipe import formats
 from hpipe.config import cache_dir
 from hpipe.errors import HpipeError
 
@@ -502,7 +503,8 @@ def sliding_window_of_block(config, b: int) -> int | None:
     return None
 
 
-def unit_bytes(config, dtype: str = "float32", weights: str = "none", kv_dtype: str | None = None) -> dict:
+def unit_bytes(config, dtype: str = "float32", weights: str = "none",
+               kv_dtype: str | None = None) -> formats.UnitBytes:
     """From the model itself: weight bytes per unit (resident, in `weights`' packed form: a GGUF
     file's block matrices counted as 4-bit groups of 32, its embedding as int8 rows), KV-cache
     bytes per token per unit (in `kv_dtype`'s elements, else `dtype`'s), and activation bytes per token crossing each possible cut (index c =
@@ -546,8 +548,7 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none", kv_dtype: 
     kv = [2 * kv_heads * head_dim * kv_elem if unit_kind(config, u) == "attn" else 0 for u in range(n)]
     hidden = int(config.hidden_size) * elem
     activation = [8] + [hidden] * (n - 1) + [8]
-    return {"weights_per_unit": weights_per_unit, "kv_per_token_per_unit": kv,
-            "activation_per_token_at_cut": activation, "experts_per_unit": experts_per_unit}
+    return formats.UnitBytes(tuple(weights_per_unit), tuple(kv), tuple(activation), tuple(experts_per_unit))
 
 
 def check_plan_matches(plan, config, model_name: str) -> None:

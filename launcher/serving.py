@@ -534,7 +534,7 @@ class PipelineClient:
         plan = self.plan or self.job.plan
         if self._kv_bytes[0] is not plan:
             table = models.unit_bytes(self.job.config, plan.dtype, plan.weights, plan.kv_dtype)
-            self._kv_bytes = (plan, sum(table["kv_per_token_per_unit"]))
+            self._kv_bytes = (plan, sum(table.kv_per_token_per_unit))
         return self._kv_bytes[1]
 
     def pages_free(self) -> int:

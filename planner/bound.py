@@ -72,7 +72,7 @@ def lower_bound(cost, unit_time: np.ndarray, slices: list[int], batch: int) -> L
                      for k in kinds])
     compute = balanced_compute(work)
     even = 1.0 / float(np.sum(1.0 / work.sum(axis=0)))
-    hidden = min(cost.bytes["activation_per_token_at_cut"][1:-1] or [0])
+    hidden = min(cost.bytes.activation_per_token_at_cut[1:-1] or [0])
     links = []
     for j in range(d - 1):
         alpha, beta = cost.link(j)

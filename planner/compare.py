@@ -27,7 +27,7 @@ def compare(result: PlanResult, granularity: int) -> list[dict]:
     seq_len, batch = pr.seq_len, pr.batch
     d, n_units = len(cost.entries), len(cost.kinds)
     uniform = [0, *uniform_cuts(n_units, d), n_units]
-    free = [e["memory"]["free_bytes"] for e in cost.entries]
+    free = [e.free_bytes for e in cost.entries]
     rows = []
 
     def row(name, cuts, slices, makespan=None):

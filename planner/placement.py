@@ -38,7 +38,7 @@ def host_experts(cost, config, cuts: list[int], capacity: np.ndarray, kv_tokens:
     None where some stage cannot be made to fit that way."""
     if not models.is_moe(config):
         return None
-    stage_ids = {e["id"] for e in cost.entries}
+    stage_ids = {e.id for e in cost.entries}
     ram: dict[str, float] = {}
     units, host_bytes = {}, {}
     for j in range(len(cuts) - 1):
@@ -46,16 +46,16 @@ def host_experts(cost, config, cuts: list[int], capacity: np.ndarray, kv_tokens:
         if _device_bytes(cost, span, kv_tokens, frozenset()) <= capacity[j]:
             continue
         cpu = cost.host_cpu(j)
-        if cost.entries[j]["device"] == "cpu" or cpu is None or cpu["id"] in stage_ids:
+        if cost.entries[j].device == "cpu" or cpu is None or cpu.id in stage_ids:
             return None
         moved = _fewest(cost, config, span, kv_tokens, capacity[j])
         if moved is None:
             return None
         need = memory.stage_memory(cost.bytes, span, kv_tokens, 1, moved).host
-        left = ram.setdefault(cpu["id"], cpu["memory"]["free_bytes"] * (1 - margin))
+        left = ram.setdefault(cpu.id, cpu.free_bytes * (1 - margin))
         if need > left:
             return None
-        ram[cpu["id"]] = left - need
+        ram[cpu.id] = left - need
         units[j], host_bytes[j] = moved, need
     return ExpertPlacement(units, host_bytes) if units else None
 

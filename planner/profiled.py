@@ -39,8 +39,8 @@ OBJECTIVES = ("prefill", "decode", "mixed")
 MARGIN = 0.1     # the share of each device's free memory a plan keeps free (`hpipe plan --margin`)
 
 
-def check_profile_matches(profile: dict, config, model_name: str, path: str) -> None:
-    m = profile["model"]
+def check_profile_matches(profile: formats.Profile, config, model_name: str, path: str) -> None:
+    m = profile.model
     fp = models.fingerprint(config)
     if m["fingerprint"] != fp or m["units"] != models.num_units(config):
         raise HpipeError(f"{path}: the profile was made for model {m['name']!r} ({m['family']}, {m['units']} units, "
@@ -49,15 +49,15 @@ def check_profile_matches(profile: dict, config, model_name: str, path: str) -> 
                          f"`hpipe profile --model {model_name} ...`")
 
 
-def _fits(entry: dict) -> dict[str, GridModel]:
+def _fits(entry: formats.DeviceProfile) -> dict[str, GridModel]:
     """A profiled device's fitted time per unit kind."""
-    return {k: GridModel(t["s"], t["c"], t["t"]) for k, t in entry["compute"].items()}
+    return {k: GridModel(t.s, t.c, t.t) for k, t in entry.compute.items()}
 
 
 class CostModel:
     """Unit and link costs for devices in pipeline order, from a profile."""
 
-    def __init__(self, profile: dict, config, devices: list[tuple[str, str]], path: str = "<profile>"):
+    def __init__(self, profile: formats.Profile, config, devices: list[tuple[str, str]], path: str = "<profile>"):
         self.profile = profile
         self.config = config
         self.path = path
@@ -65,21 +65,20 @@ class CostModel:
         self.kinds = [models.unit_kind(config, u) for u in range(models.num_units(config))]
         self.fits = {}
         for e in self.entries:
-            self.fits.setdefault(e["id"], _fits(e))
-        self.bytes = {"experts_per_unit": [0] * models.num_units(config), **profile["bytes"]}
-        self.links = {(x["src"], x["dst"]): (x["alpha_s"], x["beta_bytes_per_s"]) for x in profile["links"]}
+            self.fits.setdefault(e.id, _fits(e))
+        self.bytes = profile.bytes
+        self.links = {(x.src, x.dst): (x.alpha_s, x.beta_bytes_per_s) for x in profile.links}
         # the runtime's own costs per step (hpipe.profiler.runtime_costs); a profile without them counts 0
-        self.measured_runtime = "runtime" in profile
-        self.runtime = {k: float(profile.get("runtime", {}).get(k, 0.0)) for k in formats.RUNTIME_COSTS}
-        self.hop_s = self.runtime["hop_s"]
+        self.measured_runtime = profile.runtime is not None
+        self.runtime = profile.runtime or formats.RuntimeCosts(0.0, 0.0, 0.0)
+        self.hop_s = self.runtime.hop_s
         self.placed: dict[int, frozenset[int]] = {}     # stage -> units whose experts its host's CPU runs
-        self.host_cpus: dict[int, dict] = {}            # stage -> that CPU's profile entry
+        self.host_cpus: dict[int, formats.DeviceProfile] = {}     # stage -> that CPU's profile entry
 
-    def host_cpu(self, j: int) -> dict | None:
+    def host_cpu(self, j: int) -> formats.DeviceProfile | None:
         """The profile entry of stage j's host's CPU, where the profile measured it: what could run
         the routed experts of stage j's MoE blocks from the host's RAM."""
-        host = self.entries[j]["host"]
-        return next((d for d in self.profile["devices"] if d["id"] == f"{host}/cpu"), None)
+        return self.profile.device(f"{self.entries[j].host}/cpu")
 
     def with_host_experts(self, placed: dict[int, frozenset[int]]) -> "CostModel":
         """These costs with stage j's units `placed[j]` running their MoE half on its host's CPU
@@ -91,25 +90,25 @@ class CostModel:
         out.host_cpus = {j: self.host_cpu(j) for j in out.placed}
         out.fits = dict(self.fits)
         for e in out.host_cpus.values():
-            out.fits.setdefault(e["id"], _fits(e))
+            out.fits.setdefault(e.id, _fits(e))
         return out
 
     def crossing(self, j: int, s):
         """Stage j's rows to its host's CPU and back: the link between them, both ways."""
-        alpha, beta = self.links.get((self.entries[j]["id"], self.host_cpus[j]["id"]), formats.INTRA_LINK)
-        return 2 * (alpha + np.asarray(s, dtype=float) * max(self.bytes["activation_per_token_at_cut"]) / beta)
+        alpha, beta = self.links.get((self.entries[j].id, self.host_cpus[j].id), formats.INTRA_LINK)
+        return 2 * (alpha + np.asarray(s, dtype=float) * max(self.bytes.activation_per_token_at_cut) / beta)
 
     def host_mlp(self, j: int, s):
         """A MoE half of stage j on its host's CPU, for slices of s tokens."""
-        return self.fits[self.host_cpus[j]["id"]]["mlp"](np.asarray(s, dtype=float), 0.0) + self.crossing(j, s)
+        return self.fits[self.host_cpus[j].id]["mlp"](np.asarray(s, dtype=float), 0.0) + self.crossing(j, s)
 
     def way_back(self) -> float:
         """From the last stage's compute end to stage 0's next step: the sampling, the ids' trip to
         stage 0 (the link's latency) and the commit; with one stage, the step's own machinery."""
         if len(self.entries) == 1:
-            return self.runtime["step_s"]
-        back = (self.entries[-1]["id"], self.entries[0]["id"])
-        return self.runtime["back_s"] + (self.links[back][0] if back in self.links else 0.0)
+            return self.runtime.step_s
+        back = (self.entries[-1].id, self.entries[0].id)
+        return self.runtime.back_s + (self.links[back][0] if back in self.links else 0.0)
 
     @functools.cached_property
     def sharing(self) -> Sharing:
@@ -117,31 +116,31 @@ class CostModel:
         boot id, else the host), with the threads they were measured with."""
         machine, threads, cores = [], [], {}
         for e in self.entries:
-            ident = e.get("identity", {})
-            if e["device"] != "cpu" or not ident.get("cores"):
+            ident = e.identity
+            if e.device != "cpu" or not ident.get("cores"):
                 machine.append(None)
                 threads.append(1)
                 continue
-            name = ident.get("machine") or e["host"]
+            name = ident.get("machine") or e.host
             machine.append(name)
             threads.append(int(ident.get("threads") or ident["cores"]))
             cores[name] = int(ident["cores"])
         return Sharing(tuple(machine), tuple(threads), cores)
 
-    def _entry(self, host: str, device: str) -> dict:
-        devs = self.profile["devices"]
-        exact = [d for d in devs if d["id"] == f"{host}/{device}"]
-        if exact:
-            return exact[0]
-        same = [d for d in devs if d["device"] == device]
-        if len({d["type"] for d in same}) == 1:  # one device type measured once stands for the others
+    def _entry(self, host: str, device: str) -> formats.DeviceProfile:
+        devs = self.profile.devices
+        exact = self.profile.device(f"{host}/{device}")
+        if exact is not None:
+            return exact
+        same = [d for d in devs if d.device == device]
+        if len({d.type for d in same}) == 1:  # one device type measured once stands for the others
             return same[0]
         raise HpipeError(f"{self.path}: no profile for device {host}/{device}; the profile has "
-                         f"{', '.join(d['id'] for d in devs)}")
+                         f"{', '.join(d.id for d in devs)}")
 
     def unit_times(self, j: int, s, c) -> np.ndarray:
         """[U]: every unit's time for a slice of s tokens after c on stage j's device."""
-        fits = self.fits[self.entries[j]["id"]]
+        fits = self.fits[self.entries[j].id]
         per_kind = {k: float(f(np.array([s]), np.array([c]))[0]) for k, f in fits.items()}
         out = np.array([per_kind[k] for k in self.kinds])
         placed = list(self.placed.get(j, ()))
@@ -152,7 +151,7 @@ class CostModel:
     def stage_time(self, j: int, a: int, b: int, s, c, last: bool, overlap: bool = False) -> np.ndarray:
         """Stage j holding units [a, b): compute of slices of s tokens after c (arrays), plus the
         send to stage j+1 unless it is the last stage (or the larger of the two, with overlap)."""
-        fits = self.fits[self.entries[j]["id"]]
+        fits = self.fits[self.entries[j].id]
         s = np.asarray(s, dtype=float)
         out = np.zeros(s.shape)
         for kind in set(self.kinds[a:b]):
@@ -163,12 +162,12 @@ class CostModel:
             out = out + moved * (self.host_mlp(j, s) - fits["mlp"](s, 0.0))
         if not last:
             alpha, beta = self.link(j)
-            send = alpha + self.hop_s + s * self.bytes["activation_per_token_at_cut"][b] / beta
+            send = alpha + self.hop_s + s * self.bytes.activation_per_token_at_cut[b] / beta
             out = np.maximum(out, send) if overlap else out + send
         return out
 
     def link(self, j: int) -> tuple[float, float]:
-        a, b = self.entries[j]["id"], self.entries[j + 1]["id"]
+        a, b = self.entries[j].id, self.entries[j + 1].id
         if (a, b) not in self.links:
             raise HpipeError(f"{self.path}: the profile has no link {a} -> {b}; profile both devices together")
         return self.links[(a, b)]
@@ -177,7 +176,7 @@ class CostModel:
         """Stage j's send of s tokens' hidden states at `cut`, as the runtime pays it (the link's
         latency and bandwidth, and the runtime's own hop)."""
         alpha, beta = self.link(j)
-        return alpha + self.hop_s + s * self.bytes["activation_per_token_at_cut"][cut] / beta
+        return alpha + self.hop_s + s * self.bytes.activation_per_token_at_cut[cut] / beta
 
 
 def workload(cost: CostModel, slices: list[int], batch: int):
@@ -201,11 +200,11 @@ def unit_work(cost: CostModel, slices: list[int], batch: int) -> np.ndarray:
     return unit_time
 
 
-def _decode_table_time(table: dict, kind: str, rows: float, context: float) -> float:
+def _decode_table_time(table: formats.DecodeTable, kind: str, rows: float, context: float) -> float:
     """A profile's decode table at (rows, context): linear between its measured points, held at
     the edges."""
-    batch, ctx = np.asarray(table["batch"], float), np.asarray(table["context"], float)
-    t = np.asarray(table["t"][kind], float)                   # [batch, context]
+    batch, ctx = np.asarray(table.batch, float), np.asarray(table.context, float)
+    t = np.asarray(table.t[kind], float)                   # [batch, context]
     by_ctx = np.array([np.interp(context, ctx, row) for row in t])
     return float(np.interp(rows, batch, by_ctx))
 
@@ -213,9 +212,9 @@ def _decode_table_time(table: dict, kind: str, rows: float, context: float) -> f
 def decode_unit_times(cost: CostModel, j: int, rows: float, context: float) -> np.ndarray:
     """[U]: every unit's time for one decode step of `rows` sequences after `context` tokens on
     stage j's device, from the profile's decode table (the embedding's lookup counts as free)."""
-    table = cost.entries[j].get("decode")
+    table = cost.entries[j].decode
     if not table:
-        raise HpipeError(f"{cost.path}: device {cost.entries[j]['id']} has no decode table; profile it again "
+        raise HpipeError(f"{cost.path}: device {cost.entries[j].id} has no decode table; profile it again "
                          f"(`hpipe profile`, or --estimate) to plan for decode")
     per_kind = {"embed": 0.0}
     for kind in ("attn", "mlp", "head"):
@@ -223,7 +222,7 @@ def decode_unit_times(cost: CostModel, j: int, rows: float, context: float) -> n
     out = np.array([per_kind.get(k, 0.0) for k in cost.kinds])
     placed = list(cost.placed.get(j, ()))
     if placed:                # experts in the host's RAM: its CPU's MoE half, and the crossing
-        host = cost.host_cpus[j].get("decode")
+        host = cost.host_cpus[j].decode
         out[placed] = (_decode_table_time(host, "mlp", rows, context) if host else per_kind["mlp"]) + \
             float(cost.crossing(j, rows))
     return out
@@ -289,7 +288,7 @@ def cut_costs(cost: CostModel, slices: list[int], batch: int, unit_mem: np.ndarr
     d, n_units = len(cost.entries), len(cost.kinds)
     starts = np.cumsum([0] + slices[:-1])
     order = np.tile(np.arange(len(slices)), batch)              # the batch's slices as they enter stage 0
-    act = np.asarray(cost.bytes["activation_per_token_at_cut"], dtype=float)[: n_units + 1]
+    act = np.asarray(cost.bytes.activation_per_token_at_cut, dtype=float)[: n_units + 1]
     s = np.asarray(slices, dtype=float)
     compute = np.zeros((d, len(slices), n_units + 1))
     for j in range(d):
@@ -454,7 +453,7 @@ def assumptions(cost: CostModel, sharing: Sharing) -> list[str]:
     """What the prediction takes for granted that a run can break, one line each (printed by
     `hpipe plan`, kept in the plan)."""
     out = []
-    names = [e["id"] for e in cost.entries]
+    names = [e.id for e in cost.entries]
     groups: dict[str, list[int]] = {}
     for j, m in enumerate(sharing.machine):
         if m is not None:
@@ -515,7 +514,7 @@ def _experts_in_host_ram(cost, config, binding, found, slices, batch, unit_mem, 
     return placed, CutSearch(cuts, value, "cuts memory would not move, experts in host RAM", 1), record
 
 
-def plan_from_profile(profile: dict, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
+def plan_from_profile(profile: formats.Profile, profile_path: str, model_name: str, config, devices: list[tuple[str, str]],
                       seq_len: int, batch: int = 1, slicing: formats.Slicing | None = None,
                       margin: float = MARGIN, dtype: str | None = None, granularity: int = 16,
                       max_rounds: int = 6, overlap: bool = False, objective: str = "prefill",
@@ -618,7 +617,7 @@ class _CutSearcher:
 
     def device_mem(self, slices) -> np.ndarray:
         act = memory.activation_bytes(self.cost.bytes, memory.microbatch_tokens(slices))
-        return np.array([e["memory"]["free_bytes"] * (1 - self.margin) - act for e in self.cost.entries])
+        return np.array([e.free_bytes * (1 - self.margin) - act for e in self.cost.entries])
 
     def partition(self, slices) -> Partition:
         unit_time, out_comm = workload(self.cost, slices, self.batch)
@@ -667,7 +666,7 @@ class _CutSearcher:
             memory_bytes_per_stage=tuple(memory.stage_memory(cost.bytes, range(cuts[j], cuts[j + 1]), self.kv_tokens,
                                                              memory.microbatch_tokens(slices),
                                                              cost.placed.get(j, frozenset())).total for j in range(d)),
-            memory_free_bytes=tuple(int(e["memory"]["free_bytes"]) for e in cost.entries),
+            memory_free_bytes=tuple(int(e.free_bytes) for e in cost.entries),
             uniform_makespan_s=predict(cost, self.uniform, slices, batch).makespan,
             lower_bound_s=bound.makespan_s, lower_bound=bound.as_dict(),
             ratio_to_lower_bound=timeline.makespan / bound.makespan_s,
@@ -675,17 +674,17 @@ class _CutSearcher:
             assumptions=tuple(assumptions(cost, self.sharing)),
             memory_binding=binding or None, host_experts=host_experts,
             decode=decode_prediction(cost, cuts, batch, seq_len, self.new_tokens)
-            if all(e.get("decode") for e in cost.entries) else None)
+            if all(e.decode for e in cost.entries) else None)
 
 
-def _profiled_plan(profile: dict, model_name: str, config, devices, cost: CostModel, cuts: list[int],
+def _profiled_plan(profile: formats.Profile, model_name: str, config, devices, cost: CostModel, cuts: list[int],
                    slicing: formats.Slicing, dtype: str | None, predicted: Prediction, fixed: bool) -> formats.Plan:
-    weights = profile.get("weights", "none")           # the units whose times these are
+    weights = profile.weights           # the units whose times these are
     stages = tuple(formats.StagePlan(host=h, device=dv, units=(cuts[j], cuts[j + 1]),
                                      weights=quant.planned(weights, h, dv), host_experts=len(cost.placed.get(j, ())))
                    for j, (h, dv) in enumerate(devices))
     plan = formats.Plan(model=model_identity(model_name, config), stages=stages, slicing=slicing,
-                        dtype=dtype or profile["dtype"], kv_dtype=formats.profile_kv_dtype(profile), weights=weights,
+                        dtype=dtype or profile.dtype, kv_dtype=profile.kv_dtype, weights=weights,
                         predicted=predicted, created_by=f"hpipe {__version__} (profile: DP partition"
                                                         f"{'' if fixed else ' and DP slicing'})")
     formats.validate_plan(plan)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from hpipe import models
+from hpipe import formats, models
 from hpipe.errors import HpipeError
 from hpipe.planner.partition import Infeasible
 from hpipe.planner.compare import compare
@@ -24,23 +24,23 @@ from hpipe.planner.profiled import PlanResult, decode_prediction, objective_seco
 MAX_ORDERS = 8
 
 
-def host_graph(profile: dict, devices: list[tuple[str, str]]) -> "nx.Graph":
+def host_graph(profile: formats.Profile, devices: list[tuple[str, str]]) -> "nx.Graph":
     import networkx as nx     # here: ~0.2 s to import, for a search few commands make
 
     graph = nx.Graph()
     hosts = list(dict.fromkeys(h for h, _ in devices))
     graph.add_nodes_from(hosts)
     ids = {f"{h}/{d}": h for h, d in devices}
-    for link in profile["links"]:
-        a, b = ids.get(link["src"]), ids.get(link["dst"])
+    for link in profile.links:
+        a, b = ids.get(link.src), ids.get(link.dst)
         if a and b and a != b:
-            bw = link["beta_bytes_per_s"]
+            bw = link.beta_bytes_per_s
             if not graph.has_edge(a, b) or graph[a][b]["bandwidth"] > bw:
                 graph.add_edge(a, b, bandwidth=bw)
     return graph
 
 
-def candidate_orders(profile: dict, devices: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+def candidate_orders(profile: formats.Profile, devices: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
     by_host: dict[str, list[tuple[str, str]]] = {}
     for h, d in devices:
         by_host.setdefault(h, []).append((h, d))

@@ -80,18 +80,18 @@ def kv_tokens(free: float, weights: float, kv_per_token: float) -> float:
     return (free - weights) / kv_per_token
 
 
-def plan_group(config, members: list[Member], dtype_bytes: dict, source: str, seq_len: int, new_tokens: int,
+def plan_group(config, members: list[Member], dtype_bytes: formats.UnitBytes, source: str, seq_len: int, new_tokens: int,
                max_batch: int, slots: int | None = None) -> SidpGroup:
     """One host's SiDP group. dtype_bytes: `hpipe.models.unit_bytes` of the model in the plan's
     weights (weights per unit, KV per token per unit). seq_len + new_tokens: a request's length."""
     if source not in SOURCES:
         raise ValueError(f"source {source!r}; one of {SOURCES}")
     d = len(members)
-    per_unit = dtype_bytes["weights_per_unit"]
+    per_unit = dtype_bytes.weights_per_unit
     blocks = models.num_blocks(config)
     ffn = [float(per_unit[2 + 2 * b]) for b in range(blocks)]   # unit 2 + 2b: block b's MLP half (norm and MLP)
     rest = float(sum(per_unit)) - sum(ffn)
-    kv_per_token = float(sum(dtype_bytes["kv_per_token_per_unit"]))
+    kv_per_token = float(sum(dtype_bytes.kv_per_token_per_unit))
     owners = assign_owners(ffn, [m.free_bytes for m in members])
     if slots is None:       # a whole cycle's remote layers (d - 1 on equal devices); a shared mapping needs none
         layout = formats.SidpGroupPlan("", tuple(range(d)), tuple(owners), 0, source)
@@ -174,17 +174,17 @@ def member_from_profile(cost, j: int, free_bytes: float, source: str, peer: tupl
         return float(decode_unit_times(cost, j, rows, 0.0)[mlp])
 
     read = float("inf") if source == "shared-mapping" else peer[1]
-    return Member(cost.entries[j]["id"], free_bytes, step_s, ffn_s, read, peer[0], peer[1])
+    return Member(cost.entries[j].id, free_bytes, step_s, ffn_s, read, peer[0], peer[1])
 
 
-def pipeline_estimate(members: list[Member], config, unit_bytes: dict, seq_len: int, new_tokens: int,
+def pipeline_estimate(members: list[Member], config, unit_bytes: formats.UnitBytes, seq_len: int, new_tokens: int,
                       max_batch: int) -> dict:
     """hpipe's own pipeline over the same devices for comparison: the blocks split evenly, the KV of
     a token spread over the stages, one decode group per stage in flight (`decode_prediction`'s
     model: a round is one group's trip through every stage, each stage 1/d of a step, plus the hops)."""
     d = len(members)
-    weights = float(sum(unit_bytes["weights_per_unit"]))
-    kv_per_token = float(sum(unit_bytes["kv_per_token_per_unit"]))
+    weights = float(sum(unit_bytes.weights_per_unit))
+    kv_per_token = float(sum(unit_bytes.kv_per_token_per_unit))
     tokens = min((m.free_bytes - weights / d) * d / kv_per_token for m in members)
     length = seq_len + new_tokens
     batch = int(min(max_batch * d, tokens // length))
@@ -198,36 +198,37 @@ def pipeline_estimate(members: list[Member], config, unit_bytes: dict, seq_len: 
     return {"kv_tokens": tokens, "batch": batch, "tokens_per_s": batch / round_s, "fits": True}
 
 
-def _peers(profile: dict, entries: list[dict]) -> list[dict]:
+def _peers(profile: formats.Profile, entries: list[formats.DeviceProfile]) -> list[dict]:
     """The profile's probed copies between these devices (`hpipe profile` on a host with GPUs)."""
-    ids = {e["id"] for e in entries}
-    return [p for p in profile.get("peers", []) if p["src"] in ids and p["dst"] in ids]
+    ids = {e.id for e in entries}
+    return [p for p in profile.peers or [] if p["src"] in ids and p["dst"] in ids]
 
 
-def choose_source(asked: str, profile: dict, entries: list[dict]) -> str:
+def choose_source(asked: str, profile: formats.Profile, entries: list[formats.DeviceProfile]) -> str:
     """auto: a CPU host's replicas share one mapping; GPUs read their owners' weights over P2P where
     the profile saw every pair's real copy arrive, faster than each one's pinned host reads, and
     from the pinned host pool otherwise (consumer cards have no P2P)."""
     if asked != "auto":
         return asked
-    if all(e["device"] == "cpu" for e in entries):
+    if all(e.device == "cpu" for e in entries):
         return "shared-mapping"
     peers = _peers(profile, entries)
     pairs = len(entries) * (len(entries) - 1)
-    host = min((e.get("fetch", {}).get("bytes_per_s", 0.0) for e in entries), default=0.0)
+    host = min((e.extra.get("fetch", {}).get("bytes_per_s", 0.0) for e in entries), default=0.0)
     if pairs and len(peers) == pairs and all(p.get("works") for p in peers) and \
             min(p["bytes_per_s"] for p in peers) > host:
         return "peer"
     return "host-pool"
 
 
-def read_bytes_per_s(source: str, profile: dict, entry: dict, others: list[dict], link: float) -> float:
+def read_bytes_per_s(source: str, profile: formats.Profile, entry: formats.DeviceProfile,
+                     others: list[formats.DeviceProfile], link: float) -> float:
     """WaS's read bandwidth for one member, measured where the profile has it: the pinned host
     pool's (per device), the slowest real peer copy from the others; else the link between them."""
-    if source == "host-pool" and "fetch" in entry:
-        return float(entry["fetch"]["bytes_per_s"])
+    if source == "host-pool" and "fetch" in entry.extra:
+        return float(entry.extra["fetch"]["bytes_per_s"])
     if source == "peer":
-        into = [p for p in _peers(profile, [entry, *others]) if p["dst"] == entry["id"]]
+        into = [p for p in _peers(profile, [entry, *others]) if p["dst"] == entry.id]
         if any(not p.get("works") for p in into):
             bad = next(p for p in into if not p.get("works"))
             raise HpipeError(f"--sidp-source peer: the profile's copy {bad['src']} -> {bad['dst']} did not arrive "
@@ -237,7 +238,7 @@ def read_bytes_per_s(source: str, profile: dict, entry: dict, others: list[dict]
     return link
 
 
-def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list[tuple[str, str]], seq_len: int,
+def plan_sidp(profile: formats.Profile, profile_path: str, name: str, config, devices: list[tuple[str, str]], seq_len: int,
               new_tokens: int, max_batch: int, margin: float, dtype: str, weights: str, source: str = "auto"):
     """`hpipe plan --mode sidp`: one group per host over `devices`, each device a whole replica.
     Returns (the plan file's object, [SidpGroup], {host: pipeline estimate})."""
@@ -249,7 +250,7 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
                          f"routed experts, which SiDP's shared replicas do not hold yet; plan it with --mode pipeline")
     check_profile_matches(profile, config, name, profile_path)
     cost = CostModel(profile, config, devices, profile_path)
-    unit_bytes = models.unit_bytes(config, dtype, weights, formats.profile_kv_dtype(profile))
+    unit_bytes = models.unit_bytes(config, dtype, weights, profile.kv_dtype)
     reserve = activation_bytes(unit_bytes, max_batch)
     hosts: dict[str, list[int]] = {}
     for j, (host, _) in enumerate(devices):
@@ -260,12 +261,12 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
         members = []
         for j in js:
             others = [k for k in js if k != j]
-            link = cost.links.get((cost.entries[j]["id"], cost.entries[others[0]]["id"])) if others else None
+            link = cost.links.get((cost.entries[j].id, cost.entries[others[0]].id)) if others else None
             peer = link if link is not None else (0.0, float("inf"))
             peer = (peer[0], read_bytes_per_s(src, profile, cost.entries[j], [cost.entries[k] for k in others],
                                               peer[1]))
             sharing = sum(1 for k in js if devices[k] == devices[j])      # replicas on one device split it
-            free = cost.entries[j]["memory"]["free_bytes"] * (1 - margin) / sharing - reserve
+            free = cost.entries[j].free_bytes * (1 - margin) / sharing - reserve
             members.append(member_from_profile(cost, j, free, src, peer))
         group = plan_group(config, members, unit_bytes, src, seq_len, new_tokens, max_batch)
         groups.append(group)
@@ -285,7 +286,7 @@ def plan_sidp(profile: dict, profile_path: str, name: str, config, devices: list
                                              "dp_kv_tokens": grp.dp_kv_tokens, "fetch_s": grp.fetch_s}
                                             for g, grp in zip(group_plans, groups)))
     plan = formats.Plan(model=model_identity(name, config), stages=stages, slicing=formats.Slicing(), dtype=dtype,
-                        kv_dtype=formats.profile_kv_dtype(profile), predicted=predicted,
+                        kv_dtype=profile.kv_dtype, predicted=predicted,
                         created_by="hpipe plan --mode sidp", weights=weights, mode="sidp",
                         sidp=tuple(group_plans))
     return plan, groups, pipelines

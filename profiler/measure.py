@@ -21,6 +21,7 @@ import statistics
 import time
 import traceback
 
+from hpipe import formats
 from hpipe.formats import KV_DTYPE
 from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.reports import emit
@@ -240,7 +241,7 @@ class _UnitTimer:
         from hpipe import models
         from hpipe.runtime.stage import StageRunner
 
-        sizes = models.unit_bytes(config, dtype, str(fmt))["weights_per_unit"]
+        sizes = models.unit_bytes(config, dtype, str(fmt)).weights_per_unit
         self.cycle = max(1, min(models.num_blocks(config), -(-COLD_BYTES // max(1, sizes[1] + sizes[2]))))
         self.n_units = models.num_units(config)
         runner = functools.partial(StageRunner, source, config, device=device, dtype=dtype, weights=fmt,
@@ -340,7 +341,7 @@ def _time_all(timer: _UnitTimer, jobs: list, tables: dict, decode: dict, total: 
                     emit("progress", done=done, total=total)
 
 
-def probe(model: str, device_entry: dict, threads: int, weights: str, dtype: str = "float32") -> float:
+def probe(model: str, device_entry: formats.DeviceProfile, threads: int, weights: str, dtype: str = "float32") -> float:
     """How far a profiled device is from itself today: one block (attention and MLP halves) on a
     256-token slice, timed here with `threads` threads (in this process), over the profile's
     prediction for the same work. 1.0: the profile holds; 1.3: this device now runs 30 % slower."""
@@ -366,7 +367,7 @@ def probe(model: str, device_entry: dict, threads: int, weights: str, dtype: str
     finally:
         torch.set_num_threads(before)
     s, c = np.array([PROBE_TOKENS]), np.array([0])
-    fits = {k: GridModel(t["s"], t["c"], t["t"]) for k, t in device_entry["compute"].items()}
+    fits = {k: GridModel(t.s, t.c, t.t) for k, t in device_entry.compute.items()}
     return took / float(fits["attn"](s, c)[0] + fits["mlp"](s, c)[0])
 
 

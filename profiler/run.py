@@ -63,7 +63,7 @@ def profile_header(model_spec: str, config, dtype: str, max_seq_len: int, quick:
         "model": {"name": name, "family": config.model_type, "units": models.num_units(config),
                   "blocks": models.num_blocks(config), "fingerprint": models.fingerprint(config)},
         "dtype": dtype, "kv_dtype": kv_dtype, "weights": weights, "max_seq_len": max_seq_len, "quick": quick,
-        "bytes": models.unit_bytes(config, dtype, weights, kv_dtype), "devices": [], "links": [], "errors": [],
+        "bytes": models.unit_bytes(config, dtype, weights, kv_dtype).to_json(), "devices": [], "links": [], "errors": [],
     }
 
 
@@ -119,7 +119,7 @@ def _add_link(profile: dict, a: dict, b: dict, link: dict, measured_between: str
 
 def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, max_seq_len: int | None,
                   dtype: str, console: Console | None = None, host: str = "local", threads: int = 0,
-                  weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> dict:
+                  weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> formats.Profile:
     console = console or Console(stderr=True)
     source = models.resolve_model(model_spec, progress=lambda m: console.print(m))
     config = models.load_config(source.path)
@@ -167,8 +167,15 @@ def profile_local(model_spec: str, devices: list[str], out: str, quick: bool, ma
     gpus = [d["device"] for d in profile["devices"] if d["device"].startswith("cuda")]
     if len(gpus) > 1:
         profile["peers"] = measure_peers(gpus, host, profile["errors"])
-    formats.write_profile(profile, out)
-    return profile
+    return _written(profile, out)
+
+
+def _written(profile: dict, out: str) -> formats.Profile:
+    """The profile measured (its JSON, as the measurement built it), read as the planner will read
+    it and written to `out`."""
+    result = formats.parse_profile(profile, out)
+    formats.write_profile(result, out)
+    return result
 
 
 def _longest_prompt(config, max_seq_len: int | None) -> int:
@@ -297,7 +304,8 @@ def _remote_free_port(conn) -> int:
 
 def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, quick: bool, max_seq_len: int | None,
                     dtype: str, accept_new_keys: bool = False, console: Console | None = None,
-                    host_timeout_s: float = 30.0, weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> dict:
+                    host_timeout_s: float = 30.0, weights: str = "none",
+                    kv_dtype: str = formats.KV_DTYPE) -> formats.Profile:
     """Measures every device of every host (one host at a time, so that measurements do not share
     a network or a machine), then the link between every pair of hosts, over SSH. Devices of one
     host are measured as in `profile_local`; a link between two hosts is measured once, between
@@ -348,8 +356,7 @@ def profile_cluster(model_spec: str, inventory: formats.Inventory, out: str, qui
     if not profile["devices"]:
         raise HpipeError("no device could be profiled: " + "; ".join(f"{e['host']}/{e['device']}: {e['message']}"
                                                                     for e in profile["errors"]))
-    formats.write_profile(profile, out)
-    return profile
+    return _written(profile, out)
 
 
 def _measure_host_devices(profile: dict, conn, host: formats.Host, argv: list[str], threads: int,
@@ -442,7 +449,8 @@ def estimated_tables(config, spec: catalog.DeviceSpec, dtype: str, max_seq_len: 
 
 
 def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dtype: str,
-                     max_seq_len: int | None, weights: str = "none", kv_dtype: str = formats.KV_DTYPE) -> dict:
+                     max_seq_len: int | None, weights: str = "none",
+                     kv_dtype: str = formats.KV_DTYPE) -> formats.Profile:
     config = models.config_for(model_spec)
     ctx = models.context_length(config)
     n = min(max_seq_len or 2048, ctx)
@@ -472,21 +480,20 @@ def profile_estimate(model_spec: str, inventory: formats.Inventory, out: str, dt
             alpha, beta = inventory.link(a["host"], b["host"])
             profile["links"].append({"src": a["id"], "dst": b["id"], "backend": "estimated", "source": "estimated",
                                      "alpha_s": alpha, "beta_bytes_per_s": beta})
-    formats.write_profile(profile, out)
-    return profile
+    return _written(profile, out)
 
 
-def summarize(profile: dict) -> str:
+def summarize(profile: formats.Profile) -> str:
     rows = []
-    for d in profile["devices"]:
-        att = d["compute"]["attn"]
-        t_full = att["t"][-1][0]
-        rows.append(f"{d['id']} ({d['type']}, {d['source']}): attention half at s={att['s'][-1]} {t_full * 1e3:.2f} ms; "
-                    f"fit error " + ", ".join(f"{k} {v:.1%}" for k, v in d.get("fit_error", {}).items() if v is not None))
-    for link in profile["links"]:
-        rows.append(f"{link['src']} -> {link['dst']}: alpha {link['alpha_s'] * 1e6:.0f} us, "
-                    f"beta {link['beta_bytes_per_s'] / 1e9:.3f} GB/s")
-    for e in profile.get("errors", []):
+    for d in profile.devices:
+        att = d.compute["attn"]
+        t_full = att.t[-1][0]
+        rows.append(f"{d.id} ({d.type}, {d.source}): attention half at s={att.s[-1]} {t_full * 1e3:.2f} ms; "
+                    f"fit error " + ", ".join(f"{k} {v:.1%}" for k, v in d.fit_error.items() if v is not None))
+    for link in profile.links:
+        rows.append(f"{link.src} -> {link.dst}: alpha {link.alpha_s * 1e6:.0f} us, "
+                    f"beta {link.beta_bytes_per_s / 1e9:.3f} GB/s")
+    for e in profile.errors:
         rows.append(f"FAILED {e['host']}/{e['device']}: {e['message']}")
     return "\n".join(rows)
 

@@ -68,8 +68,8 @@ def _run(model: Path, stages: int, work: Path, round_: int) -> dict[str, float]:
     return decode_terms([report.output.timelines[r] for r in sorted(report.output.timelines)])
 
 
-def runtime_costs(vocab: int) -> dict:
-    """The profile's "runtime" object: step_s, hop_s, back_s (seconds) and how they were had."""
+def runtime_costs(vocab: int) -> formats.RuntimeCosts:
+    """The profile's runtime costs: step_s, hop_s, back_s (seconds) and how they were had."""
     with tempfile.TemporaryDirectory(prefix="hpipe-runtime-costs-") as tmp:
         work = Path(tmp)
         model = _small_model(work / "model", vocab)
@@ -82,8 +82,8 @@ def runtime_costs(vocab: int) -> dict:
     one, two = runs[0::2], runs[1::2]
     if not all(one) or not all(two):
         raise RuntimeError("the calibration decode produced too few tokens to measure")
-    return {"step_s": min(r["back"] for r in one), "hop_s": min(r["hop 0->1"] for r in two),
-            "back_s": min(r["back"] for r in two),
-            "measured": f"{NEW} greedy tokens of a 2-block random Llama (hidden {HIDDEN}, MLP {MLP}, vocabulary {vocab}) "
+    return formats.RuntimeCosts(
+        step_s=min(r["back"] for r in one), hop_s=min(r["hop 0->1"] for r in two), back_s=min(r["back"] for r in two),
+        measured=f"{NEW} greedy tokens of a 2-block random Llama (hidden {HIDDEN}, MLP {MLP}, vocabulary {vocab}) "
                         f"through 1 and 2 local stages of this runtime, the lesser of {ROUNDS} runs' medians, "
-                        f"{time.time() - t:.0f} s"}
+                        f"{time.time() - t:.0f} s")

@@ -26,21 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-
-def _network() -> int:
-    """The emulated network this process builds: pytest-xdist's worker N builds network N (its own
-    bridge, subnet, namespaces and links), so that two files of host tests run at once, one a worker."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    return int(worker) if worker.isdigit() else 0
-
-
-NETWORK = _network()
-BRIDGE = f"hpbr{NETWORK}"
-SUBNET = f"10.213.{7 + NETWORK}"          # /24, private to this machine
+BRIDGE = "hpbr0"
+SUBNET = "10.213.7"          # /24, private to this machine
 BRIDGE_ADDR = f"{SUBNET}.254"
-NS_PREFIX = f"hpns{NETWORK}-"
-VETH_PREFIX = f"hpv{NETWORK}x"            # a host's end on the bridge
+NS_PREFIX = "hpns-"
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 SSHD = "/usr/sbin/sshd"
 
@@ -152,7 +141,7 @@ def cleanup_leftovers() -> None:
     _sh("ip", "link", "del", BRIDGE, check=False)
     for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith(VETH_PREFIX):
+        if name.startswith("hpv"):
             _sh("ip", "link", "del", name, check=False)
 
 
@@ -201,7 +190,7 @@ def start_cluster(base: Path, specs: list[HostSpec]) -> EmulatedCluster:
     for i, spec in enumerate(specs):
         ns = NS_PREFIX + spec.name
         address = f"{SUBNET}.{i + 1}"
-        bridge_veth = f"{VETH_PREFIX}{i}"
+        bridge_veth = f"hpv{i}"
         _sh("ip", "netns", "add", ns)
         _sh("ip", "link", "add", bridge_veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _sh("ip", "link", "set", bridge_veth, "master", BRIDGE)
@@ -323,7 +312,7 @@ def elastic_profile(names: list[str], path: Path) -> Path:
     base = json.loads((Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1thread-quick.json").read_text())
     config = models.load_config(models.resolve_model("smollm2").path)
     device, link = base["devices"][0], base["links"][0]
-    base["weights"], base["bytes"] = "none", models.unit_bytes(config, "float32", "none")
+    base["weights"], base["bytes"] = "none", models.unit_bytes(config, "float32", "none").to_json()
     base["devices"] = [{**device, "id": f"{n}/cpu", "host": n, "weights": "none",
                         "memory": {"free_bytes": FREE, "total_bytes": 2 * FREE}} for n in names]
     base["links"] = [{**link, "src": f"{a}/cpu", "dst": f"{b}/cpu"} for a in names for b in names]

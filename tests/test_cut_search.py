@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -32,20 +33,20 @@ def config():
 
 def equal_hosts_one_slow_link() -> dict:
     """Three copies of the shipped one-thread device, h1 -> h2 at 100 Mbit/s, the rest at 1 Gbit/s."""
-    profile = copy.deepcopy(formats.load_profile(str(LOCAL)))
+    profile = json.loads(LOCAL.read_text())
     device = profile["devices"][0]
     profile["devices"] = [dict(copy.deepcopy(device), id=f"h{i}/cpu", host=f"h{i}") for i in range(3)]
     profile["links"] = [{"src": f"h{a}/cpu", "dst": f"h{b}/cpu", "backend": "gloo", "source": "measured",
                          "alpha_s": 1e-4, "beta_bytes_per_s": (100e6 if max(a, b) == 2 else 1e9) / 8, "points": [],
                          "round_trip_small_s": 2e-4}
                         for a, b in itertools.permutations(range(3), 2)]
-    return formats.validate_profile(profile)
+    return formats.parse_profile(profile)
 
 
 @pytest.mark.parametrize("which,seq_len", [("constructed", 512), ("constructed", 2048), ("measured", 2048)])
 def test_cuts_by_makespan_beat_algorithm_1_and_uniform_cuts(config, which, seq_len):
     profile = equal_hosts_one_slow_link() if which == "constructed" else formats.load_profile(str(MEASURED))
-    devices = [(d["host"], d["device"]) for d in profile["devices"]]
+    devices = [(d.host, d.device) for d in profile.devices]
     result = plan_from_profile(profile, which, "smollm2", config, devices, seq_len)
     pr, cost, slices = result.plan.predicted, result.cost, result.slices
     n_units = models.num_units(config)
@@ -67,7 +68,7 @@ def test_a_single_slice_keeps_balanced_cuts(config):
     """One slice (a short prompt): every cut gives nearly the same makespan; the balanced one is kept,
     not the first (stage 0 = the embedding alone)."""
     profile = equal_hosts_one_slow_link()
-    devices = [(d["host"], d["device"]) for d in profile["devices"]]
+    devices = [(d.host, d.device) for d in profile.devices]
     result = plan_from_profile(profile, "constructed", "smollm2", config, devices, 300,
                                slicing=formats.Slicing(count=1))
     busy = result.plan.predicted.stage_busy_s

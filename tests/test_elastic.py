@@ -57,7 +57,7 @@ def test_a_profiled_plan_is_made_again_over_the_hosts_up(model, profiled):
 def test_one_host_left_that_cannot_hold_the_model_is_refused_with_the_cause(model, profiled):
     _, config = model
     plan, profile = profiled
-    weights = sum(profile["bytes"]["weights_per_unit"])
+    weights = sum(profile.bytes.weights_per_unit)
     assert weights > FREE * (1 - MARGIN)                 # the weights alone overflow one host
     with pytest.raises(HpipeError, match=r"the hosts still up \(h1\) cannot hold the model"):
         Replanner(plan, config, "smollm2").plan_for({"h1"})

@@ -45,8 +45,8 @@ def test_the_default_cache_is_float16_and_every_count_halves(tiny_models, tmp_pa
     head_dim = config.hidden_size // config.num_attention_heads
     per_layer = 2 * config.num_key_value_heads * head_dim
     table = models.unit_bytes(config, "float32", kv_dtype="float16")
-    assert sum(table["kv_per_token_per_unit"]) == config.num_hidden_layers * per_layer * 2
-    assert sum(models.unit_bytes(config, "float32")["kv_per_token_per_unit"]) == config.num_hidden_layers * per_layer * 4
+    assert sum(table.kv_per_token_per_unit) == config.num_hidden_layers * per_layer * 2
+    assert sum(models.unit_bytes(config, "float32").kv_per_token_per_unit) == config.num_hidden_layers * per_layer * 4
     # the launch preflight counts the plan's: 1,000 tokens take half the bytes
     need = {kv: device_needs(p, config, "local", 1000, 16)["cpu"] for kv, p in plans.items()}
     assert need["float32"] - need[None] == config.num_hidden_layers * per_layer * 2 * 1000

@@ -25,7 +25,7 @@ PAPER_PROFILE = ROOT / "profiles" / "hpipe-paper-llama7b.json"
 def paper_plan():
     profile = formats.load_profile(PAPER_PROFILE)
     config = models.config_for("llama-7b")
-    devices = [(d["host"], d["device"]) for d in profile["devices"]]
+    devices = [(d.host, d.device) for d in profile.devices]
     return plan_from_profile(profile, str(PAPER_PROFILE), "llama-7b", config, devices, seq_len=1024, batch=3), config
 
 
@@ -43,8 +43,8 @@ def test_planner_and_preflight_count_the_same_bytes(paper_plan):
     # and the model is what it says: weights + KV + four activation buffers of the longest slice
     table = models.unit_bytes(config, plan.dtype)
     st0 = plan.stages[0]
-    weights = sum(table["weights_per_unit"][st0.units[0]:st0.units[1]])
-    kv = sum(table["kv_per_token_per_unit"][st0.units[0]:st0.units[1]]) * kv_tokens
+    weights = sum(table.weights_per_unit[st0.units[0]:st0.units[1]])
+    kv = sum(table.kv_per_token_per_unit[st0.units[0]:st0.units[1]]) * kv_tokens
     acts = 4 * mb_tokens * config.hidden_size * 2   # float16
     assert pr.memory_bytes_per_stage[0] == weights + kv + acts
 

@@ -122,12 +122,12 @@ def test_weights_quantized_at_load_route_as_the_float_model(moe_models, fmt):
 def test_memory_counts_every_expert(moe_models):
     path, _ = moe_models["qwen3_moe"]
     config = models.load_config(path)
-    sizes = models.unit_bytes(config)["weights_per_unit"]
+    sizes = models.unit_bytes(config).weights_per_unit
     e, i, h = models.num_experts(config), config.moe_intermediate_size, config.hidden_size
     routed = e * 3 * i * h * 4
     assert sizes[2] == routed + e * h * 4 + h * 4                           # experts, router, norm (block 0: MoE)
     assert sizes[6] == 3 * config.intermediate_size * h * 4 + h * 4         # block 2 is dense (`mlp_only_layers`)
-    packed = models.unit_bytes(config, weights="int4:32")["weights_per_unit"]
+    packed = models.unit_bytes(config, weights="int4:32").weights_per_unit
     assert packed[2] < sizes[2] / 5
 
 
@@ -434,7 +434,7 @@ def test_a_gpu_that_cannot_hold_its_experts_keeps_the_fewest_blocks_of_them_in_i
         return m.weights + m.kv
     assert on_gpu(gpu.host_experts) <= free < on_gpu(gpu.host_experts - 1)          # the fewest that fit
     need = cluster_checks.device_needs(p, config, "gpu-box", 512 + 128, 1)
-    assert need["cpu"] == sum(table["experts_per_unit"][u] for u in models.host_expert_units(config, units,
+    assert need["cpu"] == sum(table.experts_per_unit[u] for u in models.host_expert_units(config, units,
                                                                                             gpu.host_experts))
 
 

@@ -17,7 +17,7 @@ PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-cpu-1th
 def setup():
     profile = formats.load_profile(str(PROFILE))
     config = models.load_config(models.resolve_model("smollm2").path)
-    devices = [(d["host"], d["device"]) for d in profile["devices"]] * 2
+    devices = [(d.host, d.device) for d in profile.devices] * 2
     return profile, config, devices
 
 

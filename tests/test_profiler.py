@@ -32,13 +32,13 @@ def test_byte_counts_equal_transformers_tensors(family, tiny_models, reference_m
     layers = base.h if gpt2 else base.layers
     nbytes = lambda mod: sum(p.nbytes for p in mod.parameters())  # noqa: E731
     embed = nbytes(base.wte) + nbytes(base.wpe) if gpt2 else nbytes(base.embed_tokens)
-    assert b["weights_per_unit"][0] == embed
+    assert b.weights_per_unit[0] == embed
     for i, layer in enumerate(layers):
         attn = nbytes(layer.ln_1) + nbytes(layer.attn) if gpt2 else nbytes(layer.input_layernorm) + nbytes(layer.self_attn)
-        assert b["weights_per_unit"][1 + 2 * i] == attn
-        assert b["weights_per_unit"][1 + 2 * i] + b["weights_per_unit"][2 + 2 * i] == nbytes(layer)
+        assert b.weights_per_unit[1 + 2 * i] == attn
+        assert b.weights_per_unit[1 + 2 * i] + b.weights_per_unit[2 + 2 * i] == nbytes(layer)
     head = (nbytes(base.ln_f) if gpt2 else nbytes(base.norm)) + model.lm_head.weight.nbytes
-    assert b["weights_per_unit"][-1] == head
+    assert b.weights_per_unit[-1] == head
     # KV cache and activations: what a real forward of T tokens keeps and passes between blocks
     tokens = 11
     cache = DynamicCache(config=model.config)
@@ -46,10 +46,10 @@ def test_byte_counts_equal_transformers_tensors(family, tiny_models, reference_m
         out = model(torch.arange(3, 3 + tokens)[None], **{models.cache_argument(model): cache}, use_cache=True, output_hidden_states=True)
     for i in range(len(layers)):
         kv = cache.layers[i].keys.nbytes + cache.layers[i].values.nbytes
-        assert b["kv_per_token_per_unit"][1 + 2 * i] * tokens == kv
-        assert b["kv_per_token_per_unit"][2 + 2 * i] == 0
+        assert b.kv_per_token_per_unit[1 + 2 * i] * tokens == kv
+        assert b.kv_per_token_per_unit[2 + 2 * i] == 0
     for h in out.hidden_states[1:-1]:
-        assert b["activation_per_token_at_cut"][3] * tokens == h[0].nbytes
+        assert b.activation_per_token_at_cut[3] * tokens == h[0].nbytes
 
 
 @settings(max_examples=150, deadline=None)
@@ -90,21 +90,22 @@ def test_local_profile_validates_and_reports_a_failing_device(tiny_models, tmp_p
     assert "local/cpu: measuring its units" in err and "local/cuda:7: failed" in err
     assert "link local/cpu -> local/cpu: measuring" in err
     profile = formats.load_profile(out)  # what was measured is written, and validates
-    assert [d["id"] for d in profile["devices"]] == ["local/cpu"]
-    assert profile["errors"] and profile["errors"][0]["device"] == "cuda:7"
-    dev = profile["devices"][0]
-    assert dev["source"] == "measured" and dev["identity"]["threads"] >= 1
-    assert set(dev["compute"]) == set(formats.UNIT_KINDS) and set(dev["fit_error"]) == {*formats.UNIT_KINDS, "all"}
-    assert dev["decode"]["t"]["attn"][0][0] > 0
+    assert [d.id for d in profile.devices] == ["local/cpu"]
+    assert profile.errors and profile.errors[0]["device"] == "cuda:7"
+    dev = profile.devices[0]
+    assert dev.source == "measured" and dev.identity["threads"] >= 1
+    assert set(dev.compute) == set(formats.UNIT_KINDS) and set(dev.fit_error) == {*formats.UNIT_KINDS, "all"}
+    assert dev.decode.t["attn"][0][0] > 0
     # SiDP's WaS read on a CPU: a file's shared mapping into private memory, at memory speed
-    assert dev["fetch"]["source"] == "host-pool" and dev["fetch"]["bytes_per_s"] > 1e8
-    (link,) = profile["links"]
-    assert link["src"] == link["dst"] == "local/cpu" and link["beta_bytes_per_s"] > 1e7
-    assert [p[0] for p in link["points"]][-1] >= 16 * 2 ** 20
+    assert dev.extra["fetch"]["source"] == "host-pool" and dev.extra["fetch"]["bytes_per_s"] > 1e8
+    (link,) = profile.links
+    assert link.src == link.dst == "local/cpu" and link.beta_bytes_per_s > 1e7
+    assert [p[0] for p in link.extra["points"]][-1] >= 16 * 2 ** 20
     # the machine (stages sharing its cores) and the runtime's own per-token costs, measured by a run
-    assert dev["identity"]["machine"] and dev["identity"]["cores"] >= 1
-    rt = profile["runtime"]
-    assert 0 < rt["hop_s"] < 0.05 and 0 < rt["step_s"] < 0.05 and 0 < rt["back_s"] < 0.05
+    assert dev.identity["machine"] and dev.identity["cores"] >= 1
+    rt = profile.runtime
+    assert 0 < rt.hop_s < 0.05 and 0 < rt.step_s < 0.05 and 0 < rt.back_s < 0.05
+    assert formats.parse_profile(json.loads(out.read_text())).to_json() == json.loads(out.read_text())   # read as written
 
     # a plan from this profile, run: the summary checks the prediction term by term
     plan, prompts, results = tmp_path / "plan.json", tmp_path / "p.jsonl", tmp_path / "o.jsonl"
@@ -127,13 +128,13 @@ def test_estimated_profile_of_the_paper_testbed(tmp_path):
     assert main(["profile", "--estimate", "--cluster", str(EXAMPLES / "hpipe-paper.toml"), "--model", "llama-7b",
                  "--dtype", "float16", "-o", str(out)]) == 0
     profile = formats.load_profile(out)
-    assert [d["type"] for d in profile["devices"]] == ["P100"] * 4 + ["RTX3090"] * 2
-    assert all(d["source"] == "estimated" for d in profile["devices"])
-    links = {(x["src"], x["dst"]): x["beta_bytes_per_s"] for x in profile["links"]}
+    assert [d.type for d in profile.devices] == ["P100"] * 4 + ["RTX3090"] * 2
+    assert all(d.source == "estimated" for d in profile.devices)
+    links = {(x.src, x.dst): x.beta_bytes_per_s for x in profile.links}
     assert links[("p100-box/cuda:3", "rtx3090-box/cuda:0")] == pytest.approx(1e9 / 8)
     assert links[("p100-box/cuda:0", "p100-box/cuda:1")] == pytest.approx(96e9 / 8)
-    p100 = GridModel(**{k: profile["devices"][0]["compute"]["attn"][k] for k in "sct"})
-    rtx = GridModel(**{k: profile["devices"][4]["compute"]["attn"][k] for k in "sct"})
+    p100 = GridModel(**{k: getattr(profile.devices[0].compute["attn"], k) for k in "sct"})
+    rtx = GridModel(**{k: getattr(profile.devices[4].compute["attn"], k) for k in "sct"})
     assert p100(np.array([1024]), np.array([512]))[0] > rtx(np.array([1024]), np.array([512]))[0]
     # a plan for that hardware: the faster RTX 3090s get more units than any P100
     plan = tmp_path / "plan.json"
@@ -210,7 +211,7 @@ def test_the_rest_after_a_cached_prefix_is_sliced_for_its_context(paper_profile,
     plan = formats.load_plan(out)
     devices = [(s.host, s.device) for s in plan.stages]
     cuts = [s.units[0] for s in plan.stages] + [plan.stages[-1].units[1]]
-    cost = CostModel(json.loads(paper_profile.read_text()), models.config_for("llama-7b"), devices, str(paper_profile))
+    cost = CostModel(formats.load_profile(paper_profile), models.config_for("llama-7b"), devices, str(paper_profile))
     tau = slice_time_table(cost, cuts, 160, 16)
     d = len(devices)
 

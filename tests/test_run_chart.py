@@ -180,7 +180,7 @@ def paper_plan(tmp_path_factory):
     profile_estimate("llama-7b", formats.load_inventory(EXAMPLES / "hpipe-paper.toml"), str(d / "p.json"),
                      "float16", None)
     profile = formats.load_profile(d / "p.json")
-    devices = [(x["host"], x["device"]) for x in profile["devices"]]
+    devices = [(x.host, x.device) for x in profile.devices]
     result = plan_from_profile(profile, str(d / "p.json"), "llama-7b", config, devices, seq_len=512)
     formats.write_plan(result.plan, d / "plan.json")
     return formats.load_plan(d / "plan.json"), config, result.timeline, d

@@ -82,7 +82,7 @@ def test_the_switch_point_is_where_was_stops_losing_to_cas():
     members = [sidp.Member(f"r{i}", 1e9, lambda b, c: 0.002 * b, lambda b: 1e-4, 1e6, 1e-5, 1e9) for i in range(2)]
     group = sidp.plan_group(config, members, unit, "host-pool", 16, 16, max_batch=256)
     rows = group.rows["iterations"]
-    assert group.fetch_s[0] == pytest.approx(sum(unit["weights_per_unit"][2::2][:4][1::2]) / 1e6)
+    assert group.fetch_s[0] == pytest.approx(sum(unit.weights_per_unit[2::2][:4][1::2]) / 1e6)
     assert group.b_threshold is not None
     for r in rows:
         assert (r["was_s"] <= r["cas_s"]) == (r["batch"] >= group.b_threshold)
@@ -145,7 +145,7 @@ def test_the_source_follows_the_profiles_fetch_and_peer_copies(estimated_box, tm
 
     code, plan = plan_with(data)
     assert code == 0 and plan.sidp[0].source == "peer"
-    remote = sum(models.unit_bytes(models.config_for("llama-7b"), "float16")["weights_per_unit"][2::2]) / 2
+    remote = sum(models.unit_bytes(models.config_for("llama-7b"), "float16").weights_per_unit[2::2]) / 2
     assert plan.predicted.groups[0]["fetch_s"][0] == pytest.approx(remote / 25e9, rel=0.01)
     data["peers"][0]["works"] = False            # the driver said yes, the copy did not arrive
     code, plan = plan_with(data)

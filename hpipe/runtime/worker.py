@@ -559,7 +559,7 @@ def kv_pool_pages(config: RuntimeConfig, plan, model_config, rank: int, runner, 
     stage = plan.stages[rank]
     sharing = sum(1 for s in plan.stages if (s.host, s.device) == (stage.host, stage.device))
     table = models.unit_bytes(model_config, plan.dtype, kv_dtype=plan.kv_dtype)
-    per_token = sum(table["kv_per_token_per_unit"][u] for u in range(*stage.units))
+    per_token = sum(table.kv_per_token_per_unit[u] for u in range(*stage.units))
     if per_token == 0:
         return wanted if not config.kv_pages else min(wanted, config.kv_pages)
     budget = 0.9 * free_memory_bytes(runner.device) / sharing - memory.activation_bytes(table, max_tokens)
