@@ -106,6 +106,34 @@ def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_he
                 attend(q, bad_k, bad_v, None, d ** -0.5)
 
 
+@pytest.mark.parametrize("length,kv_heads,group,d,n", [(5, 3, 3, 64, 1700), (2, 2, 4, 128, 40), (8, 1, 16, 72, 300)])
+def test_a_sequences_few_rows_attend_through_the_float16_kernel_as_float64_sdpa(length, kv_heads, group, d, n,
+                                                                              monkeypatch):
+    """A speculative step's k+1 rows of one sequence over float16 pages (`decode_sdpa`: the decode
+    kernel a row at a time, each under its row of the causal mask) against float64 SDPA over the same
+    keys and values, in transformers' output layout."""
+    if cpu_kernels.kernels()[0] is None:
+        pytest.skip(cpu_kernels.kernels()[1])
+    stage_module.register_decode_sdpa(torch.device("cpu"), "float16")
+    gen = torch.Generator().manual_seed(n)
+    heads = kv_heads * group
+    q = torch.randn(1, heads, length, d, generator=gen) * 3
+    pool = torch.randn(2, kv_heads, 1, n + 9, d, generator=gen).half()       # [k/v, heads, rows, positions, d]
+    k, v = pool[0].transpose(0, 1)[:, :, 2:2 + n], pool[1].transpose(0, 1)[:, :, 2:2 + n]
+    # row r sees the context and the rows up to itself; the mask is wider than the pages, as a pool's
+    mask = torch.ones(1, 1, length, n + 4, dtype=torch.bool).tril(n - length)
+    through = []
+    rows = stage_module._attend_f16_rows
+    monkeypatch.setattr(stage_module, "_attend_f16_rows", lambda *a: through.append(1) or rows(*a))
+    out, _ = stage_module.decode_sdpa(None, q, k, v, mask, scaling=d ** -0.5)
+    assert through, "the rows went to the float32 copy"
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1),
+        attn_mask=mask[..., :n], scale=d ** -0.5)
+    assert out.shape == (1, length, heads, d) and out.dtype == torch.float32
+    assert float((out - ref.transpose(1, 2)).abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_every_attention_path_over_a_float16_cache_is_within_its_rounding(attn, tiny_models, reference_models):
     """2 stages of a grouped-query model, batches of 1-3 rows through prefill slices and decode

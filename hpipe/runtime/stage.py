@@ -50,21 +50,25 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     activations (`kv_dtype`):
     - float16 on a CPU: a decode step goes to `hpipe::attend_f16`, which reads them where they lie
       (torch's flash kernel takes float16 at 2-5x float32's time on CPUs without AVX-512 FP16, and a
-      float32 copy costs more than the attention: bench/kv_dtype.py); other steps (prefill slices,
-      speculative rows, mixed batches) and CPUs without the kernel attend over a copy in the
-      activations' dtype;
+      float32 copy costs more than the attention: bench/kv_dtype.py), as do one sequence's few rows
+      (`F16_KERNEL_ROWS`: a speculative step), a row at a time; other steps (prefill slices, mixed
+      batches) and CPUs without the kernel attend over a copy in the activations' dtype;
     - otherwise (bfloat16; CUDA) the query goes to the pages' dtype and the output comes back."""
     b, heads, length, d = query.shape
     kv_heads = key.shape[1]
     plain = not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
     if key.dtype != query.dtype:
         if query.device.type == "cpu" and key.dtype == torch.float16:
-            if F16_DECODE_KERNEL and length == 1 and plain and heads // kv_heads <= 16 and d % 8 == 0 and \
-                    d <= 256 and (attention_mask is None or attention_mask.shape[-2] == 1):
+            kernel = F16_DECODE_KERNEL and plain and heads // kv_heads <= 16 and d % 8 == 0 and d <= 256
+            scale = scaling if scaling is not None else d ** -0.5
+            if kernel and length == 1 and (attention_mask is None or attention_mask.shape[-2] == 1):
                 mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
                 out = torch.ops.hpipe.attend_f16(query.reshape(b, kv_heads, heads // kv_heads, d), key, value, mask,
-                                                 scaling if scaling is not None else d ** -0.5)
+                                                 scale)
                 return out.to(query.dtype).reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
+            if kernel and b == 1 and 1 < length <= F16_KERNEL_ROWS and attention_mask is not None and \
+                    attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1:
+                return _attend_f16_rows(query, key, value, attention_mask, scale), None
             return decode_sdpa(module, query, key.to(query.dtype), value.to(query.dtype), attention_mask, dropout,
                                scaling, is_causal, **kwargs)
         out, weights = decode_sdpa(module, query.to(key.dtype), key, value, attention_mask, dropout, scaling,
@@ -79,6 +83,26 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+# A sequence's few query rows over float16 pages (a speculative step's k+1) go through the decode
+# kernel, a row at a time; longer slices (prefill) attend over a float32 copy. Where the rows went to
+# the copy, speculation on the AVX-512 machine, whose one-row kernel is fast, made the document
+# questions 1.9x slower a token (bench/speculative.py: 9.8 -> 18.5 ms): each step copied ~1,700
+# positions of every layer's pages.
+F16_KERNEL_ROWS = 8
+
+
+def _attend_f16_rows(query, key, value, mask, scale: float):
+    """The query rows [1, heads, L, d] of one sequence through `hpipe::attend_f16`, each row a
+    sequence of its own over the same pages (a stride-0 view: no copy) under its row of the mask
+    [1, 1, L, >= n] -> [1, L, heads, d] (transformers' attention output)."""
+    _, heads, length, d = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    q = query.transpose(1, 2).reshape(length, kv_heads, heads // kv_heads, d)
+    rows = mask[0, 0, :, :n].reshape(length, 1, 1, n)
+    out = torch.ops.hpipe.attend_f16(q, key.expand(length, -1, -1, -1), value.expand(length, -1, -1, -1), rows, scale)
+    return out.to(query.dtype).reshape(1, length, heads, d)
 
 
 def register_decode_sdpa(device: torch.device, kv_dtype: str) -> None:
