@@ -32,7 +32,8 @@ from pathlib import Path
 
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import bench_arguments, cpu_flags, cpu_name, hpipe, kernels_line, prompt_ids, results_path  # noqa: E402
+from bench.common import (bench_arguments, cpu_flags, cpu_name, hpipe, kernels_line, prompt_ids,  # noqa: E402
+                          results_path)
 from bench.trip import LlamaRpc, prepare_hpipe  # noqa: E402
 
 PROMPT, NEW = 256, 128
@@ -60,7 +61,7 @@ def llama_batch(rpc: LlamaRpc, batch: int) -> dict:
     """`llama-batched-bench` through the RPC split: text generation tokens/s, and all tokens/s."""
     from bench.shapes import llama_cpp_bin
 
-    cmd = [str(llama_cpp_bin("llama-batched-bench")), *rpc.cmd[1:rpc.cmd.index("-o")],
+    cmd = [str(llama_cpp_bin("llama-batched-bench")), *rpc.split_args,
            "-c", str(batch * (PROMPT + NEW) + 64), "-npp", str(PROMPT), "-ntg", str(NEW), "-npl", str(batch),
            "--output-format", "jsonl"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout

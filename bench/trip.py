@@ -114,8 +114,10 @@ class LlamaRpc:
         blocks = block_count(path)
         offloaded = round(blocks * (stages - 1) / stages)      # the rest stay in this process
         split = "/".join(["1"] * (stages - 1))
-        self.cmd = [str(llama_cpp_bin("llama-bench")), "-m", str(path), "-t", "1", "-ngl", str(offloaded), "-ts", split,
-                    "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-o", "json", "-r", "1"]
+        # the model, the thread and the split, as every llama.cpp tool takes them (bench/batch.py too)
+        self.split_args = ["-m", str(path), "-t", "1", "-ngl", str(offloaded), "-ts", split,
+                           "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports)]
+        self.cmd = [str(llama_cpp_bin("llama-bench")), *self.split_args, "-o", "json", "-r", "1"]
         self.split = (f"-ngl {offloaded} -ts {split}: {blocks - offloaded} blocks in this process, "
                       f"{offloaded} on {stages - 1} rpc servers, one thread each")
 

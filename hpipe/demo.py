@@ -35,7 +35,7 @@ def profile_fits(path: Path, config, threads: int) -> bool:
     except HpipeError:
         return False
     dev = prof.device("local/cpu")
-    if dev is None or prof.model["fingerprint"] != models.fingerprint(config) or prof.weights != DEMO_WEIGHTS:
+    if dev is None or prof.model.fingerprint != models.fingerprint(config) or prof.weights != DEMO_WEIGHTS:
         return False
     import torch    # here: every `hpipe` command imports this module, and torch costs ~1 s of its start
 

@@ -499,7 +499,8 @@ def parse_plan(data: Any, path: str = "<plan>") -> Plan:
 
 
 def _model_identity(path: str, m: dict) -> dict:
-    """A plan's or a profile's `model`: every key there, of its type."""
+    """A plan's or a profile's `model`: every key there, of its type, and no other."""
+    _no_unknown_keys(path, "model", m, {"name", "family", "units", "blocks", "fingerprint"})
     for key, typ in (("name", str), ("family", str), ("units", int), ("blocks", int), ("fingerprint", str)):
         if key not in m:
             raise _fail(path, "model", f"missing required key {key!r}")
@@ -842,8 +843,7 @@ def validate_profile(data: Any, path: str = "<profile>") -> None:
         if key not in data:
             raise _fail(path, "top level", f"missing required key {key!r}")
     units = _model_identity(path, _expect(path, "model", data["model"], dict, "an object"))["units"]
-    # profiles before 16-bit caches lack kv_dtype: their cache was of the activations' dtype
-    _check_dtypes(path, {"dtype": data["dtype"], "kv_dtype": data.get("kv_dtype", data["dtype"])})
+    _check_dtypes(path, {"dtype": data["dtype"], "kv_dtype": _profile_kv_dtype(data)})
     check_weights(path, "weights", data.get("weights", "none"))
     b = _expect(path, "bytes", data["bytes"], dict, "an object")
     for key, n in (("weights_per_unit", units), ("kv_per_token_per_unit", units),
@@ -866,6 +866,12 @@ def validate_profile(data: Any, path: str = "<profile>") -> None:
                 raise _fail(path, f"runtime.{key}", "expected seconds (a number >= 0)")
     for i, link in enumerate(_expect(path, "links", data["links"], list, "a list of links")):
         _check_link_profile(path, f"links[{i}]", link, seen)
+
+
+def _profile_kv_dtype(data: dict) -> str:
+    """The KV cache's elements a profile's JSON measured and counted (profiles before 16-bit caches
+    lack the key: their cache was of the activations' dtype)."""
+    return data.get("kv_dtype", data["dtype"])
 
 
 def _check_device_profile(path: str, where: str, d, seen: set[str]) -> None:
@@ -964,9 +970,12 @@ class DeviceProfile:
                              dict(d.get("fit_error") or {}), {k: v for k, v in d.items() if k not in known})
 
     def to_json(self) -> dict:
-        memory = {"free_bytes": self.free_bytes, **({} if self.total_bytes is None else {"total_bytes": self.total_bytes})}
+        memory = {"free_bytes": self.free_bytes}
+        if self.total_bytes is not None:
+            memory["total_bytes"] = self.total_bytes
         return {"id": self.id, "host": self.host, "device": self.device, "type": self.type, "source": self.source,
-                "identity": self.identity, "memory": memory, "compute": {k: t.to_json() for k, t in self.compute.items()},
+                "identity": self.identity, "memory": memory,
+                "compute": {k: t.to_json() for k, t in self.compute.items()},
                 **({"decode": self.decode.to_json()} if self.decode else {}),
                 **({"fit_error": self.fit_error} if self.fit_error else {}), **self.extra}
 
@@ -1019,14 +1028,17 @@ class RuntimeCosts:
     measured: str = ""    # how they were had
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v != "" or k != "measured"}
+        out = asdict(self)
+        if not self.measured:
+            del out["measured"]
+        return out
 
 
 @dataclass(frozen=True)
 class Profile:
     """`hpipe profile`'s file: every device's unit times and every link, for one model, dtype and
     weight format. Written by hpipe.profiler alone; the planner reads it. Fields: docs/formats.md."""
-    model: dict[str, Any]             # the model identity (name, family, units, blocks, fingerprint)
+    model: ModelIdentity              # the model it was measured for
     dtype: str                        # the activations' dtype the units were timed in
     kv_dtype: str                     # the KV cache's elements it measured and counted
     weights: str                      # the weight format the units ran
@@ -1046,7 +1058,8 @@ class Profile:
         return next((d for d in self.devices if d.id == device_id), None)
 
     def to_json(self) -> dict:
-        out = {"version": self.version, "created": self.created, "created_by": self.created_by, "model": self.model,
+        out = {"version": self.version, "created": self.created, "created_by": self.created_by,
+               "model": asdict(self.model),
                "dtype": self.dtype, "kv_dtype": self.kv_dtype, "weights": self.weights, "max_seq_len": self.max_seq_len,
                "quick": self.quick, "bytes": self.bytes.to_json(), "devices": [d.to_json() for d in self.devices],
                "links": [x.to_json() for x in self.links], "errors": list(self.errors)}
@@ -1061,13 +1074,13 @@ def parse_profile(data: Any, path: str = "<profile>") -> Profile:
     """A profile from its JSON (validated: one line naming the field where it is wrong)."""
     validate_profile(data, path)
     rt = data.get("runtime")
-    return Profile(model=dict(data["model"]), dtype=data["dtype"], kv_dtype=data.get("kv_dtype", data["dtype"]),   # (above)
+    return Profile(model=ModelIdentity(**data["model"]), dtype=data["dtype"], kv_dtype=_profile_kv_dtype(data),
                    weights=data.get("weights", "none"), max_seq_len=data["max_seq_len"],
                    bytes=UnitBytes.from_json(data["bytes"]),
                    devices=tuple(DeviceProfile.from_json(d) for d in data["devices"]),
                    links=tuple(LinkProfile.from_json(x) for x in data["links"]),
-                   runtime=RuntimeCosts(**{k: float(rt[k]) for k in RUNTIME_COSTS}, measured=str(rt.get("measured", "")))
-                   if rt else None,
+                   runtime=None if not rt else RuntimeCosts(**{k: float(rt[k]) for k in RUNTIME_COSTS},
+                                                            measured=str(rt.get("measured", ""))),
                    quick=bool(data.get("quick", False)), peers=data.get("peers"), errors=tuple(data.get("errors", ())),
                    created=str(data.get("created", "")), created_by=str(data.get("created_by", "")),
                    version=data["version"])

@@ -42,9 +42,9 @@ MARGIN = 0.1     # the share of each device's free memory a plan keeps free (`hp
 def check_profile_matches(profile: formats.Profile, config, model_name: str, path: str) -> None:
     m = profile.model
     fp = models.fingerprint(config)
-    if m["fingerprint"] != fp or m["units"] != models.num_units(config):
-        raise HpipeError(f"{path}: the profile was made for model {m['name']!r} ({m['family']}, {m['units']} units, "
-                         f"{m['fingerprint']}), not for {model_name!r} ({config.model_type}, "
+    if m.fingerprint != fp or m.units != models.num_units(config):
+        raise HpipeError(f"{path}: the profile was made for model {m.name!r} ({m.family}, {m.units} units, "
+                         f"{m.fingerprint}), not for {model_name!r} ({config.model_type}, "
                          f"{models.num_units(config)} units, {fp}); profile this model with "
                          f"`hpipe profile --model {model_name} ...`")
 
