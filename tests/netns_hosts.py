@@ -15,6 +15,7 @@ namespaces' addresses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -213,20 +214,12 @@ def start_cluster(base: Path, specs: list[HostSpec]) -> EmulatedCluster:
         host.sshd = subprocess.Popen(["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=open(hdir / "sshd.log", "w"))
-        if spec.cpus is not None:
-            if not CGROUP_ROOT.exists():
-                raise RuntimeError("cgroup v1 cpu controller not mounted at /sys/fs/cgroup/cpu")
-            cg = CGROUP_ROOT / ns
-            cg.mkdir(exist_ok=True)
-            # a short period (2 ms): with the default 100 ms, work shorter than the quota runs at full
-            # speed and only some of it waits, so the profiler's medians would not see the slow host
-            period = 2000
-            if spec.cpus * period < 1000:
-                raise RuntimeError(f"cpus={spec.cpus}: the kernel's smallest quota is 1 ms of a {period} us period")
-            (cg / "cpu.cfs_quota_us").write_text("-1")
-            (cg / "cpu.cfs_period_us").write_text(str(period))
-            (cg / "cpu.cfs_quota_us").write_text(str(int(spec.cpus * period)))
-            host.cgroup = cg
+        if CGROUP_ROOT.exists():        # every host its cgroup: a test can throttle any of them (cpu_quota)
+            host.cgroup = CGROUP_ROOT / ns
+            host.cgroup.mkdir(exist_ok=True)
+            set_cpus(host, spec.cpus)
+        elif spec.cpus is not None:
+            raise RuntimeError("cgroup v1 cpu controller not mounted at /sys/fs/cgroup/cpu")
         hosts.append(host)
     (base / "known_hosts").write_text("\n".join(known) + "\n")
     for host in hosts:
@@ -280,6 +273,36 @@ def write_inventory(cluster: EmulatedCluster, path: Path, *, user: str = "root",
                   f"threads = {h.spec.threads}", f"env = {env_toml}", ""]
     Path(path).write_text("\n".join(lines))
     return Path(path)
+
+
+# a short CFS period (2 ms): with the default 100 ms, work shorter than the quota runs at full speed
+# and only some of it waits, so the profiler's medians would not see the slow host
+CFS_PERIOD_US = 2000
+
+
+def set_cpus(host: EmulatedHost, cpus: float | None) -> None:
+    """The host's CPU quota in cores (None: no limit), for every process it runs, now and later."""
+    cg = host.cgroup
+    if cg is None:
+        raise RuntimeError("cgroup v1 cpu controller not mounted at /sys/fs/cgroup/cpu")
+    if cpus is not None and cpus * CFS_PERIOD_US < 1000:
+        raise RuntimeError(f"cpus={cpus}: the kernel's smallest quota is 1 ms of a {CFS_PERIOD_US} us period")
+    (cg / "cpu.cfs_quota_us").write_text("-1")
+    (cg / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+    if cpus is not None:
+        (cg / "cpu.cfs_quota_us").write_text(str(int(cpus * CFS_PERIOD_US)))
+
+
+@contextlib.contextmanager
+def cpu_quota(cluster: EmulatedCluster, name: str, cpus: float):
+    """A slow host for the block (its spec's quota after it). The SSH tests throttle a host only where
+    they measure one: on two shared cores a half-core host doubles each launch's start and compile."""
+    host = cluster.host(name)
+    set_cpus(host, cpus)
+    try:
+        yield host
+    finally:
+        set_cpus(host, host.spec.cpus)
 
 
 def set_link(cluster: EmulatedCluster, name: str, up: bool) -> None:

@@ -1,6 +1,6 @@
 """`hpipe launch --cluster`, `hpipe cluster check` and `hpipe profile --cluster` against emulated
 hosts: network namespaces on this machine, each with a real OpenSSH server, `tc tbf` shaped links
-and a CPU quota on one host (tests/netns_hosts.py). Needs root and openssh-server; skips with the
+and, while the hosts are profiled, a CPU quota on one (tests/netns_hosts.py). Needs root and openssh-server; skips with the
 reason otherwise (`.ci/run` installs openssh-server, so CI runs these).
 
     pytest -m hosts          # only these
@@ -22,14 +22,15 @@ import pytest
 
 from browser import browser, open_page, wait_until
 from browser import unavailable_reason as browser_missing
-from netns_hosts import (HostSpec, elastic_profile, hpipe_processes, process_cmdline, namespace_pids, set_link, start_cluster,
+from netns_hosts import (HostSpec, cpu_quota, elastic_profile, hpipe_processes, process_cmdline, namespace_pids, set_link, start_cluster,
                          stop_cluster, unavailable_reason, write_inventory)
 
 ROOT = Path(__file__).resolve().parent.parent
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(REASON is not None, reason=f"emulated hosts: {REASON}")]
 
-SPECS = [HostSpec("h0", rate_mbit=1000), HostSpec("h1", rate_mbit=1000), HostSpec("h2", rate_mbit=100, cpus=0.5)]
+SPECS = [HostSpec("h0", rate_mbit=1000), HostSpec("h1", rate_mbit=1000), HostSpec("h2", rate_mbit=100)]
+SLOW = ("h2", 0.5)          # the host and its quota in cores where a test measures the hosts (cpu_quota)
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +209,9 @@ def test_worker_with_wrong_job_token_refuses_to_join(tiny_models, tmp_path):
 @pytest.mark.slow
 def test_profile_plan_launch_end_to_end(cluster, tmp_path):
     profile = tmp_path / "profile.json"
-    r = hpipe("profile", "--cluster", cluster.inventory_path, "--quick", "--max-seq-len", "256", "-o", profile,
-              cwd=tmp_path)
+    with cpu_quota(cluster, *SLOW):
+        r = hpipe("profile", "--cluster", cluster.inventory_path, "--quick", "--max-seq-len", "256", "-o", profile,
+                  cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     prof = json.loads(profile.read_text())
     assert [d["id"] for d in prof["devices"]] == ["h0/cpu", "h1/cpu", "h2/cpu"]
