@@ -25,7 +25,7 @@ import typer
 from hpipe import __version__, formats, launcher, memory, models, planner, profiler, ssh
 from hpipe.demo import run_demo
 from hpipe.errors import HpipeError
-from hpipe.config import SETTINGS, RuntimeConfig, cli_option, from_cli, int_list
+from hpipe.config import SETTINGS, RuntimeConfig, Speculation, cli_option, from_cli, int_list
 from hpipe.launcher.serving import MAX_QUEUE, PipelineClient
 from hpipe.request import BATCH_SAMPLING, MAX_NEW_TOKENS, SamplingParams
 
@@ -633,13 +633,15 @@ def warmup(
                                        "over SSH (with --plan: the plan's hosts, each with its stages' threads)"),
     plan_path: str | None = typer.Option(None, "--plan", help="with --cluster: the plan's hosts, model, weights, "
                                          "dtypes and threads"),
+    speculative: str = typer.Option("off", "--speculative", help="the --speculative the launches and servers will "
+                                    "run with (ngram[:K], draft:MODEL[:K]): their verification steps' graphs too"),
     accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
 ):
     """Compile a model's decode graphs on this host (or every host of --cluster) once: later launches
     and servers of it with --compile auto (the default) run them (about 0.7x an eager step), loading
     them in ~10 s a stage."""
     if cluster is not None:
-        _warm_cluster(cluster, plan_path, model, quantize, dtype, kv_dtype, threads, accept_new_host_keys)
+        _warm_cluster(cluster, plan_path, model, quantize, dtype, kv_dtype, threads, speculative, accept_new_host_keys)
         return
     if plan_path is not None:
         raise HpipeError("--plan goes with --cluster FILE (the plan's hosts); on this host give --model, --quantize, "
@@ -649,19 +651,20 @@ def warmup(
     from hpipe import quant, runtime
 
     counts = _thread_counts(threads)
+    step_tokens = Speculation.parse(speculative).step_tokens
     source = models.resolve_model(model, progress=_note)
     config = models.load_config(source.path)
     weights, dtype, kv_dtype = (quant.stage_weights(_weights(model, quantize), "cpu"), formats.activation_dtype(dtype),
                                 _kv_dtype(kv_dtype))
     t = time.time()
-    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype)
+    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype, step_tokens)
     typer.echo(f"{source.name}: {graphs} decode graphs compiled and warm on this host ({time.time() - t:.0f} s; "
                f"weights {weights}, {dtype}, KV {kv_dtype}, {' and '.join(map(str, counts))} threads); runs with "
                f"--compile auto (the default) use them")
 
 
 def _warm_cluster(cluster: str, plan_path: str | None, model: str, quantize, dtype, kv_dtype, threads,
-                  accept_new_keys: bool) -> None:
+                  speculative: str, accept_new_keys: bool) -> None:
     """`hpipe warmup --cluster`: the plan's settings (or the options) on every host at once."""
     if threads is not None:
         raise HpipeError("--threads is each host's with --cluster: the inventory's `threads`, else its cores over "
@@ -674,7 +677,8 @@ def _warm_cluster(cluster: str, plan_path: str | None, model: str, quantize, dty
         model, quantize, dtype, kv_dtype = plan.model.name, plan.weights, plan.dtype, plan.kv_dtype
         launcher.plan_hosts(plan, inventory)           # every stage's host is in the inventory
     settings = {"--quantize": str(_weights(model, quantize)), "--dtype": formats.activation_dtype(dtype),
-                "--kv-dtype": _kv_dtype(kv_dtype)}
+                "--kv-dtype": _kv_dtype(kv_dtype), "--speculative": speculative}
+    Speculation.parse(speculative)       # refused here, not on every host
     import time
 
     t = time.time()

@@ -197,6 +197,11 @@ class Speculation:
     def on(self) -> bool:
         return self.proposer != "off"
 
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one sequence's step carries: its fed token and up to k proposals."""
+        return 1 + self.k if self.on else 1
+
     @classmethod
     def parse(cls, text: str) -> Speculation:
         if text == "off":

@@ -15,6 +15,7 @@ import torch
 from conftest import VOCAB, assert_run_matches
 from hpipe import cpu_kernels, formats, models
 from hpipe.cli import main
+from hpipe.config import Speculation
 from hpipe.formats import Slicing
 from hpipe.launcher.cluster import device_needs
 from hpipe.request import Request
@@ -154,7 +155,11 @@ def test_every_attention_path_over_a_float16_cache_is_within_its_rounding(attn, 
 
 def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_models, reference_models, monkeypatch):
     """`--compile on`: the graphs hold `hpipe::attend_f16` (one opaque call); their steps are within
-    the cache's rounding of transformers' forward, and warm-up compiled every graph the run calls."""
+    the cache's rounding of transformers' forward, and warm-up compiled every graph the run calls.
+    The stages run speculation too (`step_tokens`: a lone sequence's fed token and up to 4 ngram
+    proposals through the same graphs, `_attend_f16_rows` inside them): the warm-up compiled those
+    steps' graphs as well, and a lone stream's verification steps run compiled, within the same
+    rounding of the forward."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
@@ -164,7 +169,9 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     requests = [Request(i, f"p{i}", tuple(rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))),
                         max_new_tokens=8 + 4 * i, eos_ids=frozenset()) for i in range(3)]
     n = models.num_units(config)
-    runners = [StageRunner(path, config, range(a, b), compile="on", kv_dtype="float16") for a, b in ((0, 4), (4, n))]
+    speculation = Speculation("ngram", 4)
+    runners = [StageRunner(path, config, range(a, b), compile="on", kv_dtype="float16",
+                           step_tokens=speculation.step_tokens) for a, b in ((0, 4), (4, n))]
     for runner in runners:
         runner.kv.allocate(POOL)
         stage_module.warm_up(runner, 16, print)
@@ -173,6 +180,23 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
                             pages=POOL)
     assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled a graph warm-up had not"
     assert_run_matches(reference_models["llama"], requests, results, F16_TOL)
+    # a lone stream whose prompt repeats itself: the proposer finds its n-grams
+    phrase = [rng.randrange(3, VOCAB) for _ in range(6)]
+    stream = [Request(0, "s", tuple(phrase * 4), max_new_tokens=20, eos_ids=frozenset())]
+    compiled_steps = []
+    takes_graphs = StageRunner.takes_graphs
+
+    def spy(runner, inputs):
+        taken = takes_graphs(runner, inputs)
+        if taken and inputs.shape[1] > 1:
+            compiled_steps.append(inputs.shape)
+        return taken
+    monkeypatch.setattr(StageRunner, "takes_graphs", spy)
+    results = run_inprocess(runners, stream, Slicing(lengths=(16,)).slices_for, max_batch=1, keep_logits=True,
+                            pages=POOL, speculation=speculation)
+    assert compiled_steps and all(rows == 1 and 2 <= tokens <= 5 for rows, tokens in compiled_steps), compiled_steps
+    assert counters["stats"]["unique_graphs"] == graphs, "a verification step compiled a graph warm-up had not"
+    assert_run_matches(reference_models["llama"], stream, results, F16_TOL)
 
 
 def test_a_kv_dtype_hpipe_cannot_keep_is_refused_in_one_line(tiny_models, tmp_path, capsys):

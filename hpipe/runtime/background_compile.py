@@ -70,7 +70,7 @@ class BackgroundCompile:
 
         runner.decode_halves = runner.eager       # the warm-up traces nothing: this does, beside the server
         argv = [sys.executable, "-m", __name__, model, str(runner.units.start), str(runner.units.stop), weights,
-                dtype, str(torch.get_num_threads()), str(config.page_size), config.attn, kv_dtype]
+                dtype, str(torch.get_num_threads()), str(config.page_size), config.attn, kv_dtype, str(runner.step_tokens)]
         return cls(runner, argv, runner.compile_cold, name)
 
     def start(self) -> None:
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> None:
         Path("/proc/self/oom_score_adj").write_text("1000")      # the first the kernel ends, not the stage
     except OSError:
         pass
-    model, start, stop, weights, dtype, threads, page_size, attn, kv_dtype = argv
+    model, start, stop, weights, dtype, threads, page_size, attn, kv_dtype, step_tokens = argv
     import torch
 
     from hpipe import models, quant
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
     config = models.load_config(source.path)
     warm_layout(source, config, quant.stage_weights(quant.WeightFormat.parse(weights), "cpu"), dtype,
                 lambda line: sys.stderr.write(line + "\n"), range(int(start), int(stop)), int(page_size), attn,
-                kv_dtype)
+                kv_dtype, int(step_tokens))
     exit_now(0)
 
 

@@ -322,14 +322,15 @@ class StageWorker:
         t_load = time.time()
         source = self._read_plan()
         plan = self.plan
+        self.speculation = Speculation.parse(config.speculation)
         runner = self.runner = StageRunner(source, self.model_config, range(*self.stage_plan.units),
                                            self.stage_plan.device, plan.dtype, config.attn, config.page_size,
                                            weights=self.weights, compile=config.compile,
                                            deterministic=self.deterministic,
-                                           host_experts=self.stage_plan.host_experts, kv_dtype=plan.kv_dtype)
+                                           host_experts=self.stage_plan.host_experts, kv_dtype=plan.kv_dtype,
+                                           step_tokens=self.speculation.step_tokens)
         if runner.compile_refused and config.compile == "on":
             log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
-        self.speculation = Speculation.parse(config.speculation)
         self.modes, static = self._modes()
         self.groups = comm.init(self.rank, self.world, args.master_addr, args.master_port,
                                 os.environ.get("HPIPE_JOB_TOKEN", "local"), [s.device for s in self.stages],
