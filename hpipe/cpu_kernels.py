@@ -130,7 +130,7 @@ def kernels() -> tuple[object | None, str]:
     lib.hpipe_int4_rows.argtypes = [p, p, i32, i64, i64, i64, p, i64, p]
     lib.hpipe_int4_rows.restype = i32
     lib.hpipe_int8_dequant.argtypes = [p, p, i32, i64, i64, i64, p, i32]
-    lib.hpipe_attend_f16.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, p, ctypes.c_float, p, i32]
+    lib.hpipe_attend_f16.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, i64, i64, p, i64, ctypes.c_float, p, i32]
     lib.hpipe_attend_f16.restype = i32
     return lib, f"int4/int8 codes x 16-bit activations per block of 32 ({variant.name})"
 
@@ -285,7 +285,8 @@ def int8_dequant(weight, scales, first: int, out) -> None:
 def attend_f16(q, k, v, mask, scale: float):
     """One query row per sequence against a float16 KV cache where it lies (kernels/attention.h):
     q [b, kv heads, g, d] float32, k and v [b, kv heads, n, d] float16 (the same strides, the last
-    1), mask [b, 1, 1, n] bool (True: attend) or None -> [b, kv heads, g, d] float32, softmax(q k^T
+    1), mask [b, 1, 1, n] bool (True: attend; one row for the group) or [b, 1, g, n] (one row a
+    query: a sequence's rows as one group) or None -> [b, kv heads, g, d] float32, softmax(q k^T
     scale) v per query head."""
     import torch
 
@@ -293,15 +294,15 @@ def attend_f16(q, k, v, mask, scale: float):
     n = k.shape[2]
     q = q.float().contiguous()
     _check_attend(k, v, b, h, n, d)
-    m = None if mask is None else mask.expand(b, 1, 1, n).reshape(b, n).to(torch.uint8).contiguous()
+    rows = g if mask is not None and mask.dim() == 4 and mask.shape[2] == g > 1 else 1
+    m = None if mask is None else mask.expand(b, 1, rows, n).reshape(b, rows * n).to(torch.uint8).contiguous()
     out = torch.empty(b, h, g, d, dtype=torch.float32)
     rc = kernels()[0].hpipe_attend_f16(q.data_ptr(), b, h, g, d, k.data_ptr(), v.data_ptr(), k.stride(0),
-                                       k.stride(1), k.stride(2), n, None if m is None else m.data_ptr(), scale,
+                                       k.stride(1), k.stride(2), n, None if m is None else m.data_ptr(), rows, scale,
                                        out.data_ptr(), torch.get_num_threads())
     if rc:
         raise MemoryError(f"attention kernel: no memory for {b} x {h} x {n} positions") if rc == -1 else \
-            ValueError(f"attention kernel: {g} query heads a KV head of size {d}: at most 16 heads, sizes a multiple "
-                       f"of 8 up to 256")
+            ValueError(f"attention kernel: heads of size {d}: sizes a multiple of 8 up to 256")
     return out
 
 

@@ -80,11 +80,13 @@ def test_a_float16_cache_holds_the_float32_runs_keys_rounded_once(tiny_models):
 
 
 @pytest.mark.parametrize("b,kv_heads,group,d,n", [(1, 3, 3, 64, 1000), (2, 8, 4, 64, 300), (3, 2, 1, 128, 9),
-                                                  (2, 1, 16, 32, 600), (1, 2, 5, 72, 300)])
+                                                  (2, 1, 16, 32, 600), (1, 2, 5, 72, 300), (2, 2, 37, 64, 500)])
 def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_heads, group, d, n):
     """`hpipe::attend_f16` (both routes: the C++ op and its Python twin) against float64 SDPA over
     the same float16 keys and values, with and without a mask (a row with nothing to attend gives
-    zeros, as torch's flash kernel), its pages read at a pool's strides (a view, not a copy)."""
+    zeros, as torch's flash kernel), one mask row for the group and one a query (a sequence's rows as
+    one group, 16 queries a tile: 37 is three), its pages read at a pool's strides (a view, not a
+    copy)."""
     if cpu_kernels.kernels()[0] is None:
         pytest.skip(cpu_kernels.kernels()[1])
     cpu_kernels.ops()
@@ -94,7 +96,9 @@ def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_he
     k, v = pool[0].transpose(0, 1)[:, :, 3:3 + n], pool[1].transpose(0, 1)[:, :, 3:3 + n]
     mask = torch.rand(b, 1, 1, n, generator=gen) > 0.3
     mask[0, ..., : min(n, 700)] = False
-    for m in (None, mask):
+    each = torch.rand(b, 1, group, n, generator=gen) > 0.5                   # a row a query
+    each[-1, :, -1] = False
+    for m in (None, mask, each):
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
                                                                attn_mask=m, scale=d ** -0.5).nan_to_num(0.0)
         for got in (torch.ops.hpipe.attend_f16(q, k, v, m, d ** -0.5), cpu_kernels.attend_f16(q, k, v, m, d ** -0.5)):
@@ -111,8 +115,8 @@ def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_he
 def test_a_sequences_few_rows_attend_through_the_float16_kernel_as_float64_sdpa(length, kv_heads, group, d, n,
                                                                               monkeypatch):
     """A speculative step's k+1 rows of one sequence over float16 pages (`decode_sdpa`: the decode
-    kernel a row at a time, each under its row of the causal mask) against float64 SDPA over the same
-    keys and values, in transformers' output layout."""
+    kernel, the rows' heads one group of queries each under its row of the causal mask) against
+    float64 SDPA over the same keys and values, in transformers' output layout."""
     if cpu_kernels.kernels()[0] is None:
         pytest.skip(cpu_kernels.kernels()[1])
     stage_module.register_decode_sdpa(torch.device("cpu"), "float16")

@@ -6,7 +6,10 @@
  * One query row per sequence: q [b, kv heads, g, d] float32 (the g query heads of one KV head
  * together, so each key and value row is read once for all of them), k and v [b, kv heads, n, d]
  * float16 at any strides whose last is 1 (the pool's pages in place, or a gathered copy), an
- * optional mask [b, n] (1 = attend) and out [b, kv heads, g, d] float32. Flash-decoding, as
+ * optional mask [b, n] (1 = attend) and out [b, kv heads, g, d] float32. A sequence's few query
+ * rows (a speculative step's) go as one: its L rows' g heads are the group's L g queries, each with
+ * its row of the mask ([b, L g, n]: mask_rows = g), so the context is read once for all of them
+ * rather than once a row (16 queries a pass over a chunk). Flash-decoding, as
  * llama.cpp's CPU path does: the context is cut in chunks of CHUNK positions, each (sequence, KV
  * head, chunk) is one task of the OpenMP loop (many tasks even for one sequence: both threads work
  * at any context), each keeps its max score, its sum of exponentials and its weighted sum of
@@ -99,11 +102,12 @@ static inline void scores8(const float *q, int64_t g, int64_t d, const float *ro
     }
 }
 
-/* part's weighted values: for each of the g queries, sum over the chunk's attended positions of its
- * weight (scores, exponentials by now) times the value row, 16 (AVX-512) or 8 elements at a time,
- * the g sums in registers. */
+/* part's weighted values: for each of the g queries, sum over the chunk's positions that any of them
+ * attends (`seen`, by the chunk's index; NULL: all) of its weight (scores, exponentials by now: 0
+ * where it does not attend) times the value row, 16 (AVX-512) or 8 elements at a time, the g sums
+ * in registers. */
 static inline void weighted_values(const float *scores, int64_t g, int64_t d, const uint16_t *v, int64_t pos_stride,
-                                   const uint8_t *mask, int64_t p0, int64_t len, float *part, int64_t width) {
+                                   const uint8_t *seen, int64_t p0, int64_t len, float *part, int64_t width) {
     int64_t c = 0;
 #ifdef __AVX512F__
     for (; c + 16 <= d; c += 16) {
@@ -111,7 +115,7 @@ static inline void weighted_values(const float *scores, int64_t g, int64_t d, co
         for (int64_t j = 0; j < g; ++j)
             acc[j] = _mm512_setzero_ps();
         for (int64_t p = 0; p < len; ++p) {
-            if (mask && !mask[p0 + p])
+            if (seen && !seen[p])
                 continue;
             const __m512 row = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(v + (p0 + p) * pos_stride + c)));
             for (int64_t j = 0; j < g; ++j)
@@ -126,7 +130,7 @@ static inline void weighted_values(const float *scores, int64_t g, int64_t d, co
         for (int64_t j = 0; j < g; ++j)
             acc[j] = _mm256_setzero_ps();
         for (int64_t p = 0; p < len; ++p) {
-            if (mask && !mask[p0 + p])
+            if (seen && !seen[p])
                 continue;
             const __m256 row = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + (p0 + p) * pos_stride + c)));
             for (int64_t j = 0; j < g; ++j)
@@ -137,18 +141,29 @@ static inline void weighted_values(const float *scores, int64_t g, int64_t d, co
     }
 }
 
-/* One task: g queries against positions [p0, p1) of one sequence's KV head, into part: g entries of
- * (max score, sum of exponentials, d weighted values); a max of -inf where no position is attended.
+/* One task: g <= 16 queries against positions [p0, p1) of one sequence's KV head, into part: g entries
+ * of (max score, sum of exponentials, d weighted values); a max of -inf where no position is
+ * attended. mask: one row for all g queries, or (mask_stride n) one row each.
  * Three passes over the chunk: the scores (scores[j][p]; 8 key rows at a time made float32 once
  * for all g queries, each query's 8 dot products summed across lanes together), their
  * exponentials 8 at a time per query, then the weighted values, 8 of a row's elements at a time
  * for all g queries in registers. d is a multiple of 8 (the caller checks). */
 static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k, const uint16_t *v,
-                         int64_t pos_stride, const uint8_t *mask, int64_t p0, int64_t p1, float scale,
-                         float *part) {
+                         int64_t pos_stride, const uint8_t *mask, int64_t mask_stride, int64_t p0, int64_t p1,
+                         float scale, float *part) {
     float rows[8 * MAX_HEAD];
     float scores[16 * CHUNK];          /* [g][CHUNK], g <= 16 */
+    uint8_t seen[CHUNK];               /* per-query masks: whether any query attends a position */
     const int64_t width = d + 2, len = p1 - p0, padded = (len + 7) & ~(int64_t)7;
+    if (mask && mask_stride)
+        for (int64_t p = 0; p < len; ++p) {
+            uint8_t any = 0;
+            for (int64_t j = 0; j < g; ++j)
+                any |= mask[j * mask_stride + p0 + p];
+            seen[p] = any;
+        }
+    else if (mask)
+        memcpy(seen, mask + p0, (size_t)len);
     for (int64_t p = 0; p < padded; p += 8) {
         for (int64_t i = 0; i < 8; ++i) {
             if (p + i < len)
@@ -158,8 +173,8 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
         }
         scores8(q, g, d, rows, scale, scores + p);
         for (int64_t i = 0; i < 8; ++i)
-            if (p + i >= len || (mask && !mask[p0 + p + i]))
-                for (int64_t j = 0; j < g; ++j)
+            for (int64_t j = 0; j < g; ++j)
+                if (p + i >= len || (mask && !mask[j * mask_stride + p0 + p + i]))
                     scores[j * CHUNK + p + i] = -INFINITY;
     }
     for (int64_t j = 0; j < g; ++j) {
@@ -178,27 +193,32 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
         part[j * width] = m;
         part[j * width + 1] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
     }
-    weighted_values(scores, g, d, v, pos_stride, mask, p0, len, part, width);
+    weighted_values(scores, g, d, v, pos_stride, mask ? seen : 0, p0, len, part, width);
 }
 
-/* Returns 0; -1 without memory; -3 for a head size over MAX_HEAD or not a multiple of 8, or a group
- * over 16 (the caller's fallback takes those). */
+/* mask_rows: 1 (mask [b, n], one row for a sequence's g queries) or g (mask [b, g, n], one each).
+ * Returns 0; -1 without memory; -3 for a head size over MAX_HEAD or not a multiple of 8, or a
+ * mask_rows of neither (the caller's fallback takes those). A task is one chunk of one sequence's KV
+ * head for up to 16 of its queries (a tile). */
 int hpipe_attend_f16(const float *q, int64_t b, int64_t kvh, int64_t g, int64_t d, const uint16_t *k,
                      const uint16_t *v, int64_t b_stride, int64_t h_stride, int64_t pos_stride, int64_t n,
-                     const uint8_t *mask, float scale, float *out, int threads) {
-    if (d > MAX_HEAD || d % 8 || g > 16)
+                     const uint8_t *mask, int64_t mask_rows, float scale, float *out, int threads) {
+    if (d > MAX_HEAD || d % 8 || (mask_rows != 1 && mask_rows != g))
         return -3;
-    const int64_t chunks = n ? (n + CHUNK - 1) / CHUNK : 1, width = d + 2;
+    const int64_t chunks = n ? (n + CHUNK - 1) / CHUNK : 1, width = d + 2, tiles = (g + 15) / 16;
     float *parts = malloc(sizeof(float) * b * kvh * chunks * g * width);
     if (!parts)
         return -1;
-    const int64_t tasks = b * kvh * chunks;
+    const int64_t tasks = b * kvh * chunks * tiles, mask_stride = mask_rows > 1 ? n : 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
     for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t bi = t / (kvh * chunks), hi = t / chunks % kvh, c = t % chunks;
-        const int64_t off = bi * b_stride + hi * h_stride;
-        attend_chunk(q + (bi * kvh + hi) * g * d, g, d, k + off, v + off, pos_stride, mask ? mask + bi * n : 0,
-                     c * CHUNK, c * CHUNK + CHUNK < n ? c * CHUNK + CHUNK : n, scale, parts + t * g * width);
+        const int64_t tile = t % tiles, c = t / tiles % chunks, hi = t / (tiles * chunks) % kvh,
+                      bi = t / (tiles * chunks * kvh);
+        const int64_t off = bi * b_stride + hi * h_stride, j0 = 16 * tile, gt = g - j0 < 16 ? g - j0 : 16;
+        attend_chunk(q + ((bi * kvh + hi) * g + j0) * d, gt, d, k + off, v + off, pos_stride,
+                     mask ? mask + (bi * mask_rows + (mask_stride ? j0 : 0)) * n : 0, mask_stride,
+                     c * CHUNK, c * CHUNK + CHUNK < n ? c * CHUNK + CHUNK : n, scale,
+                     parts + (((bi * kvh + hi) * chunks + c) * g + j0) * width);
     }
     for (int64_t bh = 0; bh < b * kvh; ++bh)
         for (int64_t j = 0; j < g; ++j) {

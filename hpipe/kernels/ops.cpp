@@ -22,7 +22,7 @@ int hpipe_int8_mm_routed(const void *x, int x_bf16, int64_t m, int64_t k, const 
                          const int64_t *ids, int64_t n_ids, int64_t n_experts, float *y, int threads);
 int hpipe_attend_f16(const float *q, int64_t b, int64_t kvh, int64_t g, int64_t d, const uint16_t *k,
                      const uint16_t *v, int64_t b_stride, int64_t h_stride, int64_t pos_stride, int64_t n,
-                     const uint8_t *mask, float scale, float *out, int threads);
+                     const uint8_t *mask, int64_t mask_rows, float scale, float *out, int threads);
 }
 
 namespace {
@@ -109,8 +109,9 @@ at::Tensor int8_mm_experts(const at::Tensor &x, const at::Tensor &weight, const 
     return y;
 }
 
-// one query row per sequence against a float16 KV cache where it lies (attention.h; the Python twin
-// is cpu_kernels.attend_f16, whose checks these are)
+// one query row per sequence (or a sequence's rows as one group, each query its row of the mask)
+// against a float16 KV cache where it lies (attention.h; the Python twin is cpu_kernels.attend_f16,
+// whose checks these are)
 at::Tensor attend_f16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                       const std::optional<at::Tensor> &mask, double scale) {
     const int64_t b = q.size(0), h = q.size(1), g = q.size(2), d = q.size(3), n = k.size(2);
@@ -120,16 +121,18 @@ at::Tensor attend_f16(const at::Tensor &q, const at::Tensor &k, const at::Tensor
     TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == b && k.size(1) == h &&
                 k.size(3) == d, "attention kernel: k ", k.sizes(), " and v ", v.sizes(), " do not match the query");
     at::Tensor m;
-    if (mask.has_value())
-        m = mask->expand({b, 1, 1, n}).reshape({b, n}).to(at::kByte).contiguous();
+    int64_t rows = 1;                    // the mask's rows: one for the group, or one a query
+    if (mask.has_value()) {
+        rows = mask->dim() == 4 && mask->size(2) == g && g > 1 ? g : 1;
+        m = mask->expand({b, 1, rows, n}).reshape({b, rows * n}).to(at::kByte).contiguous();
+    }
     auto out = at::empty({b, h, g, d}, qc.options());
     const int rc = hpipe_attend_f16(qc.data_ptr<float>(), b, h, g, d, static_cast<const uint16_t *>(k.data_ptr()),
                                     static_cast<const uint16_t *>(v.data_ptr()), k.stride(0), k.stride(1),
-                                    k.stride(2), n, m.defined() ? m.data_ptr<uint8_t>() : nullptr,
+                                    k.stride(2), n, m.defined() ? m.data_ptr<uint8_t>() : nullptr, rows,
                                     static_cast<float>(scale), out.data_ptr<float>(), at::get_num_threads());
     TORCH_CHECK(rc != -1, "attention kernel: no memory for ", b, " x ", h, " x ", n, " positions");
-    TORCH_CHECK(rc == 0, "attention kernel: ", g, " query heads a KV head of size ", d,
-                ": at most 16 heads, sizes a multiple of 8 up to 256");
+    TORCH_CHECK(rc == 0, "attention kernel: heads of size ", d, ": sizes a multiple of 8 up to 256");
     return out;
 }
 

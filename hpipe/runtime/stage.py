@@ -86,23 +86,25 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
 
 
 # A sequence's few query rows over float16 pages (a speculative step's k+1) go through the decode
-# kernel, a row at a time; longer slices (prefill) attend over a float32 copy. Where the rows went to
-# the copy, speculation on the AVX-512 machine, whose one-row kernel is fast, made the document
-# questions 1.9x slower a token (bench/speculative.py: 9.8 -> 18.5 ms): each step copied ~1,700
-# positions of every layer's pages.
+# kernel as one group, the context read once for all of them; longer slices (prefill) attend over a
+# float32 copy. Where the rows went to the copy, speculation on the AVX-512 machine, whose one-row
+# kernel is fast, made the document questions 1.9x slower a token (bench/speculative.py: 9.8 ->
+# 18.5 ms): each step copied ~1,700 positions of every layer's pages.
 F16_KERNEL_ROWS = 8
 
 
 def _attend_f16_rows(query, key, value, mask, scale: float):
-    """The query rows [1, heads, L, d] of one sequence through `hpipe::attend_f16`, each row a
-    sequence of its own over the same pages (a stride-0 view: no copy) under its row of the mask
-    [1, 1, L, >= n] -> [1, L, heads, d] (transformers' attention output)."""
+    """The query rows [1, heads, L, d] of one sequence through `hpipe::attend_f16` as one sequence
+    whose KV heads each have L x group queries (row-major), each query under its row's mask
+    [1, 1, L, >= n] -> [1, L, heads, d] (transformers' attention output). Row by row, the kernel read
+    the context L times (SmolLM2, 5 rows at 1,700 positions: 3.1x one row's attention)."""
     _, heads, length, d = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
-    q = query.transpose(1, 2).reshape(length, kv_heads, heads // kv_heads, d)
-    rows = mask[0, 0, :, :n].reshape(length, 1, 1, n)
-    out = torch.ops.hpipe.attend_f16(q, key.expand(length, -1, -1, -1), value.expand(length, -1, -1, -1), rows, scale)
-    return out.to(query.dtype).reshape(1, length, heads, d)
+    group = heads // kv_heads
+    q = query[0].reshape(kv_heads, group, length, d).transpose(1, 2).reshape(1, kv_heads, length * group, d)
+    rows = mask[0, 0, :, :n].repeat_interleave(group, dim=0).reshape(1, 1, length * group, n)
+    out = torch.ops.hpipe.attend_f16(q, key, value, rows, scale)                 # [1, kv heads, L group, d]
+    return out.to(query.dtype).reshape(kv_heads, length, group, d).transpose(0, 1).reshape(1, length, heads, d)
 
 
 def register_decode_sdpa(device: torch.device, kv_dtype: str) -> None:
