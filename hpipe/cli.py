@@ -635,12 +635,17 @@ def warmup(
                                          "dtypes and threads"),
     speculative: str = typer.Option("off", "--speculative", help="the --speculative the launches and servers will "
                                     "run with (ngram[:K], draft:MODEL[:K]): their verification steps' graphs too"),
+    units: str | None = typer.Option(None, "--units", help="only the graphs of stages holding these units, A-B "
+                                     "each (as `hpipe plan` prints a stage), comma-separated; default: every graph a "
+                                     "stage of the model can call"),
     accept_new_host_keys: bool = ACCEPT_NEW_HOST_KEYS,
 ):
     """Compile a model's decode graphs on this host (or every host of --cluster) once: later launches
     and servers of it with --compile auto (the default) run them (about 0.7x an eager step), loading
     them in ~10 s a stage."""
     if cluster is not None:
+        if units is not None:
+            raise HpipeError("--units is each host's with --cluster: give --plan, and each host compiles its stages")
         _warm_cluster(cluster, plan_path, model, quantize, dtype, kv_dtype, threads, speculative, accept_new_host_keys)
         return
     if plan_path is not None:
@@ -657,7 +662,8 @@ def warmup(
     weights, dtype, kv_dtype = (quant.stage_weights(_weights(model, quantize), "cpu"), formats.activation_dtype(dtype),
                                 _kv_dtype(kv_dtype))
     t = time.time()
-    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype, step_tokens)
+    layouts = _unit_ranges(units, models.num_units(config)) if units is not None else None
+    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype, step_tokens, layouts)
     typer.echo(f"{source.name}: {graphs} decode graphs compiled and warm on this host ({time.time() - t:.0f} s; "
                f"weights {weights}, {dtype}, KV {kv_dtype}, {' and '.join(map(str, counts))} threads); runs with "
                f"--compile auto (the default) use them")
@@ -686,6 +692,20 @@ def _warm_cluster(cluster: str, plan_path: str | None, model: str, quantize, dty
     done = launcher.warm_hosts(inventory, spec, settings, plan, accept_new_keys, typer.echo)
     typer.echo(f"{len(done)} host(s) warm in {time.time() - t:.0f} s; launches and servers with --compile auto use "
                f"their graphs")
+
+
+def _unit_ranges(text: str, n_units: int) -> list[range]:
+    """--units "0-20,21-61" -> [range(0, 21), range(21, 62)], each within the model's units."""
+    out = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        a, sep, b = part.partition("-")
+        if not (sep and a.isdigit() and b.isdigit() and int(a) <= int(b) < n_units):
+            raise HpipeError(f"--units {text!r}: {part!r} is not A-B with 0 <= A <= B < {n_units} (the model's units), "
+                             f"e.g. --units 0-20,21-{n_units - 1}")
+        out.append(range(int(a), int(b) + 1))
+    if not out:
+        raise HpipeError("--units: give at least one range A-B")
+    return out
 
 
 def _thread_counts(text: str | None) -> list[int]:

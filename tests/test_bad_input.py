@@ -282,7 +282,11 @@ def test_a_compile_that_fails_leaves_the_run_eager_with_one_line(tiny_models, tm
 @pytest.mark.parametrize("argv, needles", [
     (["warmup", "--plan", "plan.json"], ("--plan goes with --cluster",)),
     (["warmup", "--cluster", "c.toml", "--threads", "2"], ("--threads is each host's with --cluster",)),
-    (["warmup", "--kv-dtype", "int8"], ("--kv-dtype 'int8'", "float16"))])
+    (["warmup", "--kv-dtype", "int8"], ("--kv-dtype 'int8'", "float16")),
+    (["warmup", "--units", "0-62"], ("--units '0-62'", "B < 62", "--units 0-20,21-61")),
+    (["warmup", "--units", "5-3,x"], ("'5-3' is not A-B",)),
+    (["warmup", "--cluster", "c.toml", "--units", "0-3"], ("--units is each host's with --cluster",)),
+    (["warmup", "--speculative", "ngram:99"], ("--speculative 'ngram:99'", "K must be"))])
 def test_warmup_options_that_do_not_go_together_are_one_line(capsys, argv, needles):
     code, err = run_cli(capsys, *argv)
     assert code != 0

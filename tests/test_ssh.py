@@ -810,18 +810,21 @@ def test_serve_goes_on_through_a_lost_host_and_takes_it_back(cluster, tmp_path):
 
 
 def test_warmup_on_every_host_at_once_then_the_default_launch_runs_compiled(cluster, tiny_models, tmp_path):
-    """`hpipe warmup --cluster FILE --plan plan.json`: each host of the plan compiles its graphs with
-    the plan's settings and the threads its stage will run with, a line per host as it goes; a
-    launch with default flags then finds every host warm (no stage says it decodes eagerly) and
-    runs compiled graphs."""
+    """`hpipe warmup --cluster FILE --plan plan.json`: each host of the plan compiles the graphs of its
+    own stage (its units alone) with the plan's settings and the threads its stage will run with, a
+    line per host as it goes; a launch with default flags then finds every host warm (no stage says
+    it decodes eagerly) and runs compiled graphs."""
     plan = tmp_path / "plan.json"
     hpipe("plan", "--model", tiny_models["llama"], "--cluster", cluster.inventory_path, "-o", plan, cwd=tmp_path,
           check=True)
     r = hpipe("warmup", "--cluster", cluster.inventory_path, "--plan", plan, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    hosts = [st["host"] for st in json.loads(plan.read_text())["stages"]]
-    for host in hosts:
+    stages = json.loads(plan.read_text())["stages"]
+    hosts = [st["host"] for st in stages]
+    for st in stages:
+        host, (a, b) = st["host"], st["units"]
         assert f"{host}: compiling for 1 thread(s)" in r.stdout, r.stdout
+        assert f"{host}: warmup 1/1: units {a}-{b - 1}, 1 thread(s)" in r.stdout, r.stdout      # its stage alone
         assert any(line.startswith(f"{host}: ") and "decode graphs compiled and warm" in line
                    for line in r.stdout.splitlines()), r.stdout
     assert f"{len(set(hosts))} host(s) warm" in r.stdout

@@ -676,16 +676,17 @@ def compiled_beside(runner) -> CompiledHalves:
 
 
 def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, threads: list[int],
-                 kv_dtype: str = KV_DTYPE, step_tokens: int = 1) -> int:
+                 kv_dtype: str = KV_DTYPE, step_tokens: int = 1, unit_ranges: list[range] | None = None) -> int:
     """`hpipe warmup`: compiles, on this host, every graph a CPU stage of `model` running on each of
     `threads` threads can call (a run of whole blocks, a whole block, the attention half and the MLP
     half of a block cut between stages) into inductor's cache, and marks them warm for `--compile
-    auto`; with `step_tokens` above 1 a speculative step's graphs too. Returns how many graphs are warm."""
+    auto`; with `step_tokens` above 1 a speculative step's graphs too. `unit_ranges`: only the graphs of
+    stages holding these units (a plan's stages on this host). Returns how many graphs are warm."""
     n = models.num_units(config)
     marks: set[Path] = set()
     before, t0 = torch.get_num_threads(), time.time()
     # a cut block's halves, then whole blocks, at each thread count; the time left from the layouts done
-    layouts = [(count, units) for count in threads for units in (range(2), range(2, n), range(n))]
+    layouts = [(count, units) for count in threads for units in (unit_ranges or (range(2), range(2, n), range(n)))]
     try:
         for i, (count, units) in enumerate(layouts):
             left = f", about {(time.time() - t0) / i * (len(layouts) - i):.0f} s left" if i else ""
