@@ -566,8 +566,8 @@ def _print_launch(summary: dict, out: str) -> None:
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
     if s.get("options", {}).get("compile_cold"):
-        typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize, --dtype and --kv-dtype "
-                   "compiles its steps once on each host (about a minute; --threads as each stage runs there, a host's "
+        typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize, --dtype and --kv-dtype (and "
+                   "the run's --speculative) compiles its steps once on each host (about a minute; --threads as each stage runs there, a host's "
                    "cores over its CPU stages); runs then take about 0.7x the time a token")
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "

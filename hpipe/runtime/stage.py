@@ -479,8 +479,9 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
     if not runner.blocks:
         return "the stage holds no block"
     if mode == "auto" and not warm_graphs(runner):
+        speculative = " and the run's --speculative" if runner.step_tokens > 1 else ""
         return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup` with the plan's model, --quantize, "
-                f"--dtype, --kv-dtype and --threads {torch.get_num_threads()} compiles them once "
+                f"--dtype, --kv-dtype{speculative} and --threads {torch.get_num_threads()} compiles them once "
                 f"(about a minute; later starts load them in ~7 s a stage) and decode steps then take about 0.7x "
                 f"the time")
     return None
