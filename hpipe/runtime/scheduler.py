@@ -48,7 +48,7 @@ from hpipe.request import Request
 from hpipe.runtime.pages import PagePool, Segment, page_keys, pages_needed
 from hpipe.runtime.schedule import FRESH_PER_SCHEDULE, Schedule
 from hpipe.runtime.sequence import Sequence, Status
-from hpipe.runtime.speculative import SPEC_ROWS, Proposer, next_k, through_end
+from hpipe.runtime.speculative import SPEC_ROWS, SPEC_SEQUENCES, Proposer, next_k, through_end
 
 __all__ = ["Policy", "Scheduler"]
 
@@ -365,7 +365,10 @@ class Scheduler:
         past one that would end it (`through_end`),
         and this micro-batch's share of a round's spare rows: every decoding sequence's step once
         takes at most SPEC_ROWS rows over all the micro-batches of the round (on a pipeline a round
-        is several micro-batches; each keeps a row for every step)."""
+        is several micro-batches; each keeps a row for every step); none in a micro-batch of more
+        than SPEC_SEQUENCES sequences."""
+        if len(ready) > SPEC_SEQUENCES:
+            return [[] for _ in ready]
         spare = max(0, SPEC_ROWS - decoding) * len(ready) // max(1, decoding)
         room = min(spare, self.max_tokens - len(ready))
         wants, where = [], []

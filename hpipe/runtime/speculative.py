@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "NgramIndex", "NgramProposer", "Proposer", "next_k", "through_end"]
+__all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "SPEC_SEQUENCES", "NgramIndex", "NgramProposer", "Proposer", "next_k", "through_end"]
 
 NGRAM_MAX, NGRAM_MIN = 4, 1
 # The most decode rows (fed tokens and proposals) of a round, every decoding sequence's step once
@@ -35,6 +35,14 @@ NGRAM_MAX, NGRAM_MIN = 4, 1
 # Counted per micro-batch, 8 sequences on 3 stages proposed 13 tokens beside 3 rows and lost 7 % of
 # their throughput. bench/speculative.py measures both sides.
 SPEC_ROWS = 16
+# The most sequences a micro-batch whose steps carry proposals holds. A lone sequence's verification
+# step runs through the compiled decode graphs (`StageRunner.takes_graphs`); several sequences'
+# rows of unequal lengths are packed and ran eagerly, beside compiled one-token steps, each query
+# row scoring every sequence's context: 8 requests at once on one stage (AVX-512, 2 threads, after
+# `hpipe warmup --speculative`) made 0.46-0.56x the tokens a second of no speculation
+# (bench/speculative.py), where a lone stream made 1.03-1.17x. On a pipeline a round's sequences
+# go a micro-batch each while there are no more of them than stages.
+SPEC_SEQUENCES = 1
 
 
 class NgramIndex:
