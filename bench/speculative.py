@@ -3,14 +3,15 @@ and with `--speculative ngram`, the acceptance rate, and batch-8 throughput, on
 (a) questions about the demo's long document (answers quote it) and (b) ShareGPT chat, on one local
 stage and on 3 emulated hosts (tests/netns_hosts.py: network namespaces with real sshd, h2 behind a
 100 Mbit/s link, one thread per host). Greedy, 64 new tokens. Writes bench/results/speculative.json
-and speculative.png.
+and speculative.png (--out another .json: its .png beside it).
 
-    python bench/speculative.py [--skip-hosts | --skip-local] [--new-tokens 64]
+    python bench/speculative.py [--skip-hosts | --skip-local] [--new-tokens 64] [--out F.json]
 
 (--skip-local keeps the local rows of an earlier results file and measures the hosts again.)
 
 Single stream: the 8 prompts one after another (--max-batch 1), ms/token = the mean of each
-request's TPOT. Batch 8: all 8 at once (--max-batch 8), output tokens / the run's wall time.
+request's TPOT. Batch 8: all 8 at once (--max-batch 8), output tokens / the run's wall time. Each
+setting runs off, on, on, off, and each side is the mean of its two runs.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def run(plan: Path, where: list[str], prompts: Path, batch: int, spec: str, new:
             "outputs": {r["id"]: r["output_ids"] for r in results}}
 
 
+def pair(a: dict, b: dict) -> dict:
+    """Two runs of one setting as one: their mean ms/token and tokens/s, the first's counts and
+    outputs (greedy: the same in both)."""
+    return {**a, "ms_per_token": round((a["ms_per_token"] + b["ms_per_token"]) / 2, 3),
+            "tokens_per_s": round((a["tokens_per_s"] + b["tokens_per_s"]) / 2, 3),
+            "runs_ms_per_token": [a["ms_per_token"], b["ms_per_token"]]}
+
+
 def measure(setting: str, plan: Path, where: list[str], work: Path, new: int, spec: str) -> dict:
     out = {}
     for name, prompts in workloads().items():
@@ -77,7 +86,10 @@ def measure(setting: str, plan: Path, where: list[str], work: Path, new: int, sp
         path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
         row = {}
         for batch, key in ((1, "single"), (8, "batch8")):
-            off, on = run(plan, where, path, batch, "off", new, work), run(plan, where, path, batch, spec, new, work)
+            # off, on, on, off: a machine whose speed drifts (a shared one moved 13.2 -> 9.7 ms/token
+            # between two runs of one setting here) weighs on both sides alike
+            runs = [run(plan, where, path, batch, s, new, work) for s in ("off", spec, spec, "off")]
+            off, on = pair(runs[0], runs[3]), pair(runs[1], runs[2])
             row[key] = {"off": {k: v for k, v in off.items() if k != "outputs"},
                         "on": {k: v for k, v in on.items() if k != "outputs"},
                         "same_tokens": off["outputs"] == on["outputs"],
@@ -117,10 +129,11 @@ def chart(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    args = bench_arguments(new_tokens=64, speculative="ngram", skip_hosts=False, skip_local=False)
+    args = bench_arguments(new_tokens=64, speculative="ngram", skip_hosts=False, skip_local=False,
+                           out="bench/results/speculative.json")
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "model": "smollm2",
               "speculative": args.speculative, "new_tokens": args.new_tokens, "settings": {}}
-    out_path = ROOT / "bench" / "results" / "speculative.json"
+    out_path = ROOT / args.out
     if args.skip_local:
         report["settings"] = {k: v for k, v in json.loads(out_path.read_text())["settings"].items()
                               if k.startswith("1 local")}
