@@ -662,8 +662,8 @@ def warmup(
     weights, dtype, kv_dtype = (quant.stage_weights(_weights(model, quantize), "cpu"), formats.activation_dtype(dtype),
                                 _kv_dtype(kv_dtype))
     t = time.time()
-    layouts = _unit_ranges(units, models.num_units(config)) if units is not None else None
-    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype, step_tokens, layouts)
+    unit_ranges = _unit_ranges(units, models.num_units(config)) if units is not None else None
+    graphs = runtime.warm_compile(source, config, weights, dtype, _note, counts, kv_dtype, step_tokens, unit_ranges)
     typer.echo(f"{source.name}: {graphs} decode graphs compiled and warm on this host ({time.time() - t:.0f} s; "
                f"weights {weights}, {dtype}, KV {kv_dtype}, {' and '.join(map(str, counts))} threads); runs with "
                f"--compile auto (the default) use them")

@@ -153,17 +153,16 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
                          float scale, float *part) {
     float rows[8 * MAX_HEAD];
     float scores[16 * CHUNK];          /* [g][CHUNK], g <= 16 */
-    uint8_t seen[CHUNK];               /* per-query masks: whether any query attends a position */
+    uint8_t any[CHUNK];                /* per-query masks: whether any query attends a position */
     const int64_t width = d + 2, len = p1 - p0, padded = (len + 7) & ~(int64_t)7;
+    const uint8_t *seen = mask && !mask_stride ? mask + p0 : mask ? any : 0;     /* one mask row: itself */
     if (mask && mask_stride)
         for (int64_t p = 0; p < len; ++p) {
-            uint8_t any = 0;
+            uint8_t a = 0;
             for (int64_t j = 0; j < g; ++j)
-                any |= mask[j * mask_stride + p0 + p];
-            seen[p] = any;
+                a |= mask[j * mask_stride + p0 + p];
+            any[p] = a;
         }
-    else if (mask)
-        memcpy(seen, mask + p0, (size_t)len);
     for (int64_t p = 0; p < padded; p += 8) {
         for (int64_t i = 0; i < 8; ++i) {
             if (p + i < len)
@@ -193,7 +192,7 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
         part[j * width] = m;
         part[j * width + 1] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
     }
-    weighted_values(scores, g, d, v, pos_stride, mask ? seen : 0, p0, len, part, width);
+    weighted_values(scores, g, d, v, pos_stride, seen, p0, len, part, width);
 }
 
 /* mask_rows: 1 (mask [b, n], one row for a sequence's g queries) or g (mask [b, g, n], one each).

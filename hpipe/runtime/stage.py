@@ -59,7 +59,7 @@ def decode_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     plain = not dropout and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
     if key.dtype != query.dtype:
         if query.device.type == "cpu" and key.dtype == torch.float16:
-            kernel = F16_DECODE_KERNEL and plain and heads // kv_heads <= 16 and d % 8 == 0 and d <= 256
+            kernel = F16_DECODE_KERNEL and plain and d % 8 == 0 and d <= 256
             scale = scaling if scaling is not None else d ** -0.5
             if kernel and length == 1 and (attention_mask is None or attention_mask.shape[-2] == 1):
                 mask = None if attention_mask is None else attention_mask[..., : key.shape[2]]
