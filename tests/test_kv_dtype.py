@@ -20,6 +20,7 @@ from hpipe.formats import Slicing
 from hpipe.launcher.cluster import device_needs
 from hpipe.request import Request
 from hpipe.runtime import stage as stage_module
+from hpipe.runtime.graphs import compiled as compiled_graphs
 from hpipe.runtime.inprocess import run_inprocess
 from hpipe.runtime.pages import Segment
 from hpipe.runtime.stage import StageRunner
@@ -164,7 +165,6 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     proposals through the same graphs, `_attend_f16_rows` inside them): the warm-up compiled those
     steps' graphs as well, and a lone stream's verification steps run compiled, within the same
     rounding of the forward."""
-    from torch._dynamo.utils import counters
 
     monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
     path = tiny_models["llama"]
@@ -179,10 +179,10 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     for runner in runners:
         runner.kv.allocate(POOL)
         stage_module.warm_up(runner, 16, print)
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = compiled_graphs()
     results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
                             pages=POOL)
-    assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled a graph warm-up had not"
+    assert compiled_graphs() == graphs, "a decode step compiled a graph warm-up had not"
     assert_run_matches(reference_models["llama"], requests, results, F16_TOL)
     # a lone stream whose prompt repeats itself: the proposer finds its n-grams
     phrase = [rng.randrange(3, VOCAB) for _ in range(6)]
@@ -199,7 +199,7 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     results = run_inprocess(runners, stream, Slicing(lengths=(16,)).slices_for, max_batch=1, keep_logits=True,
                             pages=POOL, speculation=speculation)
     assert compiled_steps and all(rows == 1 and 2 <= tokens <= 5 for rows, tokens in compiled_steps), compiled_steps
-    assert counters["stats"]["unique_graphs"] == graphs, "a verification step compiled a graph warm-up had not"
+    assert compiled_graphs() == graphs, "a verification step compiled a graph warm-up had not"
     assert_run_matches(reference_models["llama"], stream, results, F16_TOL)
 
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from torch._dynamo.utils import counters
 
 from conftest import VOCAB, assert_greedy_equal, assert_run_matches, reference_greedy, reference_logits
 from hpipe import cpu_kernels, models, quant, quantized
 from hpipe.cli import main
 from hpipe.formats import Slicing
 from hpipe.request import Request
+from hpipe.runtime.graphs import compiled as compiled_graphs
 from hpipe.runtime.inprocess import run_inprocess
 from hpipe.runtime import stage as stage_module
 from hpipe.runtime.stage import StageRunner
@@ -437,7 +437,6 @@ def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
     """Inside torch.compile (the `--compile on` decode step) a linear always takes the weight-only
     kernel: a batch past the dense path's rows reuses the graph of any other number of rows (no guard on the
     count, no recompile mid-run) and gives the kernel's result."""
-    from torch._dynamo.utils import counters
 
     w = np.random.default_rng(4).normal(0, 0.05, (256, 512)).astype(np.float32)
     module = quantized.linear_module(quant.pack(w, quant.WeightFormat("int8")), "cpu")
@@ -445,10 +444,10 @@ def test_a_compiled_step_keeps_the_kernel_for_any_number_of_rows():
     with torch.no_grad():
         for rows in (2, 3):
             compiled(torch.randn(rows, 512))
-        graphs = counters["stats"]["unique_graphs"]
+        graphs = compiled_graphs()
         x = torch.randn(quant.DENSE_PROMPT + 6, 512)        # past every CPU's dense-path row count
         y = compiled(x)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert compiled_graphs() == graphs
     assert torch.allclose(y, module.mm(x).float(), rtol=2 ** -7, atol=1e-3)
 
 
@@ -609,9 +608,9 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
             for runner in runners:
                 runner.kv.allocate(POOL)
                 stage_module.warm_up(runner, 16, print)
-        graphs = counters["stats"]["unique_graphs"]
+        graphs = compiled_graphs()
         results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3,
                                 keep_logits=True, static=static, pages=POOL)
         if not static and device == "cpu":
-            assert counters["stats"]["unique_graphs"] == graphs, "a decode step compiled a graph warm-up had not"
+            assert compiled_graphs() == graphs, "a decode step compiled a graph warm-up had not"
         assert_run_matches(reference, requests, results, tol)

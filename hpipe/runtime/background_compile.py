@@ -11,9 +11,9 @@ while dynamo traced the graphs again. Now, in two steps:
    stage's own threads keep the cores while they have work) and tied to the stage
    (`hpipe.lifeline`: it dies with it, so nothing of hpipe outlives a job on a host). A compile in
    another process holds none of the serving process's GIL for its minute;
-2. a thread of the stage builds the graphs from that cache (`compiled_beside`: dynamo traces them
-   again, ~10 s a stage, on a KV pool of its own) and hands them to the stage; the steps after it
-   run them. It does so with the stage's steps held (`StageRunner.stepping`), at a moment the stage
+2. a thread of the stage loads the graphs the child saved (`compiled_beside`, on a KV pool of its
+   own: ~2 s a stage, where dynamo traced them again for ~10 before they were saved as code,
+   `hpipe.runtime.graphs`) and hands them to the stage; the steps after it run them. It does so with the stage's steps held (`StageRunner.stepping`), at a moment the stage
    is idle (`IDLE_S` without a step; after `IDLE_WAIT_S` without one, at the next): traced beside
    running steps, it took the GIL from them, and a reply streamed at 216 ms a token instead of ~30
    for the 14.6 s the trace took (SmolLM2, 2 AVX2 cores). A request that comes in meanwhile waits

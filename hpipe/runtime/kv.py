@@ -24,6 +24,8 @@ The attention mask built by `hpipe.runtime.stage.prepare_inputs` matches that la
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from hpipe.runtime.pages import SCRATCH_PAGE, Segment, layout_of, pages_needed
@@ -59,7 +61,7 @@ class KVStore:
         with torch.inference_mode(False):
             for store in (self.keys, self.values):
                 for layer, old in store.items():
-                    new = self._marked(old.new_zeros((old.shape[0], pages, *old.shape[2:])))
+                    new = old.new_zeros((old.shape[0], pages, *old.shape[2:]))
                     n = min(pages, self.pages)
                     new[:, :n] = old[:, :n]
                     store[layer] = new
@@ -85,28 +87,37 @@ class KVStore:
         if layer not in self.keys:
             shape = (like.shape[1], self.pages, self.page_size, like.shape[3])
             with torch.inference_mode(False):    # plain tensors, which a compiled decode step may write
-                self.keys[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
-                self.values[layer] = self._marked(torch.zeros(shape, dtype=self.dtype, device=self.device))
+                self.keys[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.values[layer] = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return self.keys[layer], self.values[layer]
 
     def keep_page_shape_static(self) -> None:
-        """Tells torch.compile that the KV heads, a page's tokens and the head size (dims 0, 2 and 3
-        of every layer's tensors, now and later) never change; the number of pages may (warm-up's
-        pool is smaller than a run's: with the pool's length one dynamic dim, pages times tokens, the
-        graphs `hpipe warmup` compiled missed a run's pool and compiled again, 17 s at its start).
-        Compiled decode steps read the pool. With those dims dynamic, dynamo's
-        duck shaping gave a batch's row count the symbol of an equal one (3 rows and SmolLM2's 3 KV
-        heads) and baked it in with that one: a graph traced at 3 rows guarded rows == 3, and every
-        other batch size compiled again mid-run (5-10 s a graph here)."""
+        """Tells torch.compile, while it traces a graph (`static_while_traced`), that the KV heads, a
+        page's tokens and the head size (dims 0, 2 and 3 of every layer's tensors) never change; the
+        number of pages may (warm-up's pool is smaller than a run's: with the pool's length one
+        dynamic dim, pages times tokens, the graphs `hpipe warmup` compiled missed a run's pool and
+        compiled again, 17 s at its start). Compiled decode steps read the pool. With those dims
+        dynamic, dynamo's duck shaping gave a batch's row count the symbol of an equal one (3 rows
+        and SmolLM2's 3 KV heads) and baked it in with that one: a graph traced at 3 rows guarded
+        rows == 3, and every other batch size compiled again mid-run (5-10 s a graph here)."""
         self.static_page_shape = True
-        for t in (*self.keys.values(), *self.values.values()):
-            self._marked(t)
 
-    def _marked(self, t: torch.Tensor) -> torch.Tensor:
-        if self.static_page_shape:      # torch._dynamo is loaded by then (importing it costs ~0.9 s)
+    @contextmanager
+    def static_while_traced(self):
+        """The marks `keep_page_shape_static` promises, on every layer's tensors while a graph is
+        traced, and gone after: a graph saved to disk keeps no marks in its guards, and a guard made
+        without them refuses a tensor that has them (`hpipe.runtime.graphs`)."""
+        tensors = [*self.keys.values(), *self.values.values()] if self.static_page_shape else []
+        for t in tensors:
             for dim in (0, 2, 3):
                 torch._dynamo.mark_static(t, dim)
-        return t
+        try:
+            yield
+        finally:
+            for t in tensors:
+                for attr in ("_dynamo_static_indices", "_has_dynamo_dim_marking", "_dynamo_marked_static"):
+                    if hasattr(t, attr):
+                        delattr(t, attr)
 
     def bytes(self) -> int:
         """(Read by the stage's pulse thread too, while the first forward may add layers: a copy.)"""

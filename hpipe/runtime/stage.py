@@ -11,19 +11,19 @@ inputs while this one computes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
 import threading
 import time
-import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from hpipe import experts, heap, models, quant, quantized
-from hpipe.runtime import compile_choice
+from hpipe.runtime import compile_choice, graphs
 from hpipe.config import DEFAULTS
 from hpipe.formats import KV_DTYPE
 from hpipe.runtime.kv import BatchCache, KVStore
@@ -458,9 +458,6 @@ class Halves:
         return mlp_half(norm, module, h)
 
 
-_COPIES = itertools.count()        # names the compiled copies of the halves apart
-
-
 COLD = "no graph of its blocks is compiled on this host yet"
 
 
@@ -482,7 +479,7 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
         speculative = " and the run's --speculative" if runner.step_tokens > 1 else ""
         return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup` with the plan's model, --quantize, "
                 f"--dtype, --kv-dtype{speculative} and --threads {torch.get_num_threads()} compiles them once "
-                f"(about a minute; later starts load them in ~7 s a stage) and decode steps then take about 0.7x "
+                f"(about a minute; later starts load them in ~2 s a stage) and decode steps then take about 0.7x "
                 f"the time")
     return None
 
@@ -502,28 +499,29 @@ def graph_plan(runner) -> dict[int, tuple]:
     return plan
 
 
-def _warm_marks(runner, step_tokens: int | None = None) -> list[Path]:
-    """One file per graph of the stage beside inductor's artifacts, named by what the graph bakes in:
-    torch's and hpipe's versions, the function's code and the cache's it traces (`write_read`: the
-    pool's layout), its modules' signature, the attention implementation, the KV page size and the
-    thread count (inductor builds its C++ kernels for one: a stage of 1 thread missed a 2-thread
-    warmup's artifacts and compiled for 40 s at its start), the decode steps warm-up runs (a mark
-    made by a warm-up of fewer shapes does not count: a speculative stage's, `step_tokens`, default
-    the runner's) and `DYNAMO_SETTINGS`."""
-    import hashlib
+def _graph_text(runner, fn, key) -> str:
+    """What one of the stage's graphs bakes in (`graphs.graph_dir` adds the code it is traced from):
+    the function, the cache's code it traces (`write_read`: the pool's layout), its modules'
+    signature, the attention implementation, the KV dtype and kernel, the page size, the thread count
+    (inductor builds its C++ kernels for one: a stage of 1 thread missed a 2-thread warmup's
+    artifacts and compiled for 40 s at its start) and `DYNAMO_SETTINGS`."""
+    return repr((fn.__name__, fn.__code__.co_code, BatchCache.write_read.__code__.co_code, key,
+                 runner.attn_implementation, str(runner.kv.dtype), f16_kernel(runner), runner.kv.page_size,
+                 torch.get_num_threads(), DYNAMO_SETTINGS))
 
-    import hpipe
+
+def _warm_marks(runner, step_tokens: int | None = None) -> list[Path]:
+    """One file per graph of the stage beside inductor's artifacts, named by the graph's directory
+    (`graphs.graph_dir`: what it bakes in, the code it is traced from) and the decode steps warm-up
+    runs: a mark made by a warm-up of fewer shapes does not count (a speculative stage's,
+    `step_tokens`, default the runner's)."""
+    import hashlib
 
     use_inductor_cache()
     root = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "hpipe-warm"
-    marks = []
     shapes = decode_shapes(WARM_TOKENS, runner.kv.page_size, step_tokens or runner.step_tokens)
-    for fn, key in graph_plan(runner).values():
-        text = repr((torch.__version__, hpipe.__version__, fn.__code__.co_code, BatchCache.write_read.__code__.co_code,
-                     key, runner.attn_implementation, str(runner.kv.dtype), f16_kernel(runner),
-                     runner.kv.page_size, torch.get_num_threads(), shapes, DYNAMO_SETTINGS))
-        marks.append(root / hashlib.sha256(text.encode()).hexdigest()[:32])
-    return marks
+    return [root / hashlib.sha256(repr((graphs.graph_dir(_graph_text(runner, fn, key)).name, shapes)).encode()).hexdigest()[:32]
+            for fn, key in graph_plan(runner).values()]
 
 
 def warm_graphs(runner) -> bool:
@@ -722,32 +720,32 @@ def warm_layout(model: models.ModelSource, config, weights, dtype: str, log, uni
 
 
 class CompiledHalves(Halves):
-    """Decode steps through torch.compile (inductor), regionally: one graph per call of
+    """Decode steps through inductor's graphs, regionally: one graph function per call of
     `blocks_per_call` whole blocks, per single whole block, and per half of a block cut between
-    stages, each shared by every call of its kind (30 blocks compile two graphs, not 30; a
+    stages, each shared by every call of its kind (30 blocks compile two functions, not 30; a
     whole-stage graph took 40-126 s to compile here, one of 4 blocks about 15). Blocks go several to
-    a graph, and a block is one graph rather than two halves, because each graph call costs dynamo's
-    guards, its argument gathering and its wrapper (about 60 us here); the graph's wrapper is C++
-    (`cpp_wrapper`), which calls its kernels without Python in between. Guards skip the modules
-    (checking every parameter of a block on every call cost more than its norms); so that a graph
-    never runs on modules it was not made for, blocks share one only where their modules' classes,
-    plain attributes and tensor shapes agree (`_signature`), and each stage compiles its own copies
-    of the functions (two stages or two models in one process never run each other's graphs). The
-    layer index is the one attribute left out: transformers hands it to the cache, and a `LayerKV`
-    binds that layer's tensors instead. Dynamic shapes from the first call: one graph serves every
-    context length and number of rows. Inductor's artifacts are kept under hpipe's cache directory."""
+    a graph, and a block is one graph rather than two halves, because each graph call costs its
+    guards, its argument gathering and its wrapper; the graph's wrapper is C++ (`cpp_wrapper`), which
+    calls its kernels without Python in between. Guards skip the modules (checking every parameter of
+    a block on every call cost more than its norms); so that a graph never runs on modules it was not
+    made for, blocks share one only where their modules' classes, plain attributes and tensor shapes
+    agree (`_signature`). The layer index is the one attribute left out: transformers hands it to the
+    cache, and a `LayerKV` binds that layer's tensors instead. Dynamic shapes: one graph serves every
+    context length and number of rows of its kind of step. The graphs are compiled ahead of time and
+    kept on this host (`hpipe.runtime.graphs`): a warm start loads them without tracing."""
 
     def __init__(self, runner):
         super().__init__(runner.cache_argument)
         use_inductor_cache()
         runner.kv.keep_page_shape_static()
-        self.fns: dict[int, object] = {}
-        copies: dict[tuple, object] = {}
+        self.fns: dict[int, graphs.Graph] = {}
+        shared: dict[tuple, graphs.Graph] = {}
         for u, (fn, key) in graph_plan(runner).items():
-            if key not in copies:
-                copies[key] = _compiled_copy(fn)
-            self.fns[u] = copies[key]
-        self.graphs = len(copies)
+            if key not in shared:
+                shared[key] = graphs.Graph(fn, graphs.graph_dir(_graph_text(runner, fn, key)), DYNAMO_SETTINGS,
+                                           _pages_static_while_traced)
+            self.fns[u] = shared[key]
+        self.graphs = len(shared)
 
     def blocks(self, u, mods, h, rotary, masks, cache, blocks):
         if any(b not in cache.store.keys for b in blocks):      # a layer's pages are made by its first write (eager)
@@ -764,23 +762,24 @@ class CompiledHalves(Halves):
         return super().mlp(u, norm, module, h) if fn is None else fn(norm, module, h)
 
 
+def _pages_static_while_traced(args):
+    """The KV pool a graph's arguments read (the last one: a block's cache keywords, or a list of
+    them; an MLP half reads none), its page shape static while the graph is traced."""
+    last = args[-1]
+    keywords = last[0] if isinstance(last, list) else last
+    if isinstance(keywords, dict):
+        for layer in keywords.values():
+            return layer.cache.store.static_while_traced()
+    return contextlib.nullcontext()
+
+
 # Dynamo's settings for hpipe's graphs (process-wide: a stage compiles no other graphs). A module's
 # float attributes (RMSNorm's epsilon, attention's scaling) are constants of the graph: with dynamic
 # shapes dynamo otherwise makes each one an input, wrapped in a new 0-d tensor and guarded on every
 # call (SmolLM2, 10 blocks in 2 graph calls at 1 thread: dynamo's part of a decode step went from
 # 0.40-0.70 ms to 0.15-0.23, torch's profiler, two alternated runs). Every block has the same values,
-# so the graphs are still shared. Part of `hpipe warmup`'s marks (they change the graphs).
+# so the graphs are still shared. Part of the graphs' directory names (they change the graphs).
 DYNAMO_SETTINGS = {"specialize_float": True}
-
-
-def _compiled_copy(fn):
-    for name, value in DYNAMO_SETTINGS.items():
-        setattr(torch._dynamo.config, name, value)
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_COPIES)}")     # equal code objects share a cache
-    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, dynamic=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                                  "cpp_wrapper": True})
 
 
 def _signature(*modules) -> tuple:
