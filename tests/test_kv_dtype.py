@@ -164,7 +164,9 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     The stages run speculation too (`step_tokens`: a lone sequence's fed token and up to 4 ngram
     proposals through the same graphs, `_attend_f16_rows` inside them): the warm-up compiled those
     steps' graphs as well, and a lone stream's verification steps run compiled, within the same
-    rounding of the forward."""
+    rounding of the forward. The graphs are saved as code (`hpipe.runtime.graphs`): stages built
+    again load them, compiling none (a file that is not a graph beside them is passed over), and
+    give the first stages' logits bit for bit."""
 
     monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
     path = tiny_models["llama"]
@@ -174,16 +176,33 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
                         max_new_tokens=8 + 4 * i, eos_ids=frozenset()) for i in range(3)]
     n = models.num_units(config)
     speculation = Speculation("ngram", 4)
-    runners = [StageRunner(path, config, range(a, b), compile="on", kv_dtype="float16",
-                           step_tokens=speculation.step_tokens) for a, b in ((0, 4), (4, n))]
-    for runner in runners:
-        runner.kv.allocate(POOL)
-        stage_module.warm_up(runner, 16, print)
+
+    def built() -> list[StageRunner]:
+        runners = [StageRunner(path, config, range(a, b), compile="on", kv_dtype="float16",
+                               step_tokens=speculation.step_tokens) for a, b in ((0, 4), (4, n))]
+        for runner in runners:
+            runner.kv.allocate(POOL)
+            stage_module.warm_up(runner, 16, print)
+        return runners
+
+    def run(runners: list[StageRunner]) -> dict:
+        return run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
+                             pages=POOL)
+
+    runners = built()
     graphs = compiled_graphs()
-    results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3, keep_logits=True,
-                            pages=POOL)
+    first = run(runners)
     assert compiled_graphs() == graphs, "a decode step compiled a graph warm-up had not"
-    assert_run_matches(reference_models["llama"], requests, results, F16_TOL)
+    assert_run_matches(reference_models["llama"], requests, first, F16_TOL)
+    junk = [g.dir / "cut-short.graph" for g in {id(g): g for r in runners for g in r.decode_halves.fns.values()}.values()]
+    for file in junk:
+        file.write_bytes(b"not a graph")
+    again = run(built())
+    for file in junk:
+        file.unlink()
+    assert compiled_graphs() == graphs, "stages built again compiled graphs they could have loaded"
+    assert {i: r["output_ids"] for i, r in again.items()} == {i: r["output_ids"] for i, r in first.items()}
+    assert all(torch.equal(a, b) for i in first for a, b in zip(first[i]["logits"], again[i]["logits"]))
     # a lone stream whose prompt repeats itself: the proposer finds its n-grams
     phrase = [rng.randrange(3, VOCAB) for _ in range(6)]
     stream = [Request(0, "s", tuple(phrase * 4), max_new_tokens=20, eos_ids=frozenset())]

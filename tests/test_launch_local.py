@@ -186,7 +186,7 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     threads = str(threads_per_stage(["cpu", "cpu"])[0])          # what the launch gives each of its 2 stages
     warmed = hpipe("warmup", "--model", path, "--threads", threads, "--kv-dtype", "float32").stdout
     assert "4 decode graphs compiled" in warmed and f"{threads} threads" in warmed     # 4 blocks, 1 block, 2 halves
-    graphs = lambda: set((tmp_path / "inductor" / "fxgraph").rglob("*"))     # noqa: E731 - inductor's compiled graphs
+    graphs = lambda: {p for d in ("fxgraph", "hpipe-graphs") for p in (tmp_path / "inductor" / d).rglob("*")}  # noqa: E731 - the compiled graphs
     before = graphs()
     hint, compiled, tokens = launch("warm")
     assert compiled == (True, False) and not hint
