@@ -100,6 +100,7 @@ def steps(args) -> dict:
     first = runner.first
     position = [args.prompt]
 
+    @torch.inference_mode()        # as the runtime prepares and computes (a guard tells the two apart)
     def step():
         x = torch.zeros(1, dtype=torch.long) if first else torch.zeros(1, runner.hidden_size)
         runner.forward(runner.prepare_inputs([Segment(0, 0, position[0], 1, True)]), x)
