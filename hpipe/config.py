@@ -134,9 +134,11 @@ class RuntimeConfig:
     compile: str = setting("auto", "--compile", "decode steps run their blocks through torch.compile (inductor), 4 "
                            "or 5 blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
                            "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
-                           "(about a minute the first time on a host; later starts load the saved graphs in ~2 s a stage); auto: where `hpipe warmup` has compiled the model's graphs on "
-                           "this host, else eagerly (a server serves from its start and gets them beside it: loaded, or "
-                           "compiled first at the lowest CPU priority on a cold host); off: eagerly. A failed compile leaves the run eager",
+                           "(about a minute the first time on a host; later starts load the saved graphs in ~2 s a "
+                           "stage); auto: where `hpipe warmup` has compiled the model's graphs on this host, else "
+                           "eagerly (a server serves from its start and gets them beside it: loaded, or compiled first "
+                           "at the lowest CPU priority on a cold host); off: eagerly. A failed compile leaves the run "
+                           "eager",
                            choices=("auto", "on", "off"))
     prepare_thread: str = setting("auto", "--prepare-thread", "with TSEM, prepare inputs on a CPU thread while the "
                                   "previous micro-batch computes; auto: on CUDA stages (a CPU stage's forward "

@@ -570,16 +570,35 @@ def test_whole_blocks_go_several_to_a_call_and_the_rest_one_by_one():
     assert stage_module.stage_calls(range(3, 9), 62, joined=False) == [(u,) for u in range(3, 9)]
 
 
+def test_a_stages_own_calls_join_its_cut_halves_to_its_blocks():
+    """`stage_runs` (`join_halves`): a cut block's MLP half goes with the stage's first whole blocks and
+    a cut block's attention half with its last, blocks `blocks_per_call` a call, the leftover ones one
+    call; every unit once, in order. The whole model's calls are the same either way."""
+    assert stage_module.stage_calls(range(0, 20), 62, True, join_halves=True) == [
+        (0,), tuple(range(1, 11)), tuple(range(11, 20))]
+    assert stage_module.stage_calls(range(20, 41), 62, True, join_halves=True) == [
+        tuple(range(20, 31)), tuple(range(31, 41))]
+    assert stage_module.stage_calls(range(41, 62), 62, True, join_halves=True) == [
+        tuple(range(41, 51)), tuple(range(51, 61)), (61,)]
+    assert stage_module.stage_calls(range(6, 12), 18, True, join_halves=True) == [tuple(range(6, 12))]
+    assert stage_module.stage_calls(range(2, 4), 62, True, join_halves=True) == [(2, 3)]
+    assert stage_module.stage_calls(range(1, 2), 62, True, join_halves=True) == [(1,)]
+    assert stage_module.stage_calls(range(62), 62, True, join_halves=True) == stage_module.stage_calls(range(62), 62, True)
+    assert stage_module.stage_calls(range(3, 9), 62, False, join_halves=True) == [(u,) for u in range(3, 9)]
+    for a, b in ((0, 7), (3, 30), (8, 61), (13, 62)):
+        assert [u for c in stage_module.stage_calls(range(a, b), 62, True, join_halves=True) for u in c] == list(range(a, b))
+
+
 POOL = 40      # KV pages, a size no dim of the tiny model has (duck shaping would tie the two)
 
 
 @pytest.mark.parametrize("fmt", ["none", "int4:32"])
 def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_models, device, monkeypatch):
     """`--compile on`: decode steps through graphs compiled once for every call of their kind
-    (inductor), on 2 stages with a mid-block cut: the first runs its one whole block through the
-    single block's graph and the cut block's attention half through that half's graph, the second
-    the cut block's MLP half through its graph and its two whole blocks as one call (2 blocks a call
-    here, for the tiny model's 4 blocks), with batches of 1-3 rows (every form of each graph: one
+    (inductor), on 2 stages with a mid-block cut: the first (calls any layout can use) runs its one
+    whole block through the single block's graph and the cut block's attention half through that
+    half's graph, the second (its own calls, `join_halves`) the cut block's MLP half and its two
+    whole blocks as one call (2 blocks a call here, for the tiny model's 4 blocks), with batches of 1-3 rows (every form of each graph: one
     row in place or through its pages, and any other number under a mask), on the dynamic path and
     on the static one, against one process running the same modules eagerly. Float32 weights within
     float32 summation noise; quantized within the bf16 grid of the kernels' results. On the dynamic
@@ -597,11 +616,11 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=8 + 4 * i, eos_ids=frozenset())
                 for i, p in enumerate(prompts)]
     for static in (False, True):
-        runners = [StageRunner(path, config, range(a, b), weights=weights, compile="on", device=device, kv_dtype="float32")
-                   for a, b in ((0, 4), (4, n_units))]
-        if device == "cpu":   # a block's graph shared by the whole blocks, and the cut block's half's
-            assert [r.decode_halves.graphs for r in runners] == [2, 2]
-            assert [r.calls for r in runners] == [[(0,), (1, 2), (3,)], [(4,), (5, 6, 7, 8), (9,)]]
+        runners = [StageRunner(path, config, range(a, b), weights=weights, compile="on", device=device,
+                               kv_dtype="float32", join_halves=join) for a, b, join in ((0, 4, False), (4, n_units, True))]
+        if device == "cpu":   # a block's graph and the cut block's half's; the MLP half with the blocks
+            assert [r.decode_halves.graphs for r in runners] == [2, 1]
+            assert [r.calls for r in runners] == [[(0,), (1, 2), (3,)], [(4, 5, 6, 7, 8), (9,)]]
         else:                 # a GPU stage replays CUDA graphs of its static step instead, and says so
             assert all("CUDA graphs" in r.compile_refused for r in runners)
         if not static and device == "cpu":      # as a stage worker: its pool sized, then warmed up

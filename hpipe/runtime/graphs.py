@@ -124,9 +124,9 @@ class Graph:
     def _compile(self, args):
         for name, value in self.settings.items():
             setattr(torch._dynamo.config, name, value)
+        options = {"guard_filter_fn": _kept_guards, "cpp_wrapper": True}
         with self.tracing(args):
-            graph = torch.compile(self.fn, fullgraph=True, dynamic=True,
-                                  options={"guard_filter_fn": _kept_guards, "cpp_wrapper": True}).aot_compile((args, {}))
+            graph = torch.compile(self.fn, fullgraph=True, dynamic=True, options=options).aot_compile((args, {}))
         data = type(graph).serialize(graph).serialized_data
         name = hashlib.sha256(data).hexdigest()[:24] + ".graph"
         self.dir.mkdir(parents=True, exist_ok=True)

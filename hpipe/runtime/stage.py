@@ -160,7 +160,7 @@ class StageRunner:
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
                  page_size: int = DEFAULTS.page_size, weights=None, compile: str = DEFAULTS.compile,
                  deterministic: bool = DEFAULTS.deterministic == "on", host_experts: int = 0,
-                 kv_dtype: str = KV_DTYPE, step_tokens: int = 1):
+                 kv_dtype: str = KV_DTYPE, step_tokens: int = 1, join_halves: bool | None = None):
         """compile (`--compile`): "on", decode steps run their blocks through torch.compile where
         `compiled_halves_refused` allows; "auto", the same where `hpipe warmup` has compiled this
         stage's graphs on this host (`warm_graphs`); "off", eagerly. Everything else runs eagerly.
@@ -171,7 +171,10 @@ class StageRunner:
         implementations a copy in `dtype` (`KVStore.read_dtype`).
         step_tokens: the most tokens a lone sequence's step runs through the compiled halves beside
         one-token decode steps (`Speculation.step_tokens`: a speculative step's fed token and its
-        proposals); their graphs are compiled and marked warm with the others."""
+        proposals); their graphs are compiled and marked warm with the others.
+        join_halves: the stage's decode calls are its own runs of halves (`stage_runs`) or runs of
+        whole blocks and halves alone (`stage_calls`), whose graphs serve any stage layout; None: its
+        own under `--compile on` or where they are warm, else the others."""
         config = copy.deepcopy(config)      # transformers writes the attention implementation into it
         self.config = config
         self.deterministic = deterministic
@@ -206,10 +209,13 @@ class StageRunner:
         # a MoE block whose experts run the routed kernels is a block like any other (its graph
         # holds the router and the kernels' calls); other MoE blocks go a half a call, the MoE half
         # eager (which of its experts' modules run is known only from the router's output)
-        self.calls = stage_calls(units, self.n_units, joined=not self.gpt2 and self.moe_in_graphs)
-        self._blocks = self._gather_blocks()
         self.eager = Halves(self.cache_argument)
-        self.compile_refused = compiled_halves_refused(self, compile)
+        for join in ((True, False) if join_halves is None else (join_halves,)):
+            self.calls = stage_calls(units, self.n_units, not self.gpt2 and self.moe_in_graphs, join)
+            self._blocks = self._gather_blocks()
+            self.compile_refused = compiled_halves_refused(self, compile)
+            if not self.compile_cold:      # where this stage's own calls are cold, a plain warmup's may be warm
+                break
         self.decode_halves = CompiledHalves(self) if self.compile_refused is None else self.eager
         # held for each forward: what changes the stage between steps (graphs loaded beside a
         # server, hpipe.runtime.background_compile) holds it instead, and the next step waits
@@ -339,9 +345,10 @@ class StageRunner:
         return inputs.layout == "rows" and (per_row == 1 or (rows == 1 and per_row <= self.step_tokens))
 
     def _gather_blocks(self) -> dict[int, tuple[list[tuple], list[int]]]:
-        """Each call of whole blocks (by its first unit): its blocks' modules and numbers, gathered
-        once per set of modules rather than every step."""
-        return {c[0]: ([(*self._mods[a], *self._mods[a + 1]) for a in c[::2]], [(a - 1) // 2 for a in c[::2]])
+        """Each call of several units (by its first unit): its halves' modules, each (norm, module,
+        attends), and the numbers of the blocks whose attention it runs, gathered once per set of
+        modules rather than every step."""
+        return {c[0]: ([(*self._mods[v], v % 2 == 1) for v in c], [(v - 1) // 2 for v in c if v % 2 == 1])
                 for c in self.calls if len(c) >= 2}
 
     def _run_blocks(self, u: int, h: torch.Tensor, inputs: StageInputs, halves: "Halves") -> torch.Tensor:
@@ -384,10 +391,16 @@ def mlp_half(norm, mlp, h):
     return h + mlp(norm(h))
 
 
-def whole_blocks(blocks: list[tuple], h, rotary, masks: list, caches: list[dict]):
-    """Consecutive whole blocks, each (attention norm, attention, MLP norm, MLP) with its mask and cache."""
-    for (attention_norm, attention, mlp_norm, mlp), mask, cache_kw in zip(blocks, masks, caches):
-        h = mlp_half(mlp_norm, mlp, attention_half(attention_norm, attention, h, rotary, mask, cache_kw))
+def run_of_halves(halves: list[tuple], h, rotary, masks: list, caches: list[dict]):
+    """Consecutive halves of blocks, each (norm, module, attends): an attention half takes the next of
+    `masks` and `caches` (one per attention half), an MLP half neither."""
+    i = 0
+    for norm, module, attends in halves:
+        if attends:
+            h = attention_half(norm, module, h, rotary, masks[i], caches[i])
+            i += 1
+        else:
+            h = mlp_half(norm, module, h)
     return h
 
 
@@ -410,12 +423,15 @@ def blocks_per_call(n_units: int) -> int:
     return min(CALL_SIZES, key=lambda b: (blocks // b + blocks % b, b))
 
 
-def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...]]:
+def stage_calls(units: range, n_units: int, joined: bool, join_halves: bool = False) -> list[tuple[int, ...]]:
     """The stage's units as its forward calls them: whole blocks (both halves held) go
     `blocks_per_call` consecutive ones a call, those left over one a call (each call one compiled
     graph); everything else is a unit alone (the embedding, the head, the halves of blocks cut in the
-    middle, and every unit where `joined` is False)."""
+    middle, and every unit where `joined` is False). join_halves: the stage's own calls instead
+    (`stage_runs`)."""
     per_call = 2 * blocks_per_call(n_units)      # units
+    if joined and join_halves:
+        return stage_runs(units, n_units, per_call)
     calls: list[tuple[int, ...]] = []
     for u in units:
         mlp = 0 < u < n_units - 1 and u % 2 == 0
@@ -440,6 +456,25 @@ def stage_calls(units: range, n_units: int, joined: bool) -> list[tuple[int, ...
     return out
 
 
+def stage_runs(units: range, n_units: int, per_call: int) -> list[tuple[int, ...]]:
+    """The stage's halves of blocks in as few calls as `per_call` units a call allow, a cut block's
+    MLP half going with the first whole blocks and a cut block's attention half with the last, the
+    blocks left over one call (the embedding and the head alone). Graphs of these calls serve this
+    stage layout alone (`hpipe warmup --units`, `--compile on`), where `stage_calls`'s serve any: the
+    MoE shape's 3 stages of 2-3 blocks called 10 graphs a token, 2 in one process, and each call
+    costs ~0.1 ms beside its kernels at one thread (one process, the 3 stages' runners in a row: 8.1
+    against 7.2 ms)."""
+    inner = [u for u in units if 0 < u < n_units - 1]
+    lead = inner[:1] if inner and inner[0] % 2 == 0 else []
+    trail = inner[-1:] if len(inner) > len(lead) and inner[-1] % 2 == 1 else []
+    body = inner[len(lead):len(inner) - len(trail)]          # whole blocks
+    chunks = [body[i:i + per_call] for i in range(0, len(body), per_call)] or [[]]
+    chunks[0] = lead + chunks[0]
+    chunks[-1] = chunks[-1] + trail
+    return [(u,) for u in units if u == 0] + [tuple(c) for c in chunks if c] + \
+        [(u,) for u in units if u == n_units - 1]
+
+
 class Halves:
     """How a stage runs its blocks and halves: transformers' modules called as they are, the
     micro-batch's cache object told the layer by transformers. Chosen once per stage and kind of
@@ -449,7 +484,7 @@ class Halves:
         self.cache_argument = cache_argument
 
     def blocks(self, u, mods, h, rotary, masks, cache, blocks):
-        return whole_blocks(mods, h, rotary, masks, [{self.cache_argument: cache}] * len(mods))
+        return run_of_halves(mods, h, rotary, masks, [{self.cache_argument: cache}] * len(blocks))
 
     def attention(self, u, norm, module, h, rotary, mask, cache, block):
         return attention_half(norm, module, h, rotary, mask, {self.cache_argument: cache})
@@ -494,7 +529,7 @@ def graph_plan(runner) -> dict[int, tuple]:
             continue
         if len(call) == 1 and u % 2 == 0 and not experts.in_graphs(runner._mods[u][1]):
             continue        # such a MoE half runs eagerly (`StageRunner.calls`)
-        fn = whole_blocks if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
+        fn = run_of_halves if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
         plan[u] = (fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v]))))
     return plan
 
@@ -520,8 +555,8 @@ def _warm_marks(runner, step_tokens: int | None = None) -> list[Path]:
     use_inductor_cache()
     root = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "hpipe-warm"
     shapes = decode_shapes(WARM_TOKENS, runner.kv.page_size, step_tokens or runner.step_tokens)
-    return [root / hashlib.sha256(repr((graphs.graph_dir(_graph_text(runner, fn, key)).name, shapes)).encode()).hexdigest()[:32]
-            for fn, key in graph_plan(runner).values()]
+    names = [graphs.graph_dir(_graph_text(runner, fn, key)).name for fn, key in graph_plan(runner).values()]
+    return [root / hashlib.sha256(repr((name, shapes)).encode()).hexdigest()[:32] for name in names]
 
 
 def warm_graphs(runner) -> bool:
@@ -680,7 +715,8 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
     `threads` threads can call (a run of whole blocks, a whole block, the attention half and the MLP
     half of a block cut between stages) into inductor's cache, and marks them warm for `--compile
     auto`; with `step_tokens` above 1 a speculative step's graphs too. `unit_ranges`: only the graphs of
-    stages holding these units (a plan's stages on this host). Returns how many graphs are warm."""
+    stages holding these units (a plan's stages on this host), each stage's own calls (`stage_runs`).
+    Returns how many graphs are warm."""
     n = models.num_units(config)
     marks: set[Path] = set()
     before, t0 = torch.get_num_threads(), time.time()
@@ -692,7 +728,7 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
             log(f"warmup {i + 1}/{len(layouts)}: units {units.start}-{units.stop - 1}, {count} thread(s){left}")
             torch.set_num_threads(count)
             marks.update(warm_layout(model, config, weights, dtype, log, units, kv_dtype=kv_dtype,
-                                     step_tokens=step_tokens))
+                                     step_tokens=step_tokens, join_halves=unit_ranges is not None))
     finally:
         torch.set_num_threads(before)
     return len(marks)
@@ -700,12 +736,13 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
 
 def warm_layout(model: models.ModelSource, config, weights, dtype: str, log, units: range,
                 page_size: int = DEFAULTS.page_size, attn: str = DEFAULTS.attn, kv_dtype: str = KV_DTYPE,
-                step_tokens: int = 1) -> list[Path]:
-    """Compiles the graphs of one stage layout not yet warm, and marks them."""
+                step_tokens: int = 1, join_halves: bool = False) -> list[Path]:
+    """Compiles the graphs of one stage layout not yet warm, and marks them. join_halves: the
+    layout's own calls (`stage_runs`), else those any layout can call (`stage_calls`)."""
     from hpipe.errors import HpipeError
 
     runner = StageRunner(model, config, units, "cpu", dtype, attn, page_size, weights=weights, compile="on",
-                         kv_dtype=kv_dtype, step_tokens=step_tokens)
+                         kv_dtype=kv_dtype, step_tokens=step_tokens, join_halves=join_halves)
     if runner.compile_refused is not None:
         raise HpipeError(f"{model.name}: decode steps are not compiled ({runner.compile_refused}); its runs "
                          f"need no warmup")
@@ -723,7 +760,8 @@ class CompiledHalves(Halves):
     """Decode steps through inductor's graphs, regionally: one graph function per call of
     `blocks_per_call` whole blocks, per single whole block, and per half of a block cut between
     stages, each shared by every call of its kind (30 blocks compile two functions, not 30; a
-    whole-stage graph took 40-126 s to compile here, one of 4 blocks about 15). Blocks go several to
+    whole-stage graph took 40-126 s to compile here, one of 4 blocks about 15); or, the stage's own
+    calls (`stage_runs`), its cut halves in the calls of its first and last blocks. Blocks go several to
     a graph, and a block is one graph rather than two halves, because each graph call costs its
     guards, its argument gathering and its wrapper; the graph's wrapper is C++ (`cpp_wrapper`), which
     calls its kernels without Python in between. Guards skip the modules (checking every parameter of
