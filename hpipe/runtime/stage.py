@@ -210,17 +210,22 @@ class StageRunner:
         # holds the router and the kernels' calls); other MoE blocks go a half a call, the MoE half
         # eager (which of its experts' modules run is known only from the router's output)
         self.eager = Halves(self.cache_argument)
-        for join in ((True, False) if join_halves is None else (join_halves,)):
-            self.calls = stage_calls(units, self.n_units, not self.gpt2 and self.moe_in_graphs, join)
-            self._blocks = self._gather_blocks()
-            self.compile_refused = compiled_halves_refused(self, compile)
-            if not self.compile_cold:      # where this stage's own calls are cold, a plain warmup's may be warm
-                break
+        self._choose_calls(compile, join_halves)
         self.decode_halves = CompiledHalves(self) if self.compile_refused is None else self.eager
         # held for each forward: what changes the stage between steps (graphs loaded beside a
         # server, hpipe.runtime.background_compile) holds it instead, and the next step waits
         self.stepping = threading.RLock()
         self.last_step = time.monotonic()       # when the last forward ended
+
+    def _choose_calls(self, compile: str, join_halves: bool | None) -> None:
+        """The stage's calls (`join_halves`, None: its own where they are not cold, else those a
+        plain warmup compiled) and whether, and why not, they run compiled graphs."""
+        for join in ((True, False) if join_halves is None else (join_halves,)):
+            self.calls = stage_calls(self.units, self.n_units, not self.gpt2 and self.moe_in_graphs, join)
+            self._blocks = self._gather_blocks()
+            self.compile_refused = compiled_halves_refused(self, compile)
+            if not self.compile_cold:
+                break
 
     @property
     def moe_in_graphs(self) -> bool:
