@@ -540,14 +540,13 @@ def graph_plan(runner) -> dict[int, tuple]:
 
 
 def _graph_text(runner, fn, key) -> str:
-    """What one of the stage's graphs bakes in (`graphs.graph_dir` adds the code it is traced from):
-    the function, the cache's code it traces (`write_read`: the pool's layout), its modules'
-    signature, the attention implementation, the KV dtype and kernel, the page size, the thread count
-    (inductor builds its C++ kernels for one: a stage of 1 thread missed a 2-thread warmup's
-    artifacts and compiled for 40 s at its start) and `DYNAMO_SETTINGS`."""
-    return repr((fn.__name__, fn.__code__.co_code, BatchCache.write_read.__code__.co_code, key,
-                 runner.attn_implementation, str(runner.kv.dtype), f16_kernel(runner), runner.kv.page_size,
-                 torch.get_num_threads(), DYNAMO_SETTINGS))
+    """What one of the stage's graphs bakes in (`graphs.graph_dir` adds the code it is traced from,
+    hpipe's sources among it): the function, its modules' signature, the attention implementation,
+    the KV dtype and kernel, the page size, the thread count (inductor builds its C++ kernels for
+    one: a stage of 1 thread missed a 2-thread warmup's artifacts and compiled for 40 s at its
+    start) and `DYNAMO_SETTINGS`."""
+    return repr((fn.__name__, key, runner.attn_implementation, str(runner.kv.dtype), f16_kernel(runner),
+                 runner.kv.page_size, torch.get_num_threads(), DYNAMO_SETTINGS))
 
 
 def _warm_marks(runner, step_tokens: int | None = None) -> list[Path]:
@@ -811,8 +810,7 @@ def _pages_static_while_traced(args):
     last = args[-1]
     keywords = last[0] if isinstance(last, list) else last
     if isinstance(keywords, dict):
-        for layer in keywords.values():
-            return layer.cache.store.static_while_traced()
+        return next(iter(keywords.values())).cache.store.static_while_traced()
     return contextlib.nullcontext()
 
 
