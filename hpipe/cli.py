@@ -768,10 +768,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The `hpipe` command: `main`, then the exit without the interpreter's teardown
-    (`hpipe.lifeline.exit_now`). Callers of `main` in a process of their own (the tests) keep the
-    ordinary exit."""
+    (`hpipe.lifeline.exit_now`); a local launch forks its fork server from this process
+    (`forkserver.command_process`). Callers of `main` in a process of their own (the tests) keep
+    the ordinary exit and a fork server of its own."""
+    from hpipe.launcher import forkserver
     from hpipe.lifeline import exit_now
 
+    forkserver.command_process()
     exit_now(main())
 
 

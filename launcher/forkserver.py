@@ -9,7 +9,11 @@ the SiDP replicas, the test suite's hundreds of launches) and a forked worker st
 
 The server is started lazily by the first local launch that can use it (CPU stages only: a
 process that imported torch may fork before CUDA is initialised, but a GPU stage is started as a
-fresh process all the same) and lives as long as its launching process:
+fresh process all the same) and lives as long as its launching process. The `hpipe` command forks
+it from itself after importing what the server imports, before any thread of its own: the command
+needs most of those imports anyway, and paying them twice cost a local launch ~2.5 s of its ~11 s
+of CPU here. Any other launching process (a test's, one with threads) starts it as a process of
+its own. Either way:
 - it polls its parent (a parent-death signal follows the thread that started the server, and any
   thread may launch) and exits within `POLL_S` of its death; every worker it forks arms the
   parent-death signal against the server (`hpipe.lifeline`), so none outlives either;
@@ -42,12 +46,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
 from hpipe.lifeline import PARENT_ENV, arm_parent_death_signal
 
-__all__ = ["Forked", "spawn", "start"]
+__all__ = ["Forked", "command_process", "spawn", "start"]
 
 # what the server imports before it forks: what every stage worker imports first
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
@@ -98,8 +103,10 @@ class Forked:
 class _Server:
     """The running server: its process, socket and the environment it serves."""
 
-    def __init__(self, env: dict[str, str]):
-        """Raises OSError where the server cannot be set up (the caller starts workers itself)."""
+    def __init__(self, env: dict[str, str], here: bool):
+        """here: forked from this process after it imported `PRELOAD` (its imports paid once, not
+        twice); else a process of its own. Raises OSError where the server cannot be set up (the
+        caller starts workers itself)."""
         self.key = _env_key(env)
         # a private directory (0700): only this user reaches the socket, and it forks as this user
         self.dir = tempfile.mkdtemp(prefix="hpipe-forkserver-")
@@ -110,7 +117,7 @@ class _Server:
                 listener.listen(64)
                 # the listening socket is the server's from the start: requests queue while it imports
                 own_env = {k: v for k, v in env.items() if k not in PER_LAUNCH_ENV}
-                self.proc = subprocess.Popen(
+                self.proc = _fork_server(listener, own_env) if here else subprocess.Popen(
                     [sys.executable, "-m", "hpipe.launcher.forkserver", str(listener.fileno()), str(os.getpid())],
                     env=own_env, pass_fds=(listener.fileno(),), start_new_session=True,
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -175,6 +182,84 @@ class _Server:
                       open(out_r, encoding="utf-8", errors="replace"), open(err_r, encoding="utf-8", errors="replace"))
 
 
+class _ServerChild:
+    """The server forked from this process, with the surface of `subprocess.Popen` the launcher uses."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:              # reaped by someone else: gone all the same
+                self.returncode = -int(signal.SIGKILL)
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["hpipe.launcher.forkserver"], timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def command_process() -> None:
+    """Called by the `hpipe` command at its start: until its fork server starts, this process runs
+    no thread of its own and no parallel region (OpenMP's pool, once started, would not be there in
+    a forked child), so the server may be forked from it (`start(..., here=True)`)."""
+    global _COMMAND
+    _COMMAND = True
+
+
+def _preload(env: dict[str, str]) -> dict[str, str]:
+    """Imports `PRELOAD` here, as the server would; `env` with what the imports set in this
+    process's environment (hpipe's defaults for inductor's cache and the hub), which the launch's
+    workers now get too."""
+    before = dict(os.environ)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    return {**env, **{k: v for k, v in os.environ.items() if before.get(k) != v}}
+
+
+def _fork_server(listener: socket.socket, env: dict[str, str]) -> _ServerChild:
+    """The server as a fork of this process, which has imported what the server would (`_preload`):
+    the launching process pays the imports once, not twice (~4 s of CPU a local launch here). Only
+    from the `hpipe` command before its first thread (`command_process`); the native threads of
+    OpenBLAS that numpy's import starts are fork-safe (the server forks workers beside them too)."""
+    launcher = os.getpid()
+    for stream in (sys.stdout, sys.stderr):     # else the child's copy of their buffers reaches a worker's pipes
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return _ServerChild(pid)
+    try:                              # the child: what `start_new_session` and the DEVNULLs give a Popen
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, listener.fileno())
+        os.closerange(listener.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(env)
+        serve(listener.fileno(), launcher)
+    finally:
+        os._exit(1)
+
+
 def _kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -183,6 +268,7 @@ def _kill_group(pid: int) -> None:
 
 
 _SERVER: _Server | None = None
+_COMMAND = False             # this process is the `hpipe` command (command_process)
 _RETIRED: list[_Server] = []
 _LOCK = threading.Lock()
 
@@ -198,9 +284,12 @@ def spawn(cmd: list[str], env: dict[str, str], takes_input: bool) -> Forked | No
     return None if server is None else server.fork(cmd, env, takes_input)
 
 
-def start(env: dict[str, str]) -> _Server | None:
+def start(env: dict[str, str], here: bool = False) -> _Server | None:
     """This process's server for `env`, started now if need be (a launch may start it ahead of its
-    workers: its imports then overlap the launch's own work); None off Linux."""
+    workers); None off Linux. here: the `hpipe` command at its start, before any thread of its
+    own, forks the server from itself after importing what the server imports, which the launch
+    then finds imported; otherwise the server is a process of its own, whose imports overlap the
+    launch's work."""
     global _SERVER
     if not sys.platform.startswith("linux"):
         return None
@@ -212,7 +301,8 @@ def start(env: dict[str, str]) -> _Server | None:
         _RETIRED[:] = [s for s in _RETIRED if s.alive()]      # reaped
         if _SERVER is None:
             try:
-                _SERVER = _Server(env)
+                here = here and _COMMAND and threading.active_count() == 1
+                _SERVER = _Server(_preload(env) if here else env, here)
             except OSError:
                 return None
             atexit.register(_SERVER.kill)

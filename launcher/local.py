@@ -89,15 +89,16 @@ def worker_env() -> dict[str, str]:
 
 
 def prestart_local(plan_path: str) -> None:
-    """Starts this process's fork server now where the plan has CPU stages, so that its imports
-    (~6 s of CPU) run while the launch prepares its job (the CLI's own imports, the tokenizer: ~9 s
-    for a tiny model here). A plan that does not load is left to the job's own checks."""
+    """Starts this process's fork server now where the plan has CPU stages: forked from this process
+    after its imports where it has no thread yet (the `hpipe` command: the server's imports are the
+    launch's own, paid once), else a process of its own whose imports (~6 s of CPU) run while the
+    launch prepares its job. A plan that does not load is left to the job's own checks."""
     try:
         devices = [s.device for s in formats.load_plan(plan_path).stages]
     except Exception:  # noqa: BLE001 - `prepare` reports what is wrong with the plan, in one line
         return
     if any(forked(d) for d in devices):
-        forkserver.start(worker_env())
+        forkserver.start(worker_env(), here=True)
 
 
 def start_local(job: PreparedJob, plan_path: str, settings: LaunchSettings, output: StageReports, log=None,

@@ -14,11 +14,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from hpipe.launcher import forkserver
+from hpipe.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,3 +178,47 @@ def test_local_launches_fork_their_stages_from_the_server_their_process_started_
     assert forkserver._SERVER is server
     assert [w.poll() for w in started] == [0] * 4        # every worker ended, its exit code from the server
     assert outputs[0] == outputs[1] and len(outputs[0]) == 3
+
+
+def test_the_hpipe_command_forks_its_server_from_itself_and_nothing_outlives_it(tmp_path):
+    """`hpipe serve --local` (as `hpipe launch --local`) forks its fork server from its own process
+    after importing what the server imports: the stages' parent is a child of the command's process
+    with its command line, and no `hpipe.launcher.forkserver` process runs. The command killed
+    outright, its server and stages end too. The server answers while it runs."""
+    from serving import start_serve
+
+    from hpipe.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "smollm2", "--stages", "2", "-o", str(plan)]) == 0
+    port = free_port()
+    proc, base = start_serve([sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port)],
+                             tmp_path / "serve.log", port, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        body = json.dumps({"model": "smollm2", "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+        req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 3
+        workers = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                   and _cmdline(int(p)).startswith(f"{sys.executable} -m hpipe.runtime.worker --plan {plan}")]
+        assert len(workers) == 2, [_cmdline(int(p)) for p in os.listdir("/proc") if p.isdigit()]
+        servers = {_parent(w) for w in workers}
+        assert len(servers) == 1 and _parent(next(iter(servers))) == proc.pid
+        assert _cmdline(next(iter(servers))) == _cmdline(proc.pid), "the server is the command's own fork"
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and "hpipe.launcher.forkserver" in _cmdline(int(p))
+                    and _parent(int(p)) == proc.pid]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert all(_gone(pid) for pid in (*servers, *workers))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
