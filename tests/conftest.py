@@ -34,7 +34,7 @@ def cold_host_cache(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for src in sorted(shared.rglob("*")):
         rel = src.relative_to(shared)
-        if rel.parts[0] in ("hpipe-warm", "locks"):
+        if rel.parts[0] in ("hpipe-warm", "locks") or rel.name == ".lock":      # a graph directory's own lock
             continue
         try:
             if src.is_dir():

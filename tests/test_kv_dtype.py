@@ -6,7 +6,10 @@ compiled), and bad values refused in one line."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -221,6 +224,55 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     assert compiled_steps and all(rows == 1 and 2 <= tokens <= 5 for rows, tokens in compiled_steps), compiled_steps
     assert compiled_graphs() == graphs, "a verification step compiled a graph warm-up had not"
     assert_run_matches(reference_models["llama"], stream, results, F16_TOL)
+
+
+GRAPH_PROBE = """
+import sys, time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from hpipe.runtime import graphs
+
+
+def twice_plus_one(x):
+    return x * 2 + 1
+
+
+def main(directory, go):
+    graph = graphs.Graph(twice_plus_one, Path(directory), {}, lambda args: nullcontext())
+    print("ready", flush=True)
+    while not Path(go).exists():
+        time.sleep(0.01)
+    with torch.inference_mode():
+        assert graph(torch.arange(4.0)).tolist() == [1.0, 3.0, 5.0, 7.0]
+    print(graphs.compiled(), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+def test_processes_wanting_the_same_graph_at_once_compile_it_once(tmp_path):
+    """Two processes (two stages of one layout starting together) call a graph function that has no
+    graph yet at the same moment: one compiles and saves it while the other waits on the
+    directory's lock, then loads it. One graph file, one compile between them."""
+    (tmp_path / "graph_probe.py").write_text(GRAPH_PROBE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[1])])}
+    directory, go = tmp_path / "graphs", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-m", "graph_probe", str(directory), str(go)], env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+        go.touch()
+        compiles = [int(p.stdout.readline()) for p in procs]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    assert sorted(compiles) == [0, 1] and len(list(directory.glob("*.graph"))) == 1
 
 
 def test_a_kv_dtype_hpipe_cannot_keep_is_refused_in_one_line(tiny_models, tmp_path, capsys):
