@@ -239,8 +239,8 @@ class StructureAware:
         self.pre_post = ex.groups.backend == "gloo"     # NCCL receives are posted by the compute thread
 
     def publish(self, schedule: Schedule, driver: Driver) -> None:
-        driver.pending.prune()
-        comm.publish_schedule(self.ex.groups, self.ex.world, schedule, self.ex.link, driver.pending)
+        sends = driver.published[schedule.id] = comm.Pending()
+        comm.publish_schedule(self.ex.groups, self.ex.world, schedule, self.ex.link, sends)
         driver.expected.put(None if schedule.stop else schedule)
 
     def receive(self, versions: Versions) -> Work | None:
@@ -273,6 +273,7 @@ class StructureAware:
         ex = self.ex
         while (schedule := _get(driver.expected, ex.errors)) is not None:
             _, _, ids = comm.recv_tokens(ex.groups, ex.world - 1, len(schedule.sampled))
+            driver.published.pop(schedule.id).wait()     # its ids are back: every stage received it
             driver.take_ids(schedule.id, ids)
 
 
@@ -601,7 +602,12 @@ class Driver:
         self.waiting: Schedule | None = None     # the micro-batch the compute thread waits for the ids of
         self.committed: queue.Queue = queue.Queue()     # to prepare/compute, in order
         self.expected: queue.Queue = queue.Queue()      # SAT: micro-batches whose ids come back, in order
-        self.pending = comm.Pending()
+        # SAT: each schedule's sends (its message to every stage, a server's requests to the last),
+        # held until its ids come back. Pruned by `is_completed()`, which a gloo send never says
+        # before it is waited on, they were all kept to the run's end: every step a message of the
+        # control plane's capacity per stage (a server's memory growing for as long as it serves)
+        # and a scan of them all
+        self.published: dict[int, comm.Pending] = {}
         sched.on_token = reports.token
 
     # ---------------------------------------------------------- requests in (any thread)
@@ -714,7 +720,8 @@ def run_first_stage(ex: Executors, driver: Driver, sampling: Sampling | None) ->
     _join(threads, errors)
     if errors:
         raise errors[0]
-    driver.pending.wait()
+    for sends in driver.published.values():       # the stop's, and any whose ids never came (a failure)
+        sends.wait()
     return run_summary(sched, wall0)
 
 
