@@ -273,8 +273,8 @@ class StructureAware:
         ex = self.ex
         while (schedule := _get(driver.expected, ex.errors)) is not None:
             _, _, ids = comm.recv_tokens(ex.groups, ex.world - 1, len(schedule.sampled))
-            driver.published.pop(schedule.id).wait()     # its ids are back: every stage received it
             driver.take_ids(schedule.id, ids)
+            driver.published.pop(schedule.id).wait()     # its ids are back: every stage received it
 
 
 class WithHeaders:
