@@ -57,7 +57,9 @@ __all__ = ["Forked", "command_process", "spawn", "start"]
 # what the server imports before it forks: what every stage worker imports first
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
            "hpipe.runtime.worker")
-PER_LAUNCH_ENV = ("HPIPE_JOB_TOKEN", "HPIPE_GROUP_TOKEN", PARENT_ENV)
+# what each launch sets, and pytest's name for the test it runs now (it changes under a test
+# process at every test: a suite's local launches once started a server per test, ~4 s of imports each)
+PER_LAUNCH_ENV = ("HPIPE_JOB_TOKEN", "HPIPE_GROUP_TOKEN", PARENT_ENV, "PYTEST_CURRENT_TEST")
 POLL_S = 0.25
 REPLY_S = 300.0          # the longest a launcher waits for a pid (the first waits for the imports)
 REQUEST_S = 10.0         # the longest the server waits for a request's bytes after its connection
