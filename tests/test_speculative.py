@@ -209,13 +209,15 @@ def small_vocab_model(directory, vocab: int = 6, seed: int = 11):
 
 def sampled_pairs(path, seeds, speculation, params) -> list[tuple[int, int]]:
     """The 2nd and 3rd sampled tokens of a repetitive prompt, one request per seed: the 2nd is
-    sampled where a proposal may be verified, the 3rd after an accepted one."""
+    sampled where a proposal may be verified, the 3rd after an accepted one. With proposals each
+    request runs alone (a micro-batch of several carries none); without, 32 at a time (a request's
+    draws are its own generator's: the arm's distribution is the same, at a third of the time)."""
     prompt = (0, 1, 2, 3, 4, 5) * 2 + (0, 1)     # every token occurs: every step proposes
     requests = [Request(i, f"s{s}", prompt, SamplingParams(**params, seed=s), max_new_tokens=3)
                 for i, s in enumerate(seeds)]
     n_units = models.num_units(models.load_config(path))
-    out = run_inprocess(runners_for(path, [0, n_units]), requests, Slicing(count=1).slices_for, max_batch=1,
-                        speculation=speculation)
+    out = run_inprocess(runners_for(path, [0, n_units]), requests, Slicing(count=1).slices_for,
+                        max_batch=1 if speculation.on else 32, speculation=speculation)
     return [tuple(out[r.id]["output_ids"][1:3]) for r in requests]
 
 
