@@ -91,7 +91,7 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(config, items):
     """The longest files first: `make test` runs two pytest-xdist workers, one file per worker at a
     time, in this order (`--no-loadscope-reorder`), the longest first so that the last to end is a
-    short one: the emulated hosts' file (about 17 minutes: started first, the other worker runs
+    short one: the emulated hosts' file (about 13 minutes: started first, the other worker runs
     every other file beside it), then the files with slow tests, then the rest. The same order on
     every worker (xdist needs it). (The hosts' tests split over the two workers ran slower: two
     clusters of three hosts each on two cores, 1,406 s of the two workers' time against 1,034.)"""
