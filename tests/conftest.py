@@ -64,6 +64,7 @@ def _cold_hosts_give_back_their_graphs():
             with contextlib.suppress(FileExistsError):
                 os.link(src, shared / src.parent.name / src.name)
 
+
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
