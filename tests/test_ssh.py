@@ -45,19 +45,17 @@ def cluster(tmp_path_factory):
 def hpipe(*args, cwd, timeout=600, check=False):
     """`hpipe ARGS` as a process of its own; `hpipe plan` in this one (`hpipe.cli.main`: it reads the
     inventory and starts nothing on the hosts, and a process of its own paid ~5 s of imports)."""
-    if args[0] == "plan":
+    argv = [str(a) for a in args]
+    if argv[0] == "plan":
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in args])
-        r = subprocess.CompletedProcess(["hpipe", *map(str, args)], code, out.getvalue(), err.getvalue())
-        if check and r.returncode != 0:
-            raise AssertionError(f"hpipe {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
-        return r
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "hpipe", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                       env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+            code = main(argv)
+        r = subprocess.CompletedProcess(["hpipe", *argv], code, out.getvalue(), err.getvalue())
+    else:
+        r = subprocess.run([sys.executable, "-m", "hpipe", *argv], capture_output=True, text=True, cwd=cwd,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=timeout, stdin=subprocess.DEVNULL)
     if check and r.returncode != 0:
-        raise AssertionError(f"hpipe {' '.join(map(str, args))} failed:\n{r.stdout}\n{r.stderr}")
+        raise AssertionError(f"hpipe {' '.join(argv)} failed:\n{r.stdout}\n{r.stderr}")
     return r
 
 
