@@ -2,8 +2,8 @@
 
 hpipe: `hpipe launch --local` of the plan `hpipe plan --stages N` makes (its own slicing of a long
 prompt: 2 x stages slices, pipelined through the stages; default flags, after `hpipe warmup
---threads` of the stages' thread count; the local launcher gives each of them one thread on this
-2-core machine, as emulated hosts get), one stream, a 256-token
+--plan`; the local launcher gives each stage one thread on this 2-core machine, as emulated hosts
+get), one stream, a 256-token
 prompt and 128 greedy tokens, `--timeline-out`. From the timeline, per decode token (the median over
 the steady tokens): each stage's compute, each hop (a stage's compute end to the next stage's
 compute start: the send, the receive, the next stage's wait and preparation), and the way back
@@ -35,7 +35,6 @@ import os
 import shlex
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -61,15 +60,14 @@ def per_token(timeline: dict) -> dict:
 def prepare_hpipe(model: str, stages: int, extra: list[str], work: Path) -> tuple[Path, dict]:
     """The plan as `hpipe plan` makes it (a 2,048-token prompt in 2 x stages slices: one slice
     left each stage idle while the others computed, 15.9-16.2 s against 9.0-9.2 for the 1B shape's
-    prefill over 2 stages), and with default flags `hpipe warmup` for the stages' thread count."""
+    prefill over 2 stages), and with default flags `hpipe warmup --plan` (the plan's stages at the
+    threads the launch gives them)."""
     plan = work / "plan.json"
     hpipe("plan", "--model", model, "--stages", stages, "-o", plan, cwd=work)
     out = {}
     if "--compile" not in extra:
-        from hpipe.launcher.local import threads_per_stage
-
         t = time.time()
-        hpipe("warmup", "--model", model, "--threads", threads_per_stage(["cpu"] * stages)[0], cwd=work)
+        hpipe("warmup", "--plan", plan, cwd=work)
         out["warmup_s"] = round(time.time() - t, 1)
     return plan, out
 

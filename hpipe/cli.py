@@ -480,7 +480,7 @@ def launch(
         report = launcher.launch_local(job, hosts.plan_path, out, settings, quiet=quiet)
     if report.plan is not None:      # a lost host's stages were planned again: the run is checked against that plan
         job = dataclasses.replace(job, plan=report.plan)
-    _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out)
+    _print_launch(launcher.write_run_summary(job, report.output, out, timeline_out), out, hosts)
 
 
 def _launch_replicas(job, plan_path: str, out: str, settings, local: bool, quiet: bool, timeline_out: str | None):
@@ -544,7 +544,7 @@ def _print_replicas(report, out: str) -> None:
                        for r in report.replicas))
 
 
-def _print_launch(summary: dict, out: str) -> None:
+def _print_launch(summary: dict, out: str, hosts: StageHosts) -> None:
     check, s, busy = summary["plan_check"], summary["run"], summary["busy_fraction"]
     if check:
         pf, mf = check["predicted_for"], check["measured_for"]
@@ -566,9 +566,10 @@ def _print_launch(summary: dict, out: str) -> None:
                f"({s.get('tokens_per_s') or 0:.1f} tok/s); busy " +
                ", ".join(f"stage {r} {b:.0%}" for r, b in busy.items()))
     if s.get("options", {}).get("compile_cold"):
-        typer.echo("decode ran eagerly: `hpipe warmup` with the plan's model, --quantize, --dtype and --kv-dtype (and "
-                   "the run's --speculative) compiles its steps once on each host (about a minute; --threads as each stage runs there, a host's "
-                   "cores over its CPU stages); runs then take about 0.7x the time a token")
+        where = "" if hosts.cluster is None else f" --cluster {hosts.cluster}"
+        typer.echo(f"decode ran eagerly: `hpipe warmup{where} --plan {hosts.plan_path}` compiles its steps once on "
+                   f"each host (about a minute; add the run's --speculative if it has one); runs then take about 0.7x "
+                   f"the time a token")
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "
                    f"({s['prefix_hit_tokens'] / max(1, s['prefix_query_tokens']):.0%}) and not prefilled again")
@@ -631,8 +632,9 @@ def warmup(
                                        "each CPU stage the host's cores over its CPU stages); default: all cores"),
     cluster: str | None = typer.Option(None, "--cluster", help="every host of this inventory with a CPU at once, "
                                        "over SSH (with --plan: the plan's hosts, each with its stages' threads)"),
-    plan_path: str | None = typer.Option(None, "--plan", help="with --cluster: the plan's hosts, model, weights, "
-                                         "dtypes and threads"),
+    plan_path: str | None = typer.Option(None, "--plan", help="the plan's model, weights, dtypes, and its stages' "
+                                         "own graphs at their threads (as `hpipe launch --local` runs them; with "
+                                         "--cluster: each host its stages)"),
     speculative: str = typer.Option("off", "--speculative", help="the --speculative the launches and servers will "
                                     "run with (ngram[:K], draft:MODEL[:K]): their verification steps' graphs too"),
     units: str | None = typer.Option(None, "--units", help="only the graphs of stages holding these units, A-B "
@@ -649,8 +651,12 @@ def warmup(
         _warm_cluster(cluster, plan_path, model, quantize, dtype, kv_dtype, threads, speculative, accept_new_host_keys)
         return
     if plan_path is not None:
-        raise HpipeError("--plan goes with --cluster FILE (the plan's hosts); on this host give --model, --quantize, "
-                         "--dtype and --kv-dtype")
+        if (quantize, dtype, kv_dtype, threads, units) != (None,) * 5:
+            raise HpipeError("--plan sets --quantize, --dtype, --kv-dtype, --threads and --units (its stages as "
+                             "`hpipe launch --local` runs them here); leave them out")
+        plan = formats.load_plan(plan_path)
+        model, quantize, dtype, kv_dtype = plan.model.name, plan.weights, plan.dtype, plan.kv_dtype
+        threads, units = _local_stages(plan, plan_path)
     import time
 
     from hpipe import quant, runtime
@@ -706,6 +712,16 @@ def _unit_ranges(text: str, n_units: int) -> list[range]:
     if not out:
         raise HpipeError("--units: give at least one range A-B")
     return out
+
+
+def _local_stages(plan: formats.Plan, plan_path: str) -> tuple[str, str]:
+    """--threads and --units of a plan's CPU stages as `hpipe launch --local` runs them on this host."""
+    cpu = [(st, t) for st, t in zip(plan.stages, launcher.threads_per_stage([st.device for st in plan.stages]))
+           if st.device == "cpu"]
+    if not cpu:
+        raise HpipeError(f"{plan_path}: no CPU stage, and GPU stages compile nothing ahead (they replay CUDA graphs)")
+    return (",".join(sorted({str(t) for _, t in cpu})),
+            ",".join(f"{st.units[0]}-{st.units[1] - 1}" for st, _ in cpu))
 
 
 def _thread_counts(text: str | None) -> list[int]:

@@ -280,7 +280,7 @@ def test_a_compile_that_fails_leaves_the_run_eager_with_one_line(tiny_models, tm
 
 
 @pytest.mark.parametrize("argv, needles", [
-    (["warmup", "--plan", "plan.json"], ("--plan goes with --cluster",)),
+    (["warmup", "--plan", "plan.json", "--threads", "2"], ("--plan sets --quantize", "leave them out")),
     (["warmup", "--cluster", "c.toml", "--threads", "2"], ("--threads is each host's with --cluster",)),
     (["warmup", "--kv-dtype", "int8"], ("--kv-dtype 'int8'", "float16")),
     (["warmup", "--units", "0-62"], ("--units '0-62'", "B < 62", "--units 0-20,21-61")),

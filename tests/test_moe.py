@@ -337,6 +337,33 @@ def test_compiled_decode_holds_whole_moe_blocks_where_the_experts_run_the_routed
         assert float((compiled["logits"] - eager["logits"]).abs().max()) < 1e-3 * scale
 
 
+def test_a_plain_warmup_covers_every_graph_of_every_stage_layout_when_blocks_differ(tmp_path):
+    """`hpipe warmup` without a plan compiles one short layout per distinct graph (`any_layout_units`);
+    with blocks of different expert types (as Q4_K_M writes some blocks' down in Q6_K) every stage
+    of every layout, cut anywhere, calls only graphs among those layouts' (block 0's halves alone,
+    the warmup's layouts before, left block 1's cut halves cold)."""
+    from conftest import write_moe_gguf
+    from hpipe.runtime import stage as stage_module
+    from hpipe.runtime.stage import StageRunner
+
+    path = write_moe_gguf(tmp_path / "moe.gguf", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_0", "Q8_0", "Q4_K")])
+    source = models.resolve_model(str(path))
+    config = models.load_config(source.path)
+    n = models.num_units(config)
+
+    def keys(units: range) -> set:
+        runner = StageRunner(source, config, units, weights=quant.WeightFormat("gguf"), compile="off",
+                             kv_dtype="float32", join_halves=False)
+        return {key for _, key in stage_module.graph_plan(runner).values()}
+
+    whole = StageRunner(source, config, range(n), weights=quant.WeightFormat("gguf"), compile="off",
+                        kv_dtype="float32")
+    warmed = set().union(*(keys(units) for units in stage_module.any_layout_units(whole)))
+    wanted = set().union(*(keys(range(a, b)) for a in range(n) for b in range(a + 1, n + 1)))
+    assert wanted == warmed
+    assert len({key for key in wanted if key[0] == "mlp_half"}) == 2       # the two blocks' MoE halves differ
+
+
 def test_speculative_steps_route_each_proposed_row_to_its_own_experts(moe_models):
     """Prompt lookup on a MoE model (qwen2_moe, its shared expert too) over 2 stages cut between a
     block's halves: a step's proposed rows are routed one by one as the model routes them; every

@@ -516,27 +516,45 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
     if not runner.blocks:
         return "the stage holds no block"
     if mode == "auto" and not warm_graphs(runner):
-        speculative = " and the run's --speculative" if runner.step_tokens > 1 else ""
-        return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup` with the plan's model, --quantize, "
-                f"--dtype, --kv-dtype{speculative} and --threads {torch.get_num_threads()} compiles them once "
-                f"(about a minute; later starts load them in ~2 s a stage) and decode steps then take about 0.7x "
-                f"the time")
+        speculative = " with the run's --speculative" if runner.step_tokens > 1 else ""
+        return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup --plan PLAN`{speculative} compiles "
+                f"them once (about a minute; later starts load them in ~2 s a stage) and decode steps then take "
+                f"about 0.7x the time")
     return None
 
 
 def graph_plan(runner) -> dict[int, tuple]:
     """Unit -> (function, key) of every graph the stage's decode steps call: a whole block's, or a
     half's of a block cut between stages (keyed by the function and `_signature` of its modules)."""
-    plan = {}
-    for call in runner.calls:
-        u = call[0]
-        if not 0 < u < runner.n_units - 1:
-            continue
-        if len(call) == 1 and u % 2 == 0 and not experts.in_graphs(runner._mods[u][1]):
-            continue        # such a MoE half runs eagerly (`StageRunner.calls`)
-        fn = run_of_halves if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
-        plan[u] = (fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v]))))
-    return plan
+    return {call[0]: graph for call in runner.calls if (graph := _call_graph(runner, call)) is not None}
+
+
+def _call_graph(runner, call: tuple[int, ...]) -> tuple | None:
+    """(function, key) of the graph that serves one call of units held by `runner`, or None where no
+    graph does (the embedding, the head, a MoE half whose experts run eagerly)."""
+    u = call[0]
+    if not 0 < u < runner.n_units - 1:
+        return None
+    if len(call) == 1 and u % 2 == 0 and not experts.in_graphs(runner._mods[u][1]):
+        return None        # such a MoE half runs eagerly (`StageRunner.calls`)
+    fn = run_of_halves if len(call) >= 2 else attention_half if u % 2 == 1 else mlp_half
+    return fn, (fn.__name__, len(call), _signature(*(m for v in call for m in runner._mods[v])))
+
+
+def any_layout_units(runner) -> list[range]:
+    """For a runner of the whole model: one stage layout per distinct graph that a stage of any
+    layout calls (`stage_calls` without the stages' own joined calls: runs of whole blocks, single
+    ones, the halves of cut ones), each layout that graph's call alone. Blocks whose modules differ
+    call graphs of their own: a Q4_K_M file keeps some blocks' attn_v and ffn_down in Q6_K, and
+    warming block 0's halves alone left a cut at block 5 of the MoE bench shape eager."""
+    n, joined = runner.n_units, not runner.gpt2 and runner.moe_in_graphs
+    calls = {c for a in range(1, n - 1) for b in range(a + 1, n) for c in stage_calls(range(a, b), n, joined)}
+    first: dict[tuple, tuple[int, ...]] = {}
+    for call in sorted(calls):
+        graph = _call_graph(runner, call)
+        if graph is not None:
+            first.setdefault(graph[1], call)
+    return [range(c[0], c[-1] + 1) for c in first.values()]
 
 
 def _graph_text(runner, fn, key) -> str:
@@ -717,15 +735,17 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
                  kv_dtype: str = KV_DTYPE, step_tokens: int = 1, unit_ranges: list[range] | None = None) -> int:
     """`hpipe warmup`: compiles, on this host, every graph a CPU stage of `model` running on each of
     `threads` threads can call (a run of whole blocks, a whole block, the attention half and the MLP
-    half of a block cut between stages) into inductor's cache, and marks them warm for `--compile
-    auto`; with `step_tokens` above 1 a speculative step's graphs too. `unit_ranges`: only the graphs of
+    half of a block cut between stages, for every kind of block the model has: `any_layout_units`)
+    into inductor's cache, and marks them warm for `--compile auto`; with `step_tokens` above 1 a speculative step's graphs too. `unit_ranges`: only the graphs of
     stages holding these units (a plan's stages on this host), each stage's own calls (`stage_runs`).
     Returns how many graphs are warm."""
-    n = models.num_units(config)
     marks: set[Path] = set()
     before, t0 = torch.get_num_threads(), time.time()
-    # a cut block's halves, then whole blocks, at each thread count; the time left from the layouts done
-    layouts = [(count, units) for count in threads for units in (unit_ranges or (range(2), range(2, n), range(n)))]
+    if unit_ranges is None:          # each graph any stage calls, compiled through a layout of its call alone
+        each = any_layout_units(StageRunner(model, config, range(models.num_units(config)), "cpu", dtype,
+                                            weights=weights, compile="off", kv_dtype=kv_dtype, step_tokens=step_tokens))
+    # each layout at each thread count; the time left from the layouts done
+    layouts = [(count, units) for count in threads for units in (unit_ranges or each)]
     try:
         for i, (count, units) in enumerate(layouts):
             left = f", about {(time.time() - t0) / i * (len(layouts) - i):.0f} s left" if i else ""
