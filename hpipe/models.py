@@ -750,13 +750,16 @@ def as_source(model: "ModelSource | Path") -> ModelSource:
 
 def build_model_units(model_source: "ModelSource | Path", config, units: range, device: str = "cpu",
                       dtype: str = "float32", attn_implementation: str = "sdpa", weights=None,
-                      host_experts: frozenset[int] = frozenset()):
+                      host_experts: frozenset[int] = frozenset(), shared_weights: bool = False):
     """Builds the transformers CausalLM on the meta device and materializes only the modules of
     `units`: dense from safetensors, or (`weights` quantized) with its linear layers and embedding
     replaced by weight-only quantized modules (`hpipe.quant`). Returns the model object; the modules
     of other units stay on the meta device and hold no memory. The routed experts of the units in
     `host_experts` (`host_expert_units`) stay in host memory and run on its CPU
-    (`experts.HostExperts`), packed as a CPU stage packs them."""
+    (`experts.HostExperts`), packed as a CPU stage packs them. Quantized weights packed for the CPU
+    are copied into transparent huge pages of this process (`heap.in_huge_pages`), or with
+    `shared_weights` stay the packed cache's file mapping, one copy in the host's page cache for every
+    process that maps it (SiDP's replicas)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -772,7 +775,7 @@ def build_model_units(model_source: "ModelSource | Path", config, units: range, 
     model.eval()
     model.requires_grad_(False)
     if weights.quantized:
-        _load_quantized(model, source, config, units, device, tdtype, weights, host_experts)
+        _load_quantized(model, source, config, units, device, tdtype, weights, host_experts, shared_weights)
     else:
         _load_dense(model, source.dense_path(), config, units, device, tdtype, host_experts)
         _route_float_experts(model, config, units, host_experts)
@@ -900,7 +903,7 @@ def _packed_dir(source: ModelSource, weights, device_type: str) -> Path:
 
 
 def _load_quantized(model, source: ModelSource, config, units: range, device: str, tdtype, weights,
-                    host_experts: frozenset[int] = frozenset()) -> None:
+                    host_experts: frozenset[int] = frozenset(), shared_weights: bool = False) -> None:
     """Each unit's packed tensors come from the disk cache (built once from the GGUF blocks or the
     float checkpoint, then mapped); every nn.Linear and nn.Embedding of the unit is replaced. The
     experts of `host_experts` units come from the unit's CPU packing (its own cache entry)."""
@@ -912,7 +915,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
     if weights.kind == "gguf" and source.gguf is None:
         raise HpipeError(f"{source.name}: --quantize gguf keeps a .gguf file's own blocks, and this model is a "
                          f"float checkpoint; use --quantize int8 or int4[:group]")
-    packs = _UnitPacks(model, source, config, weights)
+    packs = _UnitPacks(model, source, config, weights, shared_weights)
     for u in units:
         tensors = packs.tensors(u, torch.device(device).type)
         for mod_path in unit_modules(config, u):
@@ -927,11 +930,13 @@ def _parts_of(tensors: dict, full: str) -> dict:
 
 class _UnitPacks:
     """A model's units packed for a device kind: each built once from the GGUF blocks or the float
-    checkpoint (read only when a unit is not in the disk cache yet), then mapped; a tied head
-    shares the embedding's tensors."""
+    checkpoint (read only when a unit is not in the disk cache yet), then mapped (`shared`) or, packed
+    for the CPU, copied into huge pages (`heap.in_huge_pages`); a tied head shares the embedding's
+    tensors."""
 
-    def __init__(self, model, source: ModelSource, config, weights):
+    def __init__(self, model, source: ModelSource, config, weights, shared: bool = False):
         self.model, self.source, self.config, self.weights = model, source, config, weights
+        self.shared = shared
         self._reader = None
         self._mapped: dict[tuple[int, str], dict] = {}
 
@@ -952,12 +957,15 @@ class _UnitPacks:
         return self.reader().read(key)
 
     def tensors(self, u: int, packed_for: str) -> dict:
-        """Unit u's packed tensors for `packed_for` ("cpu", "cuda"), mapped once."""
+        """Unit u's packed tensors for `packed_for` ("cpu", "cuda"), loaded once."""
         from hpipe import quant
 
         if (u, packed_for) not in self._mapped:
-            self._mapped[u, packed_for] = quant.cached_unit(_packed_dir(self.source, self.weights, packed_for), u,
-                                                            lambda: self.pack(u, packed_for))
+            from hpipe import heap
+
+            mapped = quant.cached_unit(_packed_dir(self.source, self.weights, packed_for), u,
+                                       lambda: self.pack(u, packed_for))
+            self._mapped[u, packed_for] = mapped if self.shared or packed_for != "cpu" else heap.in_huge_pages(mapped)
         return self._mapped[u, packed_for]
 
     def pack(self, u: int, device_type: str) -> dict:

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from conftest import VOCAB, assert_greedy_equal, assert_run_matches, reference_greedy, reference_logits
-from hpipe import cpu_kernels, models, quant, quantized
+from hpipe import cpu_kernels, heap, models, quant, quantized
 from hpipe.cli import main
 from hpipe.formats import Slicing
 from hpipe.request import Request
@@ -280,6 +280,40 @@ def test_the_vnni_kernels_are_their_block_arithmetic_and_within_their_activation
 def test_the_ops_reach_the_kernels_from_cpp_where_a_compiler_is_found():
     """A compiled graph calls the ops without Python: their kernels are C++ wherever g++ is found."""
     assert cpu_kernels.ops_route() == "C++"
+
+
+def _mapping_of(address: int) -> tuple[str, set[str]]:
+    """(the file, or "" for anonymous memory; VmFlags) of this process's mapping holding `address`."""
+    found = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            found = ((head[5] if len(head) > 5 else ""), None) if lo <= address < hi else None
+        elif found is not None and head[0] == "VmFlags:":
+            return found[0], set(head[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not heap.huge_pages_advised(), reason="no transparent huge pages here")
+def test_a_cpu_stages_packed_weights_are_copied_into_huge_pages_unless_shared():
+    """A CPU stage's packed weights leave the packed cache's file mapping (4 KB pages) for anonymous
+    memory advised for transparent huge pages (VmFlags `hg`), the same bytes; with `shared_weights`
+    (SiDP's replicas) they stay the file's mapping, one copy in the page cache for the host."""
+    source = models.resolve_model("smollm2")
+    config = models.load_config(source.path)
+
+    def block_q(shared: bool) -> torch.Tensor:
+        runner = StageRunner(source, config, range(0, 3), weights=quant.WeightFormat("gguf"), compile="off",
+                             shared_weights=shared)
+        return next(m for m in runner.model.modules() if isinstance(m, quantized.Int4Linear)).packed
+
+    own, shared = block_q(False), block_q(True)
+    assert torch.equal(own, shared)
+    path, flags = _mapping_of(own.data_ptr())
+    assert path == "" and "hg" in flags, (path, flags)
+    path, flags = _mapping_of(shared.data_ptr())
+    assert path.endswith(".pt") and "hg" not in flags, (path, flags)
 
 
 def test_int4_codes_are_packed_in_the_kernels_blocked_layout_and_back():

@@ -160,23 +160,23 @@ class StageRunner:
                  dtype: str = "float32", attn_implementation: str = DEFAULTS.attn,
                  page_size: int = DEFAULTS.page_size, weights=None, compile: str = DEFAULTS.compile,
                  deterministic: bool = DEFAULTS.deterministic == "on", host_experts: int = 0,
-                 kv_dtype: str = KV_DTYPE, step_tokens: int = 1, join_halves: bool | None = None):
+                 kv_dtype: str = KV_DTYPE, step_tokens: int = 1, join_halves: bool | None = None,
+                 shared_weights: bool = False):
         """compile (`--compile`): "on", decode steps run their blocks through torch.compile where
         `compiled_halves_refused` allows; "auto", the same where `hpipe warmup` has compiled this
         stage's graphs on this host (`warm_graphs`); "off", eagerly. Everything else runs eagerly.
         deterministic: every row's arithmetic fixed by the row itself (`hpipe.runtime.invariant`).
         host_experts: the first this many MoE blocks of `units` keep their routed experts in the host's
         RAM, run by its CPU (`models.host_expert_units`).
-        kv_dtype: the KV pool's elements (the plan's); SDPA reads them as they are, other attention
-        implementations a copy in `dtype` (`KVStore.read_dtype`).
+        kv_dtype: the KV pool's elements (the plan's; `KVStore.read_dtype`).
         step_tokens: the most tokens a lone sequence's step runs through the compiled halves beside
         one-token decode steps (`Speculation.step_tokens`: a speculative step's fed token and its
         proposals); their graphs are compiled and marked warm with the others.
         join_halves: the stage's decode calls are its own runs of halves (`stage_runs`) or runs of
         whole blocks and halves alone (`stage_calls`), whose graphs serve any stage layout; None: its
-        own under `--compile on` or where they are warm, else the others."""
-        config = copy.deepcopy(config)      # transformers writes the attention implementation into it
-        self.config = config
+        own under `--compile on` or where they are warm, else the others. shared_weights: SiDP's
+        replicas share the packed cache's file mapping (`models.build_model_units`)."""
+        self.config = config = copy.deepcopy(config)     # transformers writes the attention implementation into it
         self.deterministic = deterministic
         if deterministic:
             attn_implementation = _deterministic_attention(config)
@@ -188,7 +188,7 @@ class StageRunner:
         self.dtype = models.torch_dtype(dtype)
         self.attn_implementation = attn_implementation
         self.model = models.build_model_units(model, config, units, device, dtype, attn_implementation, weights,
-                                              models.host_expert_units(config, units, host_experts))
+                                              models.host_expert_units(config, units, host_experts), shared_weights)
         self.weights_quantized = any(isinstance(m, quantized.QUANTIZED) for m in self.model.modules())
         if deterministic:
             from hpipe.runtime import invariant
@@ -736,9 +736,10 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
     """`hpipe warmup`: compiles, on this host, every graph a CPU stage of `model` running on each of
     `threads` threads can call (a run of whole blocks, a whole block, the attention half and the MLP
     half of a block cut between stages, for every kind of block the model has: `any_layout_units`)
-    into inductor's cache, and marks them warm for `--compile auto`; with `step_tokens` above 1 a speculative step's graphs too. `unit_ranges`: only the graphs of
-    stages holding these units (a plan's stages on this host), each stage's own calls (`stage_runs`).
-    Returns how many graphs are warm."""
+    into inductor's cache, and marks them warm for `--compile auto`; with `step_tokens` above 1 a
+    speculative step's graphs too. `unit_ranges`: only the graphs of stages holding these units (a
+    plan's stages on this host), each stage's own calls (`stage_runs`). Returns how many graphs are
+    warm."""
     marks: set[Path] = set()
     before, t0 = torch.get_num_threads(), time.time()
     if unit_ranges is None:          # each graph any stage calls, compiled through a layout of its call alone

@@ -328,7 +328,8 @@ class StageWorker:
                                            weights=self.weights, compile=config.compile,
                                            deterministic=self.deterministic,
                                            host_experts=self.stage_plan.host_experts, kv_dtype=plan.kv_dtype,
-                                           step_tokens=self.speculation.step_tokens)
+                                           step_tokens=self.speculation.step_tokens,
+                                           shared_weights=self.seat is not None)     # SiDP: one copy a host
         if runner.compile_refused and config.compile == "on":
             log(f"stage {self.rank}: decode runs eagerly, not compiled (--compile on): {runner.compile_refused}")
         self.modes, static = self._modes()
