@@ -916,6 +916,7 @@ def _load_quantized(model, source: ModelSource, config, units: range, device: st
         raise HpipeError(f"{source.name}: --quantize gguf keeps a .gguf file's own blocks, and this model is a "
                          f"float checkpoint; use --quantize int8 or int4[:group]")
     packs = _UnitPacks(model, source, config, weights, shared_weights)
+    packs.load(units, torch.device(device).type)
     for u in units:
         tensors = packs.tensors(u, torch.device(device).type)
         for mod_path in unit_modules(config, u):
@@ -956,16 +957,25 @@ class _UnitPacks:
             raise HpipeError(f"{self.source.name}: no tensor for {key!r} (unit {unit_name(self.config, u)})")
         return self.reader().read(key)
 
+    def load(self, units, packed_for: str) -> None:
+        """The units' packed tensors for `packed_for` ("cpu", "cuda"), once each; packed for the CPU
+        and not `shared`, all of them in one huge-page copy (a unit's own, most under a huge page,
+        left most of them on 4 KB pages and a partly used huge page each)."""
+        from hpipe import heap, quant
+
+        todo = [u for u in units if (u, packed_for) not in self._mapped]
+        mapped = {(u, name): t for u in todo for name, t in quant.cached_unit(
+            _packed_dir(self.source, self.weights, packed_for), u, lambda u=u: self.pack(u, packed_for)).items()}
+        if packed_for == "cpu" and not self.shared:
+            mapped = heap.in_huge_pages(mapped)
+        for u in todo:
+            self._mapped[u, packed_for] = {}
+        for (u, name), t in mapped.items():
+            self._mapped[u, packed_for][name] = t
+
     def tensors(self, u: int, packed_for: str) -> dict:
-        """Unit u's packed tensors for `packed_for` ("cpu", "cuda"), loaded once."""
-        from hpipe import quant
-
-        if (u, packed_for) not in self._mapped:
-            from hpipe import heap
-
-            mapped = quant.cached_unit(_packed_dir(self.source, self.weights, packed_for), u,
-                                       lambda: self.pack(u, packed_for))
-            self._mapped[u, packed_for] = mapped if self.shared or packed_for != "cpu" else heap.in_huge_pages(mapped)
+        """Unit u's packed tensors for `packed_for` (`load`)."""
+        self.load((u,), packed_for)
         return self._mapped[u, packed_for]
 
     def pack(self, u: int, device_type: str) -> dict:
