@@ -74,7 +74,8 @@ def in_huge_pages(tensors: dict) -> dict:
     (`quant.cached_unit`) gives 4 KB pages. Measured on a 2-core AVX-512 EPYC VM (the MoE bench shape
     of bench/moe.py, whole model in one process, real decode): 8.10 -> 6.68 ms a token at one thread,
     6.04 -> 5.03 at two; its routed experts' kernel alone over all 8 blocks 2.6-2.8 -> 1.5-2.2 ms.
-    The cost: one copy at load, and up to one huge page of the mapping's tail beyond the tensors."""
+    The cost: one copy at load, and up to one huge page of the mapping's tail beyond the tensors (a
+    caller copies a stage's tensors in one call: one a unit left units under 2 MB on 4 KB pages)."""
     import mmap
 
     import torch
