@@ -744,7 +744,8 @@ def warm_compile(model: models.ModelSource, config, weights, dtype: str, log, th
     before, t0 = torch.get_num_threads(), time.time()
     if unit_ranges is None:          # each graph any stage calls, compiled through a layout of its call alone
         each = any_layout_units(StageRunner(model, config, range(models.num_units(config)), "cpu", dtype,
-                                            weights=weights, compile="off", kv_dtype=kv_dtype, step_tokens=step_tokens))
+                                            weights=weights, compile="off", kv_dtype=kv_dtype, step_tokens=step_tokens,
+                                            shared_weights=True))     # read for its modules' signatures: no copy
     # each layout at each thread count; the time left from the layouts done
     layouts = [(count, units) for count in threads for units in (unit_ranges or each)]
     try:
