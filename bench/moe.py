@@ -20,6 +20,9 @@ rounds of the round's own ratio to llama.cpp:
 
     python bench/moe.py [--shape qwen3moe-0.5b | mixtral-shape-0.5b] [--threads 2] [--repeats 5] [--out F]
 
+The same file through 3 stages against llama.cpp's RPC split: `bench/trip.py --model FILE` (local
+stages on this machine's loopback) and `bench/trip.py --hosts --model FILE` (3 emulated hosts over SSH).
+
 llama.cpp's binaries and source: $LLAMA_CPP_BIN (default /opt/llama.cpp/build/bin) and
 $LLAMA_CPP_SRC (default /opt/llama.cpp); ../shared/notes/peers.md says how to build them here.
 """

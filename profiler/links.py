@@ -3,8 +3,8 @@
 
     python -m hpipe.profiler.links --rank R --master-addr A --master-port P --devices cpu,cuda:0 [--quick]
 
-Rank 0 and rank 1 each send messages of 8 B to 64 MB to the other and time the round trip with a
-one-element reply. rtt(n) = 2 alpha + n / beta (the reply costs one more latency): 2 alpha is the
+Rank 0 and rank 1 each send messages of 8 B to 64 MB (`--quick`: to 4 MB, fewer repeats) to the
+other and time the round trip with a one-element reply. rtt(n) = 2 alpha + n / beta (the reply costs one more latency): 2 alpha is the
 smallest message's round trip, beta the slope over the messages of 1 MB and more; the one-way points
 kept in the profile are rtt(n) - alpha. Rank 0 reports `@@hpipe {"type": "link_profile", ...}` with
 both directions and the raw points.
@@ -25,6 +25,9 @@ from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.reports import emit
 
 SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
+# --quick stops at 4 MB: the slope still has two points of 1 MB and more, and a 100 Mbit/s link's
+# measurement takes ~5 s where the 16 MB messages made it ~21 (each direction ~100 MB of payload)
+QUICK_SIZES = SIZES[:-2]
 
 
 SMALL_BYTES = 4096      # messages whose time is the link's latency: a decode step's hidden state and less
@@ -62,7 +65,7 @@ def measure(rank: int, groups, device, quick: bool) -> dict:
     # a CUDA stage on gloo stages its hidden states through host memory: time that copy too
     staged = torch.device(device) if (not on_gpu and device.startswith("cuda")) else None
     ack = torch.zeros(1, device=dev)
-    sizes = SIZES[:-1] if quick else SIZES
+    sizes = QUICK_SIZES if quick else SIZES
     result = {}
     for sender in (0, 1):
         points = []
