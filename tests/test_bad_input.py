@@ -279,6 +279,26 @@ def test_a_compile_that_fails_leaves_the_run_eager_with_one_line(tiny_models, tm
     assert outputs["on"] == outputs["off"]
 
 
+def test_an_inductor_cache_path_with_a_space_is_refused_before_any_compile(tiny_models, tmp_path, monkeypatch):
+    """Inductor's compiler command line splits a cache path at its space (g++: "input file ... is the
+    same as output file"): a stage says so in one line, naming the path and what to set, before a
+    compile spends its minute, and runs eagerly."""
+    from hpipe import models
+    from hpipe.runtime import graphs, stage
+    from hpipe.runtime.stage import StageRunner
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "my cache"))
+    path = tiny_models["llama"]
+    config = models.load_config(path)
+    runner = StageRunner(path, config, range(models.num_units(config)), compile="on", kv_dtype="float32")
+    runner.kv.allocate(16)
+    compiled, lines = graphs.compiled(), []
+    stage.warm_up(runner, 16, lines.append)
+    assert runner.decode_halves is runner.eager and graphs.compiled() == compiled
+    assert len(lines) == 1 and "its compile failed" in lines[0] and "my cache" in lines[0], lines
+    assert "has a space" in lines[0] and "HPIPE_CACHE" in lines[0], lines
+
+
 @pytest.mark.parametrize("argv, needles", [
     (["warmup", "--plan", "plan.json", "--threads", "2"], ("--plan sets --quantize", "leave them out")),
     (["warmup", "--cluster", "c.toml", "--threads", "2"], ("--threads is each host's with --cluster",)),

@@ -629,6 +629,7 @@ def warm_up(runner, max_len: int, log) -> float | None:
     if runner.decode_halves is not runner.eager and n > 3:
         t = time.time()
         try:
+            check_inductor_cache()
             for segments in decode_shapes(n, runner.kv.page_size, runner.step_tokens):
                 warm_step(runner, segments)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an inductor bug: the run goes on eagerly
@@ -857,6 +858,18 @@ def _signature(*modules) -> tuple:
                                                                                   m._buffers.items()) if t is not None)
             out.append((name, type(m), attrs, tensors))
     return tuple(out)
+
+
+def check_inductor_cache() -> None:
+    """Refuses, before a compile spends its minute, an inductor cache whose path has a space: inductor's
+    compiler command line splits there (torch 2.13's g++: "input file '/x/my' is the same as output
+    file", a CppCompileError)."""
+    from hpipe.errors import HpipeError
+
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    if any(c.isspace() for c in path):
+        raise HpipeError(f"inductor's cache {path!r} has a space in its path, which inductor's compiler command "
+                         f"line breaks on; set HPIPE_CACHE (or TORCHINDUCTOR_CACHE_DIR) to a path without one")
 
 
 def use_inductor_cache() -> None:
