@@ -144,7 +144,58 @@ def hpipe_numbers(path: Path, threads: int, compile_mode: str) -> dict:
             "compile": compile_mode, "compile_refused": runner.compile_refused}
 
 
-def quality(path: Path, tokens: int) -> dict:
+def llama_cpp_logits(path: Path, ids: list[int], threads: int):
+    """llama.cpp's own logits at every position of `ids` on the file (libllama through ctypes: one
+    token a decode, the last position's logits each time), [len(ids), vocab] float32."""
+    import ctypes
+
+    import numpy as np
+
+    lib = ctypes.CDLL(str(llama_cpp_bin("libllama.so")))
+
+    class Params(ctypes.Structure):      # the params structs, opaque and larger than llama.h's: a struct
+        _fields_ = [("raw", ctypes.c_uint8 * 1024)]     # over 16 bytes goes by memory, the callee reads its own size
+
+    class Batch(ctypes.Structure):       # llama.h's llama_batch
+        _fields_ = [("n_tokens", ctypes.c_int32)] + [(f, ctypes.c_void_p) for f in
+                                                      ("token", "embd", "pos", "n_seq_id", "seq_id", "logits")]
+
+    lib.llama_model_default_params.restype = lib.llama_context_default_params.restype = Params
+    lib.llama_model_load_from_file.argtypes, lib.llama_model_load_from_file.restype = [ctypes.c_char_p, Params], \
+        ctypes.c_void_p
+    lib.llama_init_from_model.argtypes, lib.llama_init_from_model.restype = [ctypes.c_void_p, Params], ctypes.c_void_p
+    lib.llama_batch_get_one.argtypes, lib.llama_batch_get_one.restype = [ctypes.c_void_p, ctypes.c_int32], Batch
+    lib.llama_decode.argtypes, lib.llama_decode.restype = [ctypes.c_void_p, Batch], ctypes.c_int32
+    lib.llama_get_logits_ith.argtypes, lib.llama_get_logits_ith.restype = [ctypes.c_void_p, ctypes.c_int32], \
+        ctypes.POINTER(ctypes.c_float)
+    lib.llama_model_get_vocab.argtypes, lib.llama_model_get_vocab.restype = [ctypes.c_void_p], ctypes.c_void_p
+    lib.llama_vocab_n_tokens.argtypes, lib.llama_vocab_n_tokens.restype = [ctypes.c_void_p], ctypes.c_int32
+    lib.llama_free.argtypes = lib.llama_model_free.argtypes = [ctypes.c_void_p]
+    lib.llama_backend_init()
+    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    params = lib.llama_context_default_params()
+    fields = np.frombuffer(params.raw, dtype=np.uint32, count=9)   # n_ctx ... n_threads, n_threads_batch
+    fields.setflags(write=True)
+    fields[0], fields[7], fields[8] = len(ids) + 16, threads, threads
+    ctx = lib.llama_init_from_model(model, params)
+    vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    out = np.empty((len(ids), vocab), dtype=np.float32)
+    token = (ctypes.c_int32 * 1)()
+    try:
+        for i, t in enumerate(ids):
+            token[0] = t
+            if lib.llama_decode(ctx, lib.llama_batch_get_one(token, 1)) != 0:
+                raise SystemExit(f"llama_decode failed at position {i}")
+            out[i] = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(vocab,))
+    finally:
+        lib.llama_free(ctx)
+        lib.llama_model_free(model)
+    return out
+
+
+def quality(path: Path, tokens: int, threads: int) -> dict:
+    """hpipe's and llama.cpp's logits on the same tokens against transformers' float32 forward of the
+    gguf package's dequantization of the file: KL (reference || theirs) per token, top-1 agreement."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -155,12 +206,18 @@ def quality(path: Path, tokens: int) -> dict:
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
                                                      dtype=torch.float32).eval()
     ours = models.build_full_model(source, config, weights=quant.WeightFormat("gguf"))
-    ids = torch.tensor([[(i * 7919) % 49000 + 100 for i in range(tokens)]])
+    ids = [(i * 7919) % 49000 + 100 for i in range(tokens)]
     with torch.no_grad():
-        a, b = ours(ids).logits[0].float(), reference(ids).logits[0]
-    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    return {"tokens": tokens, "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+        a, b = ours(torch.tensor([ids])).logits[0].float(), reference(torch.tensor([ids])).logits[0]
+    c = torch.from_numpy(llama_cpp_logits(path, ids, threads))[:, :b.shape[-1]]
+
+    def against_reference(x):
+        kl = torch.nn.functional.kl_div(x.log_softmax(-1), b.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1)
+        return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                "top1": float((x.argmax(-1) == b.argmax(-1)).float().mean())}
+
+    return {"tokens": tokens, **against_reference(a), "llama.cpp": against_reference(c)}
 
 
 def main() -> None:
@@ -202,7 +259,7 @@ def main() -> None:
         "median_round_ratio": {k: {m: statistics.median(r[m] / l[m] for r, l in zip(v, runs["llama.cpp"])) for m in metrics}
                                for k, v in runs.items() if k != "llama.cpp"},
         "held_over_file": runs["hpipe compile off"][0]["held_bytes"] / path.stat().st_size,
-        "quality": quality(path, args.quality_tokens),
+        "quality": quality(path, args.quality_tokens, args.threads),
     }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({"best": best, "ratio": report["ratio_to_llama_cpp"], "median_round_ratio": report["median_round_ratio"],

@@ -125,6 +125,23 @@ def test_int8_repacking_is_within_half_a_row_step(gguf_file, qtype):
 
 
 @pytest.mark.skipif(not quant.vnni_kernel("cpu", "int8", (64, 64)), reason="no int4/int8 kernels (AVX512-VNNI or AVX2) on this CPU")
+def test_q6_k_goes_to_int8_blocks_of_32_where_the_vnni_kernel_reads_them(gguf_file):
+    """Q6_K where the VNNI kernel runs: int8 blocks of 32 with float16 scales, as Q8_0 runs, within half
+    a block's step of the gguf package's dequantization (s_block = max |w_block| / 127, plus its
+    float16 rounding times the code): a step a row cost the MoE shape KL above llama.cpp's."""
+    w = quant.read_gguf_tensor(gguf_file["Q6_K"])
+    dense = w.dequantize()
+    packed = quant.pack(w, quant.WeightFormat("gguf"))
+    n, k = dense.shape
+    assert packed["int8"].dtype == torch.int8 and packed["scales"].dtype == torch.float16
+    assert packed["scales"].shape == (n, k // 32)
+    s = packed["scales"].double().numpy().repeat(32, axis=1)
+    step = np.abs(dense.reshape(n, k // 32, 32)).max(axis=2).repeat(32, axis=1) / 127
+    err = np.abs(packed["int8"].numpy().astype(np.float64) * s - dense)
+    assert (err <= step / 2 + 127 * 2.0 ** -11 * step * (1 + 2.0 ** -11)).all()
+
+
+@pytest.mark.skipif(not quant.vnni_kernel("cpu", "int8", (64, 64)), reason="no int4/int8 kernels (AVX512-VNNI or AVX2) on this CPU")
 def test_q8_0_keeps_the_files_own_weights_where_the_vnni_kernel_reads_them(gguf_file, monkeypatch):
     """Q8_0's codes and float16 block scales are packed as they are: the weights, and the rows an
     embedding looks up, are the gguf package's own dequantization exactly. A process on torch's ops
