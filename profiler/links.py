@@ -26,7 +26,7 @@ from hpipe.reports import emit
 
 SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
 # --quick stops at 16 MB: at 4 MB a 1 Gbit/s link behind tbf read 10.3 % fast (its 256 KB burst on
-# messages of 34 ms), where 16 MB keeps the emulated links within 1 % (a 100 Mbit/s link then takes ~21 s)
+# messages of 34 ms); 16 MB keeps them within tests/test_ssh.py's 10 % (a 100 Mbit/s link then takes ~21 s)
 QUICK_SIZES = SIZES[:-1]
 
 
