@@ -585,10 +585,9 @@ def quantize_int8_blocks(w: np.ndarray, block: int = 32) -> tuple[np.ndarray, np
 
 
 def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per output channel: (int8 [N, K], float32 scales [N])."""
-    amax = np.abs(w).max(axis=1)
-    scale = np.where(amax > 0, amax / 127, 1.0).astype(np.float32)
-    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale
+    """Symmetric per output channel: (int8 [N, K], float32 scales [N]), one block a row."""
+    q, scale = quantize_int8_blocks(w, w.shape[1])
+    return q, scale[:, 0]
 
 
 # --------------------------------------------------------------------------------------------

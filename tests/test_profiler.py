@@ -100,7 +100,7 @@ def test_local_profile_validates_and_reports_a_failing_device(tiny_models, tmp_p
     assert dev.extra["fetch"]["source"] == "host-pool" and dev.extra["fetch"]["bytes_per_s"] > 1e8
     (link,) = profile.links
     assert link.src == link.dst == "local/cpu" and link.beta_bytes_per_s > 1e7
-    assert [p[0] for p in link.extra["points"]][-1] == 16 * 2 ** 20         # --quick: to 16 MB
+    assert [p[0] for p in link.extra["points"]][-1] >= 16 * 2 ** 20
     # the machine (stages sharing its cores) and the runtime's own per-token costs, measured by a run
     assert dev.identity["machine"] and dev.identity["cores"] >= 1
     rt = profile.runtime
