@@ -285,16 +285,18 @@ def int8_dequant(weight, scales, first: int, out) -> None:
 def attend_f16(q, k, v, mask, scale: float):
     """One query row per sequence against a float16 KV cache where it lies (kernels/attention.h):
     q [b, kv heads, g, d] float32, k and v [b, kv heads, n, d] float16 (the same strides, the last
-    1), mask [b, 1, 1, n] bool (True: attend; one row for the group) or [b, 1, g, n] (one row a
-    query: a sequence's rows as one group) or None -> [b, kv heads, g, d] float32, softmax(q k^T
-    scale) v per query head."""
+    1), mask [b, 1, R, n] bool (True: attend; query j takes row j // (g // R): R = 1 one row for the
+    group, R = g one a query, R = L a sequence's L rows as one group of L x heads-per-KV-head queries)
+    or None -> [b, kv heads, g, d] float32, softmax(q k^T scale) v per query head."""
     import torch
 
     b, h, g, d = q.shape
     n = k.shape[2]
     q = q.float().contiguous()
     _check_attend(k, v, b, h, n, d)
-    rows = g if mask is not None and mask.dim() == 4 and mask.shape[2] == g > 1 else 1
+    rows = mask.shape[2] if mask is not None and mask.dim() == 4 else 1
+    if g % rows:
+        raise ValueError(f"attention kernel: a mask of {rows} rows for {g} queries a KV head: its rows must divide them")
     m = None if mask is None else mask.expand(b, 1, rows, n).reshape(b, rows * n).to(torch.uint8).contiguous()
     out = torch.empty(b, h, g, d, dtype=torch.float32)
     rc = kernels()[0].hpipe_attend_f16(q.data_ptr(), b, h, g, d, k.data_ptr(), v.data_ptr(), k.stride(0),

@@ -84,12 +84,14 @@ def test_a_float16_cache_holds_the_float32_runs_keys_rounded_once(tiny_models):
 
 
 @pytest.mark.parametrize("b,kv_heads,group,d,n", [(1, 3, 3, 64, 1000), (2, 8, 4, 64, 300), (3, 2, 1, 128, 9),
-                                                  (2, 1, 16, 32, 600), (1, 2, 5, 72, 300), (2, 2, 37, 64, 500)])
+                                                  (2, 1, 16, 32, 600), (1, 2, 5, 72, 300), (2, 2, 37, 64, 500),
+                                                  (1, 2, 24, 64, 700)])
 def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_heads, group, d, n):
     """`hpipe::attend_f16` (both routes: the C++ op and its Python twin) against float64 SDPA over
     the same float16 keys and values, with and without a mask (a row with nothing to attend gives
-    zeros, as torch's flash kernel), one mask row for the group and one a query (a sequence's rows as
-    one group, 16 queries a tile: 37 is three), its pages read at a pool's strides (a view, not a
+    zeros, as torch's flash kernel), one mask row for the group, one a query, and one per several
+    queries (a sequence's rows as one group, each row's heads under its row; 16 queries a tile: 37 is
+    three, 24 in rows of 6 cross a tile), its pages read at a pool's strides (a view, not a
     copy)."""
     if cpu_kernels.kernels()[0] is None:
         pytest.skip(cpu_kernels.kernels()[1])
@@ -102,9 +104,16 @@ def test_the_float16_decode_attention_is_a_float64_softmax_of_its_pages(b, kv_he
     mask[0, ..., : min(n, 700)] = False
     each = torch.rand(b, 1, group, n, generator=gen) > 0.5                   # a row a query
     each[-1, :, -1] = False
-    for m in (None, mask, each):
+    masks = [None, mask, each]
+    rows = next((r for r in (5, 4, 2) if group % r == 0 and r < group), None)  # a row per group // rows queries
+    if rows:
+        shared = torch.rand(b, 1, rows, n, generator=gen) > 0.4
+        shared[0, :, -1, n // 2:] = False
+        masks.append(shared)
+    for m in masks:
+        wide = None if m is None else m.repeat_interleave(group // m.shape[2], dim=2)
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                                               attn_mask=m, scale=d ** -0.5).nan_to_num(0.0)
+                                                               attn_mask=wide, scale=d ** -0.5).nan_to_num(0.0)
         for got in (torch.ops.hpipe.attend_f16(q, k, v, m, d ** -0.5), cpu_kernels.attend_f16(q, k, v, m, d ** -0.5)):
             assert got.dtype == torch.float32 and got.shape == q.shape
             assert float((got - ref).abs().max()) < 1e-5

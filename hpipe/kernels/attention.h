@@ -8,7 +8,7 @@
  * float16 at any strides whose last is 1 (the pool's pages in place, or a gathered copy), an
  * optional mask [b, n] (1 = attend) and out [b, kv heads, g, d] float32. A sequence's few query
  * rows (a speculative step's) go as one: its L rows' g heads are the group's L g queries, each with
- * its row of the mask ([b, L g, n]: mask_rows = g), so the context is read once for all of them
+ * its row of the mask ([b, L, n]: mask_rows = L), so the context is read once for all of them
  * rather than once a row (16 queries a pass over a chunk). Flash-decoding, as
  * llama.cpp's CPU path does: the context is cut in chunks of CHUNK positions, each (sequence, KV
  * head, chunk) is one task of the OpenMP loop (many tasks even for one sequence: both threads work
@@ -22,6 +22,14 @@
 #include <string.h>
 
 #define CHUNK 256             /* positions a task attends to */
+/* call(G) with G the constant 1 .. 16 that g is: the products' loops over the queries unrolled, their
+ * sums in registers (with g a variable: a compare and branch beside every product, and sums past the
+ * 12th on the stack; 5 rows of 3 heads at 1,700 positions, 30 layers: 6.9 -> 6.6 ms). */
+#define FOR_QUERIES(g, call) do { switch (g) { \
+    case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; case 4: call(4); break; \
+    case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; case 8: call(8); break; \
+    case 9: call(9); break; case 10: call(10); break; case 11: call(11); break; case 12: call(12); break; \
+    case 13: call(13); break; case 14: call(14); break; case 15: call(15); break; default: call(16); } } while (0)
 #define MAX_HEAD 256          /* the largest head size (Gemma's) */
 
 static inline void f16_row(const uint16_t *src, float *dst, int64_t d) {
@@ -74,7 +82,7 @@ static inline __m256 sums8(const __m256 *acc) {
 
 /* g queries' scores against 8 key rows (float32, rows [8][d]), scaled, into s[j CHUNK .. + 7]: each
  * query's 8 dot products summed across lanes together. */
-static inline void scores8(const float *q, int64_t g, int64_t d, const float *rows, float scale, float *s) {
+static inline __attribute__((always_inline)) void scores8(const float *q, const int g, int64_t d, const float *rows, float scale, float *s) {
     for (int64_t j = 0; j < g; ++j) {
         __m256 acc[8];
         for (int i = 0; i < 8; ++i)
@@ -106,7 +114,7 @@ static inline void scores8(const float *q, int64_t g, int64_t d, const float *ro
  * attends (`seen`, by the chunk's index; NULL: all) of its weight (scores, exponentials by now: 0
  * where it does not attend) times the value row, 16 (AVX-512) or 8 elements at a time, the g sums
  * in registers. */
-static inline void weighted_values(const float *scores, int64_t g, int64_t d, const uint16_t *v, int64_t pos_stride,
+static inline __attribute__((always_inline)) void weighted_values(const float *scores, const int g, int64_t d, const uint16_t *v, int64_t pos_stride,
                                    const uint8_t *seen, int64_t p0, int64_t len, float *part, int64_t width) {
     int64_t c = 0;
 #ifdef __AVX512F__
@@ -141,26 +149,40 @@ static inline void weighted_values(const float *scores, int64_t g, int64_t d, co
     }
 }
 
+/* The 8 scores at s (positions p .. p + 7 of a chunk) kept where the position is one of the chunk's
+ * `valid` and its mask byte (m: 8 bytes, or NULL) is set, -inf elsewhere. */
+static inline void mask8(float *s, const uint8_t *m, int64_t valid) {
+    __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(valid < 8 ? valid : 8)),
+                                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    if (m) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)m));
+        keep = _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bytes, _mm256_setzero_si256())), keep);
+    }
+    _mm256_storeu_ps(s, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s), keep));
+}
+
 /* One task: g <= 16 queries against positions [p0, p1) of one sequence's KV head, into part: g entries
  * of (max score, sum of exponentials, d weighted values); a max of -inf where no position is
- * attended. mask: one row for all g queries, or (mask_stride n) one row each.
+ * attended. mask: NULL, or rows of n bytes, query j's the row (first + j) / per (each row shared by
+ * `per` consecutive queries: the group's heads of one row of a speculative step, or all of them).
  * Three passes over the chunk: the scores (scores[j][p]; 8 key rows at a time made float32 once
- * for all g queries, each query's 8 dot products summed across lanes together), their
- * exponentials 8 at a time per query, then the weighted values, 8 of a row's elements at a time
- * for all g queries in registers. d is a multiple of 8 (the caller checks). */
+ * for all g queries, each query's 8 dot products summed across lanes together, its mask applied 8
+ * at a time), their exponentials 8 at a time per query, then the weighted values, 8 of a row's
+ * elements at a time for all g queries in registers. d is a multiple of 8 (the caller checks). */
 static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k, const uint16_t *v,
-                         int64_t pos_stride, const uint8_t *mask, int64_t mask_stride, int64_t p0, int64_t p1,
-                         float scale, float *part) {
+                         int64_t pos_stride, const uint8_t *mask, int64_t n, int64_t first, int64_t per, int64_t p0,
+                         int64_t p1, float scale, float *part) {
     float rows[8 * MAX_HEAD];
     float scores[16 * CHUNK];          /* [g][CHUNK], g <= 16 */
-    uint8_t any[CHUNK];                /* per-query masks: whether any query attends a position */
+    uint8_t any[CHUNK + 8];            /* several mask rows: whether any query attends a position */
     const int64_t width = d + 2, len = p1 - p0, padded = (len + 7) & ~(int64_t)7;
-    const uint8_t *seen = mask && !mask_stride ? mask + p0 : mask ? any : 0;     /* one mask row: itself */
-    if (mask && mask_stride)
+    const int64_t last_row = (first + g - 1) / per;
+    const uint8_t *seen = mask && last_row == 0 ? mask + p0 : mask ? any : 0;     /* one mask row: itself */
+    if (mask && last_row > 0)
         for (int64_t p = 0; p < len; ++p) {
             uint8_t a = 0;
-            for (int64_t j = 0; j < g; ++j)
-                a |= mask[j * mask_stride + p0 + p];
+            for (int64_t r = 0; r <= last_row; ++r)
+                a |= mask[r * n + p0 + p];
             any[p] = a;
         }
     for (int64_t p = 0; p < padded; p += 8) {
@@ -170,16 +192,28 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
             else
                 memset(rows + i * d, 0, sizeof(float) * d);
         }
-        scores8(q, g, d, rows, scale, scores + p);
-        for (int64_t i = 0; i < 8; ++i)
-            for (int64_t j = 0; j < g; ++j)
-                if (p + i >= len || (mask && !mask[j * mask_stride + p0 + p + i]))
-                    scores[j * CHUNK + p + i] = -INFINITY;
+        #define SCORES(G) scores8(q, G, d, rows, scale, scores + p)
+        FOR_QUERIES(g, SCORES);
+        #undef SCORES
+        uint8_t tail[8] = {0};
+        for (int64_t j = 0; j < g; ++j) {
+            const uint8_t *m = mask ? mask + (first + j) / per * n + p0 + p : 0;
+            if (m && p + 8 > len) {            /* the row's last bytes: not past its end */
+                memcpy(tail, m, (size_t)(len - p));
+                m = tail;
+            }
+            mask8(scores + j * CHUNK + p, m, len - p);
+        }
     }
     for (int64_t j = 0; j < g; ++j) {
         float *s = scores + j * CHUNK, m = -INFINITY;
-        for (int64_t p = 0; p < len; ++p)
-            m = s[p] > m ? s[p] : m;
+        __m256 top = _mm256_set1_ps(-INFINITY);      /* 8 lanes, not one chain of compares 256 long */
+        for (int64_t p = 0; p < padded; p += 8)        /* past len: -inf (mask8) */
+            top = _mm256_max_ps(top, _mm256_loadu_ps(s + p));
+        float tops[8];
+        _mm256_storeu_ps(tops, top);
+        for (int i = 0; i < 8; ++i)
+            m = tops[i] > m ? tops[i] : m;
         __m256 sum = _mm256_setzero_ps();
         if (m != -INFINITY)
             for (int64_t p = 0; p < padded; p += 8) {
@@ -192,31 +226,34 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
         part[j * width] = m;
         part[j * width + 1] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
     }
-    weighted_values(scores, g, d, v, pos_stride, seen, p0, len, part, width);
+    #define VALUES(G) weighted_values(scores, G, d, v, pos_stride, seen, p0, len, part, width)
+    FOR_QUERIES(g, VALUES);
+    #undef VALUES
 }
 
-/* mask_rows: 1 (mask [b, n], one row for a sequence's g queries) or g (mask [b, g, n], one each).
- * Returns 0; -1 without memory; -3 for a head size over MAX_HEAD or not a multiple of 8, or a
- * mask_rows of neither (the caller's fallback takes those). A task is one chunk of one sequence's KV
+/* mask_rows: how many rows of n bytes the mask has per sequence ([b, mask_rows, n]), a divisor of g:
+ * query j (of a KV head's g) takes row j / (g / mask_rows). 1: one row for all g; g: one each; L:
+ * one per row of a speculative step whose L rows' heads are the g = L group queries (its causal mask
+ * as it is, not repeated per head). Returns 0; -1 without memory; -3 for a head size over MAX_HEAD
+ * or not a multiple of 8, or a mask_rows that does not divide g (the caller's fallback takes those). A task is one chunk of one sequence's KV
  * head for up to 16 of its queries (a tile). */
 int hpipe_attend_f16(const float *q, int64_t b, int64_t kvh, int64_t g, int64_t d, const uint16_t *k,
                      const uint16_t *v, int64_t b_stride, int64_t h_stride, int64_t pos_stride, int64_t n,
                      const uint8_t *mask, int64_t mask_rows, float scale, float *out, int threads) {
-    if (d > MAX_HEAD || d % 8 || (mask_rows != 1 && mask_rows != g))
+    if (d > MAX_HEAD || d % 8 || mask_rows < 1 || g % mask_rows)
         return -3;
     const int64_t chunks = n ? (n + CHUNK - 1) / CHUNK : 1, width = d + 2, tiles = (g + 15) / 16;
     float *parts = malloc(sizeof(float) * b * kvh * chunks * g * width);
     if (!parts)
         return -1;
-    const int64_t tasks = b * kvh * chunks * tiles, mask_stride = mask_rows > 1 ? n : 0;
+    const int64_t tasks = b * kvh * chunks * tiles, per = g / mask_rows;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tasks > 1)
     for (int64_t t = 0; t < tasks; ++t) {
         const int64_t tile = t % tiles, c = t / tiles % chunks, hi = t / (tiles * chunks) % kvh,
                       bi = t / (tiles * chunks * kvh);
         const int64_t off = bi * b_stride + hi * h_stride, j0 = 16 * tile, gt = g - j0 < 16 ? g - j0 : 16;
         attend_chunk(q + ((bi * kvh + hi) * g + j0) * d, gt, d, k + off, v + off, pos_stride,
-                     mask ? mask + (bi * mask_rows + (mask_stride ? j0 : 0)) * n : 0, mask_stride,
-                     c * CHUNK, c * CHUNK + CHUNK < n ? c * CHUNK + CHUNK : n, scale,
+                     mask ? mask + (bi * mask_rows + j0 / per) * n : 0, n, j0 % per, per, c * CHUNK, c * CHUNK + CHUNK < n ? c * CHUNK + CHUNK : n, scale,
                      parts + (((bi * kvh + hi) * chunks + c) * g + j0) * width);
     }
     for (int64_t bh = 0; bh < b * kvh; ++bh)

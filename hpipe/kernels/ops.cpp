@@ -109,7 +109,7 @@ at::Tensor int8_mm_experts(const at::Tensor &x, const at::Tensor &weight, const 
     return y;
 }
 
-// one query row per sequence (or a sequence's rows as one group, each query its row of the mask)
+// one query row per sequence (or a sequence's rows as one group, each row's queries their row of the mask)
 // against a float16 KV cache where it lies (attention.h; the Python twin is cpu_kernels.attend_f16,
 // whose checks these are)
 at::Tensor attend_f16(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
@@ -121,9 +121,11 @@ at::Tensor attend_f16(const at::Tensor &q, const at::Tensor &k, const at::Tensor
     TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && k.size(0) == b && k.size(1) == h &&
                 k.size(3) == d, "attention kernel: k ", k.sizes(), " and v ", v.sizes(), " do not match the query");
     at::Tensor m;
-    int64_t rows = 1;                    // the mask's rows: one for the group, or one a query
+    int64_t rows = 1;                    // the mask's rows: one for the group, one a query, or one per `g / rows`
     if (mask.has_value()) {
-        rows = mask->dim() == 4 && mask->size(2) == g && g > 1 ? g : 1;
+        rows = mask->dim() == 4 ? mask->size(2) : 1;
+        TORCH_CHECK(rows >= 1 && g % rows == 0, "attention kernel: a mask of ", rows, " rows for ", g,
+                    " queries a KV head: its rows must divide them");
         m = mask->expand({b, 1, rows, n}).reshape({b, rows * n}).to(at::kByte).contiguous();
     }
     auto out = at::empty({b, h, g, d}, qc.options());
