@@ -5,19 +5,22 @@ stage and on 3 emulated hosts (tests/netns_hosts.py: network namespaces with rea
 100 Mbit/s link, one thread per host). Greedy, 64 new tokens. Writes bench/results/speculative.json
 and speculative.png (--out another .json: its .png beside it).
 
-    python bench/speculative.py [--skip-hosts | --skip-local] [--new-tokens 64] [--out F.json]
+    python bench/speculative.py [--skip-hosts | --skip-local] [--new-tokens 64] [--rounds 4] [--out F.json]
 
 (--skip-local keeps the local rows of an earlier results file and measures the hosts again.)
 
 Single stream: the 8 prompts one after another (--max-batch 1), ms/token = the mean of each
 request's TPOT. Batch 8: all 8 at once (--max-batch 8), output tokens / the run's wall time. Each
-setting runs off, on, on, off, and each side is the mean of its two runs.
+setting runs once untimed, then --rounds rounds alternating which side goes first (off, on, on,
+off, ...), and each side is the median of its runs. `of_bound`: the speed-up over 1 + accepted
+tokens per step, the most a step can give.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -26,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import bench_arguments, hpipe  # noqa: E402
+from bench.common import bench_arguments, cpu_flags, cpu_name, hpipe  # noqa: E402
 
 QUESTIONS = [
     "What was Larkspur Analytics' monthly inference cost after moving to its in-house office cluster?",
@@ -71,31 +74,42 @@ def run(plan: Path, where: list[str], prompts: Path, batch: int, spec: str, new:
             "outputs": {r["id"]: r["output_ids"] for r in results}}
 
 
-def pair(a: dict, b: dict) -> dict:
-    """Two runs of one setting as one: their mean ms/token and tokens/s, the first's counts and
-    outputs (greedy: the same in both)."""
-    return {**a, "ms_per_token": round((a["ms_per_token"] + b["ms_per_token"]) / 2, 3),
-            "tokens_per_s": round((a["tokens_per_s"] + b["tokens_per_s"]) / 2, 3),
-            "runs_ms_per_token": [a["ms_per_token"], b["ms_per_token"]]}
+def side(runs: list[dict]) -> dict:
+    """A setting's runs as one: the median run's ms/token and tokens/s, the first's counts and
+    outputs (greedy: the same in every run), every run's ms/token."""
+    ms = sorted(r["ms_per_token"] for r in runs)
+    tps = sorted(r["tokens_per_s"] for r in runs)
+    return {**runs[0], "ms_per_token": statistics.median(ms), "tokens_per_s": statistics.median(tps),
+            "runs_ms_per_token": [r["ms_per_token"] for r in runs]}
 
 
-def measure(setting: str, plan: Path, where: list[str], work: Path, new: int, spec: str) -> dict:
+def measure(setting: str, plan: Path, where: list[str], work: Path, new: int, spec: str, rounds: int) -> dict:
     out = {}
     for name, prompts in workloads().items():
         path = work / f"{name}.jsonl"
         path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
         row = {}
         for batch, key in ((1, "single"), (8, "batch8")):
-            # off, on, on, off: a machine whose speed drifts (a shared one moved 13.2 -> 9.7 ms/token
-            # between two runs of one setting here) weighs on both sides alike
-            runs = [run(plan, where, path, batch, s, new, work) for s in ("off", spec, spec, "off")]
-            off, on = pair(runs[0], runs[3]), pair(runs[1], runs[2])
+            # one launch untimed: the first after `hpipe warmup` ran at 23.3 ms/token where the
+            # same setting's next ran at 8.7 (the stages' graphs and weights read from disk)
+            run(plan, where, path, batch, spec, new, work)
+            # off, on, on, off, off, on, ...: a machine whose speed drifts (a shared one moved 13.2 ->
+            # 9.7 ms/token between two runs of one setting here) weighs on both sides alike
+            runs = {"off": [], spec: []}
+            for r in range(rounds):
+                for s in (("off", spec) if r % 2 == 0 else (spec, "off")):
+                    runs[s].append(run(plan, where, path, batch, s, new, work))
+            off, on = side(runs["off"]), side(runs[spec])
+            speedup = off["ms_per_token"] / on["ms_per_token"]
+            per_step = on["accepted"] / max(1, on["generated_tokens"] - on["accepted"])
             row[key] = {"off": {k: v for k, v in off.items() if k != "outputs"},
                         "on": {k: v for k, v in on.items() if k != "outputs"},
                         "same_tokens": off["outputs"] == on["outputs"],
                         "acceptance": round(on["accepted"] / on["proposed"], 3) if on["proposed"] else None,
-                        "accepted_per_step": round(on["accepted"] / max(1, on["generated_tokens"] - on["accepted"]), 3),
-                        "single_stream_speedup": round(off["ms_per_token"] / on["ms_per_token"], 3),
+                        "accepted_per_step": round(per_step, 3),
+                        "single_stream_speedup": round(speedup, 3),
+                        # a step gives at most 1 + accepted-per-step tokens: the speed-up's share of it
+                        "of_bound": round(speedup / (1 + per_step), 3),
                         "throughput_ratio": round(on["tokens_per_s"] / off["tokens_per_s"], 3)}
             print(f"{setting} {name} batch {batch}: {json.dumps(row[key])}", flush=True)
         out[name] = row
@@ -129,10 +143,11 @@ def chart(report: dict, path: Path) -> None:
 
 
 def main() -> None:
-    args = bench_arguments(new_tokens=64, speculative="ngram", skip_hosts=False, skip_local=False,
+    args = bench_arguments(new_tokens=64, speculative="ngram", skip_hosts=False, skip_local=False, rounds=4,
                            out="bench/results/speculative.json")
     report = {"date": time.strftime("%Y-%m-%d"), "machine_cores": os.cpu_count(), "model": "smollm2",
-              "speculative": args.speculative, "new_tokens": args.new_tokens, "settings": {}}
+              "speculative": args.speculative, "new_tokens": args.new_tokens, "rounds": args.rounds,
+              "cpu": cpu_name(), "cpu_flags": cpu_flags(), "settings": {}}
     out_path = ROOT / args.out
     if args.skip_local:
         report["settings"] = {k: v for k, v in json.loads(out_path.read_text())["settings"].items()
@@ -143,7 +158,7 @@ def main() -> None:
             plan = work / "plan1.json"
             hpipe("plan", "--model", "smollm2", "--stages", "1", "-o", plan, cwd=work)
             report["settings"]["1 local stage (2 threads)"] = measure("local", plan, ["--local"], work,
-                                                                      args.new_tokens, args.speculative)
+                                                                      args.new_tokens, args.speculative, args.rounds)
             out_path.write_text(json.dumps(report, indent=2) + "\n")
         if not args.skip_hosts:
             from netns_hosts import HostSpec, start_cluster, stop_cluster, unavailable_reason
@@ -157,7 +172,7 @@ def main() -> None:
                 plan3 = work / "plan3.json"
                 hpipe("plan", "--model", "smollm2", "--cluster", inv, "-o", plan3, cwd=work)
                 report["settings"]["3 emulated hosts (1 thread each, h2 at 100 Mbit/s)"] = measure(
-                    "hosts", plan3, ["--cluster", inv], work, args.new_tokens, args.speculative)
+                    "hosts", plan3, ["--cluster", inv], work, args.new_tokens, args.speculative, args.rounds)
             finally:
                 stop_cluster(cluster)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
