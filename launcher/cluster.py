@@ -38,7 +38,7 @@ from hpipe.launcher.jobs import (
     trim_logits,
     worker_command,
 )
-from hpipe.launcher.local import LaunchReport
+from hpipe.launcher.local import LaunchReport, forked
 
 from hpipe import formats, memory, models, ssh
 from hpipe.errors import HpipeError
@@ -448,7 +448,8 @@ def _start_workers(workers: list, lines: queue.Queue, conns: dict, hosts: dict, 
                               model_on[st.host], None if settings.serve else f"{remote_tmp}/requests.jsonl",
                               settings, threads, logits)
         env = {**host.env, "HPIPE_JOB_TOKEN": token, "PYTHONUNBUFFERED": "1"}
-        workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s))
+        workers.append(ssh.RemoteProcess(conns[st.host], argv, env, lines, rank, timeout_s=host_timeout_s,
+                                         fork_server=forked(st.device)))
     return f"{master.address}:{port}"
 
 

@@ -335,13 +335,17 @@ def _module_argv(cmd: list[str]) -> tuple[str | None, list[str]]:
 
 
 # ------------------------------------------------------------------------------ the server's side
-def serve(listener_fd: int, launcher: int) -> None:
+def serve(listener_fd: int, launcher: int | None, idle_s: float = 0.0) -> None:
     """launcher: the pid that started us, compared with our parent from the start (a launcher
-    killed while we were starting leaves us with another parent at once)."""
+    killed while we were starting leaves us with another parent at once). None: a host's server
+    (`hpipe.ssh.remote_wrapper`), which outlives the launches it forks for: it exits after
+    `idle_s` seconds with no worker, and kills a worker's group when the connection of its request
+    closes (its wrapper is gone)."""
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(fileno=listener_fd)
-    own_dir = os.path.dirname(listener.getsockname())
+    address = listener.getsockname()
+    bound = os.stat(address).st_ino if launcher is None else None
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -352,7 +356,8 @@ def serve(listener_fd: int, launcher: int) -> None:
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     workers: dict[int, socket.socket] = {}       # pid -> the connection its exit code goes back on
-    while os.getppid() == launcher and not (retiring and not workers):
+    idle_since = time.monotonic()
+    while (launcher is None or os.getppid() == launcher) and not (retiring and not workers):
         for key, _ in selector.select(POLL_S):
             if key.fileobj is listener and not retiring:
                 try:
@@ -364,34 +369,71 @@ def serve(listener_fd: int, launcher: int) -> None:
                     conn.close()
                 else:
                     workers[pid] = conn
+                    if launcher is None:
+                        selector.register(conn, selectors.EVENT_READ, pid)
             elif key.fileobj is wake_r:
                 os.read(wake_r, 4096)
+            elif key.data is not None and not _peek(key.fileobj):     # a host's requester is gone
+                selector.unregister(key.fileobj)
+                _kill_group(key.data)
         if retiring and listener.fileno() >= 0:          # requests still queued go unanswered
             selector.unregister(listener)
             listener.close()
-        _reap(workers)
-    # retired with no worker left, or the launching process is gone: so are we (and our workers,
-    # by their parent-death signal). A launcher killed outright removed nothing: the socket's
-    # directory goes with us.
-    shutil.rmtree(own_dir, ignore_errors=True)
+        for conn in _reap(workers):
+            if conn in selector.get_map():
+                selector.unregister(conn)
+            conn.close()
+        if workers:
+            idle_since = time.monotonic()
+        elif launcher is None and time.monotonic() - idle_since > idle_s:
+            break
+    # retired with no worker left, idle long enough, or the launching process is gone: so are we
+    # (and our workers, by their parent-death signal)
+    _remove_socket(address, bound)
     os._exit(0)
 
 
-def _reap(workers: dict[int, socket.socket]) -> None:
+def _remove_socket(address: str, bound: int | None) -> None:
+    """A launching process's server: the socket's directory (a launcher killed outright removed
+    nothing). A host's (`bound`: its socket's inode): its socket, unless a newer server's has taken
+    the name."""
+    if bound is None:
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+        return
+    try:
+        if os.stat(address).st_ino == bound:
+            os.unlink(address)
+    except OSError:
+        pass
+
+
+def _peek(conn: socket.socket) -> bool:
+    """Whether a request's connection is still open (readable now: its end, or bytes nobody sends)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _reap(workers: dict[int, socket.socket]) -> list[socket.socket]:
+    """Every ended worker's exit code sent on its request's connection; those connections."""
+    done = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return done
         if pid == 0:
-            return
+            return done
         conn = workers.pop(pid, None)
         if conn is not None:
             try:
                 conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
             except OSError:
                 pass
-            conn.close()
+            done.append(conn)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -512,4 +554,5 @@ def _show_command(cmd: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]))
+    # LISTENER_FD LAUNCHER_PID (a launching process's server), or LISTENER_FD 0 IDLE_S (a host's)
+    serve(int(sys.argv[1]), int(sys.argv[2]) or None, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)

@@ -252,18 +252,20 @@ def _wait_for_banner(host: EmulatedHost, timeout: float = 10.0) -> None:
 
 def write_inventory(cluster: EmulatedCluster, path: Path, *, user: str = "root", key: Path | None = None,
                     known_hosts: Path | None = None, python: str | None = None, timeout_s: float = 5,
-                    env: dict[str, str] | None = None) -> Path:
+                    env: dict[str, str] | None = None, more_env: dict[str, str] | None = None) -> Path:
     """An inventory for the emulated hosts. By default every host's env points PYTHONPATH at this
     checkout (the hosts share this machine's files), HPIPE_CACHE at this process's hpipe cache and
     TORCHINDUCTOR_CACHE_DIR at this process's inductor cache (the test session's own, conftest.py):
     the hosts log in as root, whose own caches may hold a developer's `hpipe warmup` marks, and a
-    host that found them would run compiled graphs where CI's fresh machine runs eagerly."""
+    host that found them would run compiled graphs where CI's fresh machine runs eagerly. more_env:
+    added to either."""
     if env is None:
         from hpipe import models
 
         env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "HPIPE_CACHE": str(models.cache_dir())}
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
             env["TORCHINDUCTOR_CACHE_DIR"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    env = {**env, **(more_env or {})}
     env_toml = "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + " }"
     lines = ["version = 1", "", "[ssh]", f'user = "{user}"', f'identity_file = "{key or cluster.key}"',
              f'known_hosts = "{known_hosts or cluster.known_hosts}"', f"connect_timeout_s = {timeout_s}", ""]

@@ -404,6 +404,37 @@ def wait_for_worker(cluster, host: str, proc, within: float = 120) -> int:
     raise AssertionError(f"no worker on {host} within {within} s")
 
 
+def wrapper_on(cluster, host: str) -> int:
+    """The remote wrapper on a host that runs one stage (the worker may be its child, or the host's
+    fork server's), not the login shell whose command holds the wrapper's too."""
+    return next(pid for pid in namespace_pids(cluster.host(host).namespace)
+                if "around one worker" in process_cmdline(pid) and process_cmdline(pid).startswith(sys.executable))
+
+
+@pytest.mark.slow
+def test_a_hosts_fork_server_forks_the_workers_of_every_launch_after_the_first(cluster, plan_and_prompts, tmp_path):
+    """A CPU stage's worker on a host is forked by the host's fork server, which the first launch
+    started and the next one finds: its imports are paid once a host, not once a worker (a stage
+    restarted after a lost host starts at once). With HPIPE_HOST_SERVER=off in the hosts'
+    environment each worker starts afresh under its wrapper. Every launch gives the same tokens."""
+    servers, outputs = [], []
+    off = write_inventory(cluster, tmp_path / "off.toml", more_env={"HPIPE_HOST_SERVER": "off"})
+    for i, inventory in enumerate((cluster.inventory_path, cluster.inventory_path, off)):
+        run = tmp_path / str(i)
+        run.mkdir()
+        proc, out = spawn_launch(cluster, plan_and_prompts, run, "--max-new-tokens", "8", "--cluster", inventory)
+        worker = wait_for_worker(cluster, "h1", proc)
+        servers.append(parent_of(worker))
+        servers.append(process_cmdline(servers[-1]))
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        outputs.append([json.loads(x)["output_ids"] for x in out.read_text().splitlines()])
+    assert "-m hpipe.launcher.forkserver" in servers[1] and servers[2] == servers[0], servers
+    assert "around one worker" in servers[5], servers[5]
+    assert outputs[0] == outputs[1] == outputs[2] and outputs[0]
+    assert wait_until_clean(cluster, 2.0) == []
+
+
 def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -435,7 +466,7 @@ def test_remote_wrapper_killed(cluster, plan_and_prompts, tmp_path, phase):
             assert time.time() < deadline and proc.poll() is None, "stage 1 never reached the rendezvous"
             time.sleep(0.05)
     try:
-        os.kill(parent_of(worker), signal.SIGKILL)
+        os.kill(wrapper_on(cluster, "h1"), signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
     finally:
         if stopped is not None:

@@ -238,7 +238,8 @@ class RemoteProcess:
     consumed here."""
 
     def __init__(self, conn: Connection, argv: list[str], env: dict[str, str], lines: queue.Queue, tag,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, fork_server: bool = False):
+        """fork_server: a CPU stage's worker, which the host's fork server may fork (the wrapper's)."""
         self.conn = conn
         self.tag = tag
         self.exit_report: dict | None = None
@@ -250,7 +251,7 @@ class RemoteProcess:
         # an exit status 128 + n (sshd's "exit-signal" never reaches paramiko, which reads it as -1)
         self.chan.exec_command(python_command(conn.host, WRAPPER_SOURCE, argv) + "; exit $?")
         self._stdin = self.chan.makefile_stdin("wb")
-        self._send(json.dumps({"env": env, "timeout_s": timeout_s, "marker": MARKER}) + "\n")
+        self._send(json.dumps({"env": env, "timeout_s": timeout_s, "marker": MARKER, "fork_server": fork_server}) + "\n")
         self._threads = [threading.Thread(target=self._pump, args=(self.chan.makefile("rb"), "out", lines),
                                           daemon=True),
                          threading.Thread(target=self._pump, args=(self.chan.makefile_stderr("rb"), "err", lines),
