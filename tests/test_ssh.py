@@ -415,23 +415,20 @@ def wrapper_on(cluster, host: str) -> int:
 def test_a_hosts_fork_server_forks_the_workers_of_every_launch_after_the_first(cluster, plan_and_prompts, tmp_path):
     """A CPU stage's worker on a host is forked by the host's fork server, which the first launch
     started and the next one finds: its imports are paid once a host, not once a worker (a stage
-    restarted after a lost host starts at once). With HPIPE_HOST_SERVER=off in the hosts'
-    environment each worker starts afresh under its wrapper. Every launch gives the same tokens."""
+    restarted after a lost host starts at once). Both launches give the same tokens. (With
+    HPIPE_HOST_SERVER=off each worker starts afresh under its wrapper: test_remote_wrapper_killed's
+    first case.)"""
     servers, outputs = [], []
-    off = write_inventory(cluster, tmp_path / "off.toml", more_env={"HPIPE_HOST_SERVER": "off"})
-    for i, inventory in enumerate((cluster.inventory_path, cluster.inventory_path, off)):
+    for i in range(2):
         run = tmp_path / str(i)
         run.mkdir()
-        proc, out = spawn_launch(cluster, plan_and_prompts, run, "--max-new-tokens", "8", "--cluster", inventory)
-        worker = wait_for_worker(cluster, "h1", proc)
-        servers.append(parent_of(worker))
-        servers.append(process_cmdline(servers[-1]))
+        proc, out = spawn_launch(cluster, plan_and_prompts, run, "--max-new-tokens", "8")
+        servers.append(parent_of(wait_for_worker(cluster, "h1", proc)))
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err
         outputs.append([json.loads(x)["output_ids"] for x in out.read_text().splitlines()])
-    assert "-m hpipe.launcher.forkserver" in servers[1] and servers[2] == servers[0], servers
-    assert "around one worker" in servers[5], servers[5]
-    assert outputs[0] == outputs[1] == outputs[2] and outputs[0]
+    assert "-m hpipe.launcher.forkserver" in process_cmdline(servers[0]) and servers[1] == servers[0], servers
+    assert outputs[0] == outputs[1] and outputs[0]
     assert wait_until_clean(cluster, 2.0) == []
 
 
@@ -451,12 +448,18 @@ def in_rendezvous(cluster, host: str, worker: int) -> bool:
 @pytest.mark.parametrize("phase", ["loading", "rendezvous", "decode"])
 def test_remote_wrapper_killed(cluster, plan_and_prompts, tmp_path, phase):
     """SIGKILL the remote wrapper around stage 1's worker: the worker goes on its own (nothing is
-    left on any host 2 s after the launcher exits) and the launcher names the SIGKILL."""
+    left on any host 2 s after the launcher exits) and the launcher names the SIGKILL. While it
+    loads, the worker is the wrapper's own child (HPIPE_HOST_SERVER=off: it dies by its parent-death
+    signal); later, the host's fork server's (which kills it when the wrapper's connection closes)."""
+    off = write_inventory(cluster, tmp_path / "off.toml", more_env={"HPIPE_HOST_SERVER": "off"})
+    extra = ("--no-recover", "--cluster", off) if phase == "loading" else ("--no-recover",)
     if phase == "decode":
-        proc, out = start_launch(cluster, plan_and_prompts, tmp_path, "--no-recover")
+        proc, out = start_launch(cluster, plan_and_prompts, tmp_path, *extra)
     else:
-        proc, out = spawn_launch(cluster, plan_and_prompts, tmp_path, "--no-recover")
+        proc, out = spawn_launch(cluster, plan_and_prompts, tmp_path, *extra)
     worker = wait_for_worker(cluster, "h1", proc)
+    served = "-m hpipe.launcher.forkserver" in process_cmdline(parent_of(worker))
+    assert served == (phase != "loading") and (served or parent_of(worker) == wrapper_on(cluster, "h1"))
     stopped = None
     if phase == "rendezvous":   # hold stage 2 back so that stage 1 waits in the rendezvous
         stopped = wait_for_worker(cluster, "h2", proc)
