@@ -335,12 +335,12 @@ def _module_argv(cmd: list[str]) -> tuple[str | None, list[str]]:
 
 
 # ------------------------------------------------------------------------------ the server's side
-def serve(listener_fd: int, launcher: int | None, idle_s: float = 0.0) -> None:
+def serve(listener_fd: int, launcher: int | None, idle_s: float = float("inf")) -> None:
     """launcher: the pid that started us, compared with our parent from the start (a launcher
     killed while we were starting leaves us with another parent at once). None: a host's server
-    (`hpipe.ssh.remote_wrapper`), which outlives the launches it forks for: it exits after
-    `idle_s` seconds with no worker, and kills a worker's group when the connection of its request
-    closes (its wrapper is gone)."""
+    (`hpipe.ssh.remote_wrapper`), which outlives the launches it forks for and exits after `idle_s`
+    seconds with no worker. Either kills a worker's group when the connection of its request closes
+    before the worker's end (its wrapper, or its launching process, is gone)."""
     for name in PRELOAD:
         importlib.import_module(name)
     listener = socket.socket(fileno=listener_fd)
@@ -369,11 +369,10 @@ def serve(listener_fd: int, launcher: int | None, idle_s: float = 0.0) -> None:
                     conn.close()
                 else:
                     workers[pid] = conn
-                    if launcher is None:
-                        selector.register(conn, selectors.EVENT_READ, pid)
+                    selector.register(conn, selectors.EVENT_READ, pid)
             elif key.fileobj is wake_r:
                 os.read(wake_r, 4096)
-            elif key.data is not None and not _peek(key.fileobj):     # a host's requester is gone
+            elif key.data is not None and not _peek(key.fileobj):     # its requester is gone
                 selector.unregister(key.fileobj)
                 _kill_group(key.data)
         if retiring and listener.fileno() >= 0:          # requests still queued go unanswered
@@ -385,7 +384,7 @@ def serve(listener_fd: int, launcher: int | None, idle_s: float = 0.0) -> None:
             conn.close()
         if workers:
             idle_since = time.monotonic()
-        elif launcher is None and time.monotonic() - idle_since > idle_s:
+        elif time.monotonic() - idle_since > idle_s:
             break
     # retired with no worker left, idle long enough, or the launching process is gone: so are we
     # (and our workers, by their parent-death signal)
@@ -555,4 +554,4 @@ def _show_command(cmd: list[str]) -> None:
 
 if __name__ == "__main__":
     # LISTENER_FD LAUNCHER_PID (a launching process's server), or LISTENER_FD 0 IDLE_S (a host's)
-    serve(int(sys.argv[1]), int(sys.argv[2]) or None, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+    serve(int(sys.argv[1]), int(sys.argv[2]) or None, *map(float, sys.argv[3:4]))

@@ -174,7 +174,7 @@ static void attend_chunk(const float *q, int64_t g, int64_t d, const uint16_t *k
                          int64_t p1, float scale, float *part) {
     float rows[8 * MAX_HEAD];
     float scores[16 * CHUNK];          /* [g][CHUNK], g <= 16 */
-    uint8_t any[CHUNK + 8];            /* several mask rows: whether any query attends a position */
+    uint8_t any[CHUNK];                /* several mask rows: whether any query attends a position */
     const int64_t width = d + 2, len = p1 - p0, padded = (len + 7) & ~(int64_t)7;
     const int64_t last_row = (first + g - 1) / per;
     const uint8_t *seen = mask && last_row == 0 ? mask + p0 : mask ? any : 0;     /* one mask row: itself */
