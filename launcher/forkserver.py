@@ -517,8 +517,8 @@ def _become_worker(request: dict, fds: list[int], close: list[int], started: int
             # `__main__` as `python -m` makes it: processes the worker spawns (its sampler pool)
             # import the worker's module for theirs, not the server's
             sys.modules["__main__"] = module
-            module.main(argv)
-            code = 0
+            returned = module.main(argv)             # a profiler worker's main returns its status
+            code = returned if isinstance(returned, int) else 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
                 code = e.code or 0

@@ -259,14 +259,17 @@ def measure_link(dev_a: str, dev_b: str, quick: bool) -> dict:
 # Remote hosts, through the SSH layer (hpipe.ssh)
 
 
-def _remote_reports(conn, argv: list[str], env: dict, tail: list[str], timeout_s: float = 30.0):
-    """Runs a profiler worker on a host under the SSH wrapper and yields its reports as they come;
-    stderr lines are kept in `tail` for error messages; a non-zero exit becomes an error report."""
+def _remote_reports(conn, argv: list[str], env: dict, tail: list[str], device: str, timeout_s: float = 30.0):
+    """Runs a profiler worker for `device` on a host under the SSH wrapper and yields its reports as
+    they come; stderr lines are kept in `tail` for error messages; a non-zero exit becomes an error
+    report. A CPU device's worker is forked by the host's fork server, as a stage's is: the profile's
+    first worker starts it (its imports, once a host), and the launch after the profile finds it."""
     import queue
 
+    from hpipe.launcher.local import forked
 
     lines: queue.Queue = queue.Queue()
-    proc = ssh.RemoteProcess(conn, argv, env, lines, conn.host.name, timeout_s=timeout_s)
+    proc = ssh.RemoteProcess(conn, argv, env, lines, conn.host.name, timeout_s=timeout_s, fork_server=forked(device))
     open_streams = 2
     try:
         while open_streams:
@@ -368,7 +371,7 @@ def _measure_host_devices(profile: dict, conn, host: formats.Host, argv: list[st
         task = progress.add_task(f"{host.name}/{d} units", total=None, note="starting")
         tail: list[str] = []
         env = {**host.env, "PYTHONUNBUFFERED": "1"}
-        result, error = _follow_measurement(_remote_reports(conn, [*argv, "--device", d], env, tail, timeout_s),
+        result, error = _follow_measurement(_remote_reports(conn, [*argv, "--device", d], env, tail, d, timeout_s),
                                             progress, task)
         if result is None:
             error = error or " | ".join(tail[-3:])
@@ -396,13 +399,13 @@ def _measure_remote_link(profile, progress, conns, host_a, host_b, a: dict, b: d
         return None
     token = secrets.token_hex(16)
     gens, tails = [], []
-    for rank, host in enumerate((host_a, host_b)):
+    for rank, (host, device) in enumerate(((host_a, a["device"]), (host_b, b["device"]))):
         argv = [host.python, "-m", "hpipe.profiler.links", "--rank", str(rank), "--master-addr", host_a.address,
                 "--master-port", str(port), "--devices", f"{a['device']},{b['device']}"] + (["--quick"] if quick else [])
         tail: list[str] = []
         tails.append(tail)
         gens.append(_remote_reports(conns[host.name], argv, {**host.env, "HPIPE_JOB_TOKEN": token,
-                                                              "PYTHONUNBUFFERED": "1"}, tail, timeout_s))
+                                                              "PYTHONUNBUFFERED": "1"}, tail, device, timeout_s))
     # rank 1 must run while rank 0 reports: drain it in a thread
     import threading
 

@@ -225,6 +225,10 @@ def test_profile_plan_launch_end_to_end(cluster, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     prof = json.loads(profile.read_text())
     assert [d["id"] for d in prof["devices"]] == ["h0/cpu", "h1/cpu", "h2/cpu"]
+    # its workers were forked by each host's fork server, which the launches below find started
+    servers = {h.spec.name: [p for p in namespace_pids(h.namespace) if "-m hpipe.launcher.forkserver" in
+                             process_cmdline(p)] for h in cluster.hosts}
+    assert all(servers.values()), servers
     # measured bandwidth of each shaped link within 10 % of tbf's payload rate (95.7 % of nominal)
     for link in prof["links"]:
         hosts = {link["src"].split("/")[0], link["dst"].split("/")[0]}

@@ -16,11 +16,11 @@ connection drops (no pty): without it, a launcher that dies or loses a host leav
   came for T seconds (the host lost its link), or on SIGHUP/SIGINT/SIGTERM.
 - Its last line is `<marker>{"type": "exit", "code": C, "why": ...}`; C < 0 means killed by
   signal -C. It exits with the worker's status (128 + signal when killed).
-- A CPU stage's worker (`"fork_server": true` in the first line) is forked by the host's fork server
-  (`hpipe.launcher.forkserver`, started here by the first launch that needs it, in a session of its
-  own): it imports torch and transformers once, and each later worker on the host starts at once
-  instead of ~6 s of CPU importing them (a restarted stage after a lost host, every launch after the
-  first). One server per interpreter, user, network namespace, environment and installed hpipe,
+- A CPU stage's worker, or a profiler's worker for a CPU device (`"fork_server": true` in the first
+  line), is forked by the host's fork server (`hpipe.launcher.forkserver`, started here by the first
+  profile or launch that needs it, in a session of its own): it imports torch and transformers once,
+  and each later worker on the host starts at once instead of ~6 s of CPU importing them (a restarted
+  stage after a lost host, a profile's link workers, every launch after the first). One server per interpreter, user, network namespace, environment and installed hpipe,
   torch and transformers; it exits after `SERVER_IDLE_S` with no worker, and kills a worker whose
   wrapper is gone. `HPIPE_HOST_SERVER=off` in the host's environment starts every worker afresh.
 
@@ -43,7 +43,9 @@ import tempfile
 import threading
 import time
 
-SERVED = ("hpipe.runtime.worker",)      # the modules the host's server forks (each has main(argv))
+# the modules the host's server forks (each has main(argv)): stage workers, and the profiler's (a
+# profile's workers start the server that the launch after it finds)
+SERVED = ("hpipe.runtime.worker", "hpipe.profiler.measure", "hpipe.profiler.links")
 SERVER_IDLE_S = 300.0
 # what varies between launches or SSH sessions, not what the server's imports read
 PER_LAUNCH = ("HPIPE_JOB_TOKEN", "HPIPE_GROUP_TOKEN", "HPIPE_PARENT_PID", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD",
