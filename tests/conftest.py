@@ -322,3 +322,28 @@ def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# HPIPE_TEST_CPU_LOG=FILE: each test's CPU (its worker's process tree: the processes, servers and
+# emulated hosts it starts; a cgroup v1 `cpuacct` group per pytest-xdist worker, root only) and wall
+# seconds, a tab-separated line each, appended to FILE: where the suite's CPU goes test by test
+# (bench/suite_cpu.py says by kind of process). Off unless set.
+_CPU_GROUP = None
+if os.environ.get("HPIPE_TEST_CPU_LOG") and os.path.isdir("/sys/fs/cgroup/cpuacct"):
+    _CPU_GROUP = Path("/sys/fs/cgroup/cpuacct") / f"hpipe-test-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+    _CPU_GROUP.mkdir(exist_ok=True)
+    (_CPU_GROUP / "cgroup.procs").write_text(str(os.getpid()))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _CPU_GROUP is None:
+        yield
+        return
+    import time
+
+    cpu, wall = int((_CPU_GROUP / "cpuacct.usage").read_text()), time.monotonic()
+    yield
+    cpu = (int((_CPU_GROUP / "cpuacct.usage").read_text()) - cpu) / 1e9
+    with open(os.environ["HPIPE_TEST_CPU_LOG"], "a") as f:
+        f.write(f"{item.nodeid}\t{cpu:.1f}\t{time.monotonic() - wall:.1f}\t{_CPU_GROUP.name}\n")
