@@ -20,9 +20,9 @@ connection drops (no pty): without it, a launcher that dies or loses a host leav
   line), is forked by the host's fork server (`hpipe.launcher.forkserver`, started here by the first
   profile or launch that needs it, in a session of its own): it imports torch and transformers once,
   and each later worker on the host starts at once instead of ~6 s of CPU importing them (a restarted
-  stage after a lost host, a profile's link workers, every launch after the first). One server per interpreter, user, network namespace, environment and installed hpipe,
-  torch and transformers; it exits after `SERVER_IDLE_S` with no worker, and kills a worker whose
-  wrapper is gone. `HPIPE_HOST_SERVER=off` in the host's environment starts every worker afresh.
+  stage after a lost host, a profile's link workers, every launch after the first). One server per
+  interpreter, user, network namespace, environment and installed hpipe, torch and transformers; it
+  exits after `SERVER_IDLE_S` with no worker, and kills a worker whose wrapper is gone. `HPIPE_HOST_SERVER=off` in the host's environment starts every worker afresh.
 
 Standard library only; Python 3.8+.
 """
