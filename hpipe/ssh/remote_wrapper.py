@@ -22,7 +22,8 @@ connection drops (no pty): without it, a launcher that dies or loses a host leav
   and each later worker on the host starts at once instead of ~6 s of CPU importing them (a restarted
   stage after a lost host, a profile's link workers, every launch after the first). One server per
   interpreter, user, network namespace, environment and installed hpipe, torch and transformers; it
-  exits after `SERVER_IDLE_S` with no worker, and kills a worker whose wrapper is gone. `HPIPE_HOST_SERVER=off` in the host's environment starts every worker afresh.
+  exits after `SERVER_IDLE_S` with no worker, and kills a worker whose wrapper is gone.
+  `HPIPE_HOST_SERVER=off` in the host's environment starts every worker afresh.
 
 Standard library only; Python 3.8+.
 """
