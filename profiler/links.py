@@ -3,8 +3,9 @@
 
     python -m hpipe.profiler.links --rank R --master-addr A --master-port P --devices cpu,cuda:0 [--quick]
 
-Rank 0 and rank 1 each send messages of 8 B to 64 MB (`--quick`: to 16 MB, fewer repeats) to the
-other and time the round trip with a one-element reply. rtt(n) = 2 alpha + n / beta (the reply costs one more latency): 2 alpha is the
+Rank 0 and rank 1 each send messages of 8 B, 1 KB and 4x larger each time, up to 64 MB (`--quick`:
+16 MB, fewer repeats) or the first that takes `ENOUGH_S` (`QUICK_ENOUGH_S`), to the other and time
+the round trip with a one-element reply. rtt(n) = 2 alpha + n / beta (the reply costs one more latency): 2 alpha is the
 smallest message's round trip, beta the slope over the messages of 1 MB and more; the one-way points
 kept in the profile are rtt(n) - alpha. Rank 0 reports `@@hpipe {"type": "link_profile", ...}` with
 both directions and the raw points.
@@ -26,8 +27,14 @@ from hpipe.reports import emit
 
 SIZES = [8] + [1024 * 4 ** k for k in range(9)]  # 8 B, 1 KB ... 64 MB
 # --quick stops at 16 MB: at 4 MB a 1 Gbit/s link behind tbf read 10.3 % fast (its 256 KB burst on
-# messages of 34 ms); 16 MB keeps them within tests/test_ssh.py's 10 % (a 100 Mbit/s link then takes ~21 s)
+# messages of 34 ms); 16 MB keeps them within tests/test_ssh.py's 10 %
 QUICK_SIZES = SIZES[:-1]
+# A message whose round trip takes this long ends the sizes: what a shaper or a switch lets through
+# at line rate (a burst) is a small part of it, and larger ones would only repeat its slope at 4x
+# the time. The bytes a link needs follow its speed: a 1 Gbit/s link still goes to 16 MB under
+# --quick (0.13 s), a 100 Mbit/s one stops at 4 MB (0.34 s; 16 MB took ~16 s a link, both ways,
+# where this takes ~5, within the same 10 % of tbf's rate)
+ENOUGH_S, QUICK_ENOUGH_S = 0.4, 0.1
 
 
 SMALL_BYTES = 4096      # messages whose time is the link's latency: a decode step's hidden state and less
@@ -57,49 +64,81 @@ def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 def measure(rank: int, groups, device, quick: bool) -> dict:
     import torch
-    import torch.distributed as dist
 
     peer = 1 - rank
     on_gpu = groups.backend == "nccl"
     dev = groups.data_device if on_gpu else torch.device("cpu")
     # a CUDA stage on gloo stages its hidden states through host memory: time that copy too
     staged = torch.device(device) if (not on_gpu and device.startswith("cuda")) else None
-    ack = torch.zeros(1, device=dev)
-    sizes = QUICK_SIZES if quick else SIZES
+    sizes, enough_s = (QUICK_SIZES, QUICK_ENOUGH_S) if quick else (SIZES, ENOUGH_S)
     result = {}
     for sender in (0, 1):
         points = []
         for size in sizes:
             buf = torch.ones(max(1, size // 4), dtype=torch.float32, device=dev)  # touched: see test-hosts notes
-            src = buf.to(staged) if staged is not None else buf
             reps = 3 if size >= 1 << 24 else (5 if quick else 10)
-            times = []
-            for r in range(reps + 1):
-                if rank == sender:
-                    if on_gpu:
-                        torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    dist.send(buf if staged is None else src.cpu(), peer, group=groups.data)
-                    dist.recv(ack, peer, group=groups.data)
-                    if on_gpu:
-                        torch.cuda.synchronize()
-                    if r:
-                        times.append(time.perf_counter() - t)
-                else:
-                    dist.recv(buf, peer, group=groups.data)
-                    if staged is not None:
-                        buf.to(staged)
-                        torch.cuda.synchronize(staged)
-                    dist.send(ack, peer, group=groups.data)
+            times = _round_trips(rank == sender, peer, groups, buf, staged, reps)
             if rank == sender:
                 points.append((buf.numel() * 4, statistics.median(times)))
+            if not _next_size(rank == sender, peer, groups, dev, rank != sender or points[-1][1] < enough_s):
+                break
         if rank == sender:
             two_alpha, beta = fit_alpha_beta(points)
             alpha = two_alpha / 2
             result[sender] = {"alpha_s": alpha, "beta_bytes_per_s": beta,
                               "points": [(n, max(t - alpha, 0.0)) for n, t in points],
                               "round_trip_small_s": points[0][1]}
-    # rank 1's direction goes to rank 0 for the report
+    return _gathered(rank, groups, result)
+
+
+def _round_trips(sending: bool, peer: int, groups, buf, staged, reps: int) -> list[float]:
+    """reps + 1 round trips of `buf` to the peer and its one-element reply; the sender's times of all
+    but the first (the receiver's list is empty)."""
+    import torch
+    import torch.distributed as dist
+
+    on_gpu = groups.backend == "nccl"
+    ack = torch.zeros(1, device=buf.device)
+    src = buf.to(staged) if staged is not None else buf
+    times = []
+    for r in range(reps + 1):
+        if sending:
+            if on_gpu:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            dist.send(buf if staged is None else src.cpu(), peer, group=groups.data)
+            dist.recv(ack, peer, group=groups.data)
+            if on_gpu:
+                torch.cuda.synchronize()
+            if r:
+                times.append(time.perf_counter() - t)
+        else:
+            dist.recv(buf, peer, group=groups.data)
+            if staged is not None:
+                buf.to(staged)
+                torch.cuda.synchronize(staged)
+            dist.send(ack, peer, group=groups.data)
+    return times
+
+
+def _next_size(sending: bool, peer: int, groups, dev, more: bool) -> bool:
+    """Whether the sender goes on to the next size (its `more`), told to the receiver."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(more)], device=dev)
+    if sending:
+        dist.send(flag, peer, group=groups.data)
+    else:
+        dist.recv(flag, peer, group=groups.data)
+    return bool(flag.item())
+
+
+def _gathered(rank: int, groups, result: dict) -> dict:
+    """Both directions at rank 0 (rank 1 measured the backward one), {} at rank 1."""
+    import torch
+    import torch.distributed as dist
+
     blob = torch.tensor(bytearray(json.dumps(result.get(1, {})).encode()), dtype=torch.uint8)
     size = torch.tensor([blob.numel()])
     if rank == 1:

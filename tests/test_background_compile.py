@@ -141,7 +141,8 @@ def test_a_cold_batch_job_compiles_first_only_where_its_decode_pays_for_it(tiny_
     units = range(models.num_units(config))
 
     def stage():
-        runner = StageRunner(path, config, units, compile="auto")
+        # float32 pages: the graph of all 4 blocks is then the one test_launch_local.py's warmup compiles
+        runner = StageRunner(path, config, units, compile="auto", kv_dtype="float32")
         runner.kv.allocate(16)
         return runner
 
