@@ -649,15 +649,14 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     (inductor), on 2 stages with a mid-block cut: the first (calls any layout can use) runs its one
     whole block through the single block's graph and the cut block's attention half through that
     half's graph, the second (its own calls, `join_halves`) the cut block's MLP half and its two
-    whole blocks as one call (2 blocks a call here, for the tiny model's 4 blocks), with batches of 1-3 rows (every form of each graph: one
-    row in place or through its pages, and any other number under a mask), on the dynamic path and
-    (the quantized default's) on the static one, against one process running the same modules
-    eagerly. The static path's steps call the same graph functions with steps of their own (a mask
-    over the pool's capacity): 2 more graphs of each, ~30 s on 2 cores, whatever the weights, so
-    float32 weights take the dynamic path alone. Float32 weights within
-    float32 summation noise; quantized within the bf16 grid of the kernels' results. On the dynamic
-    path a stage's warm-up compiles every graph its steps call: the run compiles none (dynamo's own
-    count of graphs)."""
+    whole blocks as one call (2 blocks a call here, for the tiny model's 4 blocks), with batches of
+    1-3 rows (every form of each graph: one row in place or through its pages, and any other number
+    under a mask), against one process running the same modules eagerly. Float32 weights within
+    float32 summation noise; quantized within the bf16 grid of the kernels' results. A stage's
+    warm-up compiles every graph its steps call: the run compiles none (dynamo's own count of
+    graphs). On a GPU the same steps take the static path too (its CUDA graphs' path, here eager);
+    a CPU's static path under `--compile on` calls the same graph functions on steps of its own (2
+    more graphs of each, ~30 s here), which test_launch_local.py's all-on switch combination runs."""
     monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
     path = tiny_models["llama"]
     config = models.load_config(path)
@@ -669,7 +668,7 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(3)]
     requests = [Request(i, f"p{i}", tuple(p), max_new_tokens=8 + 4 * i, eos_ids=frozenset())
                 for i, p in enumerate(prompts)]
-    for static in (False, True) if weights.quantized else (False,):
+    for static in (False,) if device == "cpu" else (False, True):
         runners = [StageRunner(path, config, range(a, b), weights=weights, compile="on", device=device,
                                kv_dtype="float32", join_halves=join) for a, b, join in ((0, 4, False), (4, n_units, True))]
         if device == "cpu":   # a block's graph and the cut block's half's; the MLP half with the blocks
@@ -677,13 +676,13 @@ def test_compiled_decode_steps_match_one_process_of_the_same_modules(fmt, tiny_m
             assert [r.calls for r in runners] == [[(0,), (1, 2), (3,)], [(4, 5, 6, 7, 8), (9,)]]
         else:                 # a GPU stage replays CUDA graphs of its static step instead, and says so
             assert all("CUDA graphs" in r.compile_refused for r in runners)
-        if not static and device == "cpu":      # as a stage worker: its pool sized, then warmed up
+        if device == "cpu":      # as a stage worker: its pool sized, then warmed up
             for runner in runners:
                 runner.kv.allocate(POOL)
                 stage_module.warm_up(runner, 16, print)
         graphs = compiled_graphs()
         results = run_inprocess(runners, requests, Slicing(lengths=(16,)).slices_for, max_batch=3,
                                 keep_logits=True, static=static, pages=POOL)
-        if not static and device == "cpu":
+        if device == "cpu":
             assert compiled_graphs() == graphs, "a decode step compiled a graph warm-up had not"
         assert_run_matches(reference, requests, results, tol)

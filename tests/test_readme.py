@@ -78,8 +78,9 @@ def needs_no_cluster(block: str) -> bool:
 def test_the_readmes_commands_run_as_written(tmp_path):
     """Every shell and Python block of the README that needs no cluster of one's own, run in order
     as written (bash -e), in a fresh directory that has the repository's profiles/examples: the
-    quick start (plan, prompts, launch, warmup), serving (the server up while the curl and the
-    Python client ask it, then Ctrl-C), planning from measurements and the More block. A block's
+    quick start (plan, prompts, launch), serving (a warmup of its plan, then the server up while
+    the curl and the Python client ask it, then Ctrl-C), planning from measurements and the More
+    block. A block's
     `hpipe serve` line is its last: it runs in the background until the server answers."""
     blocks = code_blocks()
     runs = [(lang, text) for lang, text in blocks if lang in ("sh", "python") and needs_no_cluster(text)]
