@@ -19,9 +19,11 @@ constraints:
 demo: setup
 	$(PYTHON) -m hpipe demo
 
-# two workers (pytest-xdist), one test file each at a time: a file's servers and hosts are started once
+# three workers (pytest-xdist) on CI's two cores, one test file each at a time (a file's servers and
+# hosts are started once): a test waiting on its hosts' network or a timeout leaves its core to the
+# other two (the suite's tests waited ~120 s of their ~1,940 s on two workers)
 test: setup
-	$(PYTHON) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PYTHON) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"
