@@ -178,9 +178,11 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
     steps' graphs as well, and a lone stream's verification steps run compiled, within the same
     rounding of the forward. The graphs are saved as code (`hpipe.runtime.graphs`): stages built
     again load them, compiling none (a file that is not a graph beside them is passed over), and
-    give the first stages' logits bit for bit."""
+    give the first stages' logits bit for bit. The stages are a 3-host plan's of the tiny model
+    (1, 2 and 1 whole blocks: the first and last share a graph), whose graphs for one row
+    tests/test_ssh.py's `hpipe warmup --cluster` then finds compiled (cut halves under compile:
+    test_quant.py)."""
 
-    monkeypatch.setattr(stage_module, "CALL_SIZES", (2,))
     path = tiny_models["llama"]
     config = models.load_config(path)
     rng = random.Random("f16-compiled")
@@ -191,9 +193,9 @@ def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_mode
 
     def built() -> list[StageRunner]:
         runners = [StageRunner(path, config, range(a, b), compile="on", kv_dtype="float16",
-                               step_tokens=speculation.step_tokens) for a, b in ((0, 4), (4, n))]
-        for runner in runners:
-            runner.kv.allocate(POOL)
+                               step_tokens=speculation.step_tokens) for a, b in ((0, 3), (3, 7), (7, n))]
+        for runner in runners:      # warmed up in a pool of 4 pages, as `hpipe warmup` warms (`warm_layout`):
+            runner.kv.allocate(4)   # its graphs serve the run's larger pool (one traced in 40 pages refused 4)
             stage_module.warm_up(runner, 16, print)
         return runners
 
