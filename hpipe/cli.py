@@ -192,9 +192,10 @@ def profile(
         result = profiler.profile_local(model, device_list, out, quick, max_seq_len, dtype, threads=threads,
                                         weights=str(weights), kv_dtype=kv_dtype)
     if not estimate and result.devices:
-        _note("measuring the runtime's own per-token costs (a small model through 1 and 2 local stages, ~20 s) ...")
+        _note(f"measuring the runtime's own per-token costs (a small model through 1 and 2 local stages, "
+              f"~{10 if quick else 20} s) ...")
         vocab = int(models.load_config(models.resolve_model(model).path).vocab_size)
-        result = dataclasses.replace(result, runtime=profiler.runtime_costs(vocab))
+        result = dataclasses.replace(result, runtime=profiler.runtime_costs(vocab, quick))
         formats.write_profile(result, out)
     typer.echo(profiler.summarize(result))
     typer.echo(f"wrote {out}")

@@ -31,6 +31,7 @@ __all__ = ["runtime_costs"]
 
 PROMPT, NEW = 32, 48
 ROUNDS = 2
+QUICK_ROUNDS = 1         # `hpipe profile --quick`: one run each of 1 and 2 stages, ~6 s instead of ~12
 # Big enough MLPs that a step streams ~50 MB of weights through the caches, as a real stage's does:
 # with a toy model the runtime's own Python finds its data in cache and looks ~2x cheaper.
 HIDDEN, MLP = 512, 8192
@@ -68,8 +69,10 @@ def _run(model: Path, stages: int, work: Path, round_: int) -> dict[str, float]:
     return decode_terms([report.output.timelines[r] for r in sorted(report.output.timelines)])
 
 
-def runtime_costs(vocab: int) -> formats.RuntimeCosts:
-    """The profile's runtime costs: step_s, hop_s, back_s (seconds) and how they were had."""
+def runtime_costs(vocab: int, quick: bool = False) -> formats.RuntimeCosts:
+    """The profile's runtime costs: step_s, hop_s, back_s (seconds) and how they were had (quick:
+    `QUICK_ROUNDS` runs of each, open to a run that met a busy machine)."""
+    rounds = QUICK_ROUNDS if quick else ROUNDS
     with tempfile.TemporaryDirectory(prefix="hpipe-runtime-costs-") as tmp:
         work = Path(tmp)
         model = _small_model(work / "model", vocab)
@@ -78,12 +81,12 @@ def runtime_costs(vocab: int) -> formats.RuntimeCosts:
         # machine only grows with what else runs (a worker's thread preempted, the other tenants):
         # one run's median had a hop at 2.4 ms where every other run measured 0.2-0.6, and the
         # predicted way back was 1.3x every run's in bench/fidelity.py with a single run
-        runs = [_run(model, stages, work, r) for r in range(ROUNDS) for stages in (1, 2)]
+        runs = [_run(model, stages, work, r) for r in range(rounds) for stages in (1, 2)]
     one, two = runs[0::2], runs[1::2]
     if not all(one) or not all(two):
         raise RuntimeError("the calibration decode produced too few tokens to measure")
     return formats.RuntimeCosts(
         step_s=min(r["back"] for r in one), hop_s=min(r["hop 0->1"] for r in two), back_s=min(r["back"] for r in two),
         measured=f"{NEW} greedy tokens of a 2-block random Llama (hidden {HIDDEN}, MLP {MLP}, vocabulary {vocab}) "
-                        f"through 1 and 2 local stages of this runtime, the lesser of {ROUNDS} runs' medians, "
+                        f"through 1 and 2 local stages of this runtime, the lesser of {rounds} runs' medians, "
                         f"{time.time() - t:.0f} s")

@@ -133,15 +133,15 @@ def test_per_prompt_sampling_overrides(tiny_models, reference_models, tmp_path):
 
 
 SWITCHES = [(tsem, sat, sampling) for tsem in (False, True) for sat in (False, True) for sampling in ("inline", "cpu")]
-# each combination's number of stages: 1-4 eagerly and 2-4 through compiled halves (the three
-# combinations `switch_args` compiles take 2, 3 and 4 stages, a thread each: they share graphs,
-# where a 2-thread single stage compiled a set of its own)
-SWITCH_STAGES = (1, 2, 3, 4, 2, 3, 1, 4)
-# the compiled combinations' cuts, at block boundaries, so that their stages hold runs of one or two
-# whole blocks and share those two sets of graphs (a stage's own calls are compiled for its layout:
-# random mid-block cuts compiled 18 graphs, ~160 s; cut halves under compile are tested in
-# test_quant.py and test_kv_dtype.py); the eager ones cut anywhere
-COMPILED_CUTS = {2: [5], 3: [3, 5], 4: [3, 5, 7]}
+# each combination's number of stages: 1-4 eagerly; the three combinations `switch_args` compiles take
+# 4 stages of one whole block each, a thread each, and share one block's graphs (2 and 3 stages held
+# runs of two blocks too, a second set of graphs, ~20 s; a 2-thread single stage compiled a set of
+# its own)
+SWITCH_STAGES = (1, 2, 3, 4, 4, 4, 1, 4)
+# the compiled combinations' cuts, at block boundaries (a stage's own calls are compiled for its
+# layout: random mid-block cuts compiled 18 graphs, ~160 s; cut halves under compile are tested in
+# test_quant.py); the eager ones cut anywhere
+COMPILED_CUTS = {4: [3, 5, 7]}
 
 
 def switch_args(tsem: bool, sat: bool, sampling: str) -> list[str]:
