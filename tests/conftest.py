@@ -89,15 +89,29 @@ def pytest_generate_tests(metafunc):
                                         for d in TEST_DEVICES])
 
 
+# The files with slow tests that took longest (docs/benchmarks.md, the suite test by test), longest
+# first: started last, the README's 250 s ran on alone at the end of the suite
+LONGEST = ("test_readme.py", "test_launch_local.py", "test_background_compile.py", "test_quant.py",
+           "test_speculative.py", "test_determinism.py", "test_moe.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The longest files first: `make test` runs two pytest-xdist workers, one file per worker at a
+    """The longest files first: `make test` runs pytest-xdist workers, one file per worker at a
     time, in this order (`--no-loadscope-reorder`), the longest first so that the last to end is a
-    short one: the emulated hosts' file (about 13 minutes: started first, the other worker runs
-    every other file beside it), then the files with slow tests, then the rest. The same order on
-    every worker (xdist needs it). (The hosts' tests split over the two workers ran slower: two
-    clusters of three hosts each on two cores, 1,406 s of the two workers' time against 1,034.)"""
+    short one: the emulated hosts' file (12-13 minutes: started first, the other workers run the
+    other files beside it), then `LONGEST`, then the other files with slow tests, then the rest.
+    The same order on every worker (xdist needs it). (The hosts' tests split over two workers ran
+    slower: two clusters of three hosts each on two cores, 1,406 s of the two workers' time
+    against 1,034.)"""
     slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: ("hosts" not in item.keywords, item.path not in slow_files))
+
+    def rank(item) -> tuple:
+        longest = LONGEST.index(item.path.name) if item.path.name in LONGEST else len(LONGEST)
+        return "hosts" not in item.keywords, item.path not in slow_files, longest
+
+    items.sort(key=rank)
+
+
 VOCAB = 256
 
 

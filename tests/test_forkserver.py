@@ -56,6 +56,7 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_forked_worker_gets_the_launchs_session_environment_pipes_and_exit_code(tmp_path, monkeypatch):
     env = _env(tmp_path, PROBE="first")
     monkeypatch.chdir(tmp_path)
@@ -111,6 +112,7 @@ def test_a_forked_worker_gets_the_launchs_session_environment_pipes_and_exit_cod
     assert old.proc.wait(timeout=10) == 0, "a retired server exits once its workers have ended"
 
 
+@pytest.mark.slow
 def test_nothing_outlives_the_launching_process(tmp_path):
     """The launcher killed (SIGKILL: no cleanup of its own runs): its fork server and the worker it
     forked end too, and the server's socket directory is removed."""
@@ -150,6 +152,7 @@ def test_a_command_that_is_not_a_module_main_is_not_forked(tmp_path):
     assert forkserver.spawn(["/bin/true"], _env(tmp_path), takes_input=False) is None
 
 
+@pytest.mark.slow
 def test_local_launches_fork_their_stages_from_the_server_their_process_started_first(tiny_models, tmp_path,
                                                                                       monkeypatch):
     """`prestart_local` (what `hpipe launch --local` and `hpipe serve --local` call before preparing
@@ -180,6 +183,7 @@ def test_local_launches_fork_their_stages_from_the_server_their_process_started_
     assert outputs[0] == outputs[1] and len(outputs[0]) == 3
 
 
+@pytest.mark.slow
 def test_the_hpipe_command_forks_its_server_from_itself_and_nothing_outlives_it(tmp_path):
     """`hpipe serve --local` (as `hpipe launch --local`) forks its fork server from its own process
     after importing what the server imports: the stages' parent is a child of the command's process

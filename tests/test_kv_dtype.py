@@ -170,6 +170,7 @@ def test_every_attention_path_over_a_float16_cache_is_within_its_rounding(attn, 
     assert_run_matches(reference_models["llama"], requests, results, F16_TOL)
 
 
+@pytest.mark.slow
 def test_compiled_decode_steps_read_the_float16_pages_as_eager_ones_do(tiny_models, reference_models, monkeypatch):
     """`--compile on`: the graphs hold `hpipe::attend_f16` (one opaque call); their steps are within
     the cache's rounding of transformers' forward, and warm-up compiled every graph the run calls.
@@ -266,6 +267,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_processes_wanting_the_same_graph_at_once_compile_it_once(tmp_path):
     """Two processes (two stages of one layout starting together) call a graph function that has no
     graph yet at the same moment: one compiles and saves it while the other waits on the

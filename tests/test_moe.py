@@ -148,6 +148,7 @@ def test_a_family_hpipe_cannot_run_is_refused_in_one_line(tmp_path, family, why)
 BLOCK_TYPES = [("Q8_0", "Q8_0", "Q8_0"), ("Q4_0", "Q4_0", "Q8_0"), ("Q4_K", "Q4_K", "Q4_K"), ("Q4_0", "Q8_0", "Q6_K")]
 
 
+@pytest.mark.slow
 def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tmp_path):
     """A GGUF MoE file in the types Q4_K_M writes: every expert packed from the file's own blocks
     (4-bit codes to the int4 kernel, 6- and 8-bit to int8), and the logits those of transformers'
@@ -270,6 +271,7 @@ def test_a_mixtral_gguf_file_is_refused_in_one_line(tmp_path):
     assert "Mixtral" in str(e.value) and "Hugging Face directory" in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_compiled_decode_runs_attention_halves_through_graphs_and_experts_eagerly(moe_models):
     """`--compile on` with a MoE model: each block's halves a call apiece, the attention halves (and
     the dense block's MLP half) through compiled graphs, the MoE halves eager; transformers' logits."""
@@ -300,6 +302,7 @@ def test_compiled_decode_runs_attention_halves_through_graphs_and_experts_eagerl
         assert_greedy_equal(reference, list(r.input_ids), out, reference_greedy(reference, list(r.input_ids), 8, None))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cpu_kernels.kernels()[0] is None, reason="hpipe's CPU kernels do not run here")
 def test_compiled_decode_holds_whole_moe_blocks_where_the_experts_run_the_routed_kernels(tmp_path):
     """A GGUF MoE file under `--compile on`: its experts stacked for the routed kernels, each block is
@@ -337,6 +340,7 @@ def test_compiled_decode_holds_whole_moe_blocks_where_the_experts_run_the_routed
         assert float((compiled["logits"] - eager["logits"]).abs().max()) < 1e-3 * scale
 
 
+@pytest.mark.slow
 def test_a_plain_warmup_covers_every_graph_of_every_stage_layout_when_blocks_differ(tmp_path):
     """`hpipe warmup` without a plan compiles one short layout per distinct graph (`any_layout_units`);
     with blocks of different expert types (as Q4_K_M writes some blocks' down in Q6_K) every stage
