@@ -363,23 +363,23 @@ def test_a_batch_job_goes_on_without_a_killed_hosts_stage(cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_every_switch_combination_gives_the_same_tokens_on_hosts(cluster, plan_and_prompts, tmp_path):
+def test_every_switch_combination_gives_the_same_tokens_on_hosts(cluster, tiny_models, tmp_path):
     """--no-tsem/--no-sat/--sampling inline|cpu on the emulated hosts (every pair of two switches'
     values, all on among them): seeded sampling with penalties and early stops gives the same tokens
-    in every run. Dense float32 weights and cache:
-    which sequences share a micro-batch depends on the hosts' timing, and quantized kernels round
-    their inputs to bf16, where a float32 difference of summation order can pick the other of two
+    in every run. The tiny Llama's dense float32 weights and cache (what runs is the switches, not
+    the model: SmolLM2's float32 weights cost each launch's stages seconds to unpack): which
+    sequences share a micro-batch depends on the hosts' timing, and quantized kernels round their
+    inputs to bf16, where a float32 difference of summation order can pick the other of two
     near-equal tokens (the quantized switches are checked on one machine in test_quant.py)."""
     plan = tmp_path / "plan.json"
-    hpipe("plan", "--model", "smollm2", "--cluster", cluster.inventory_path, "--quantize", "none", "--kv-dtype",
-          "float32", "-o", plan, cwd=tmp_path, check=True)
+    hpipe("plan", "--model", tiny_models["llama"], "--cluster", cluster.inventory_path, "--kv-dtype", "float32",
+          "-o", plan, cwd=tmp_path, check=True)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"s{i}", "prompt": p, "stop_token_ids": list(range(30, 300))}) + "\n"
-                               for i, p in enumerate(["Name a river.", "Say something about cats.",
-                                                      "Write one line of a poem."])))
+    prompts.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": p, "stop_token_ids": list(range(30, 60))})
+                               + "\n" for i, p in enumerate([[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [100, 101, 102]])))
     runs = {}
     # every pair of two switches' values (an orthogonal array of the three, the one holding all on):
-    # 4 launches of ~35 s on the hosts instead of 8; all eight combinations, against all off and
+    # 4 launches on the hosts instead of 8; all eight combinations, against all off and
     # transformers, run locally in test_launch_local.py
     for tsem, sat, sampling in ((True, True, "cpu"), (True, False, "inline"), (False, True, "inline"),
                                 (False, False, "cpu")):
