@@ -60,7 +60,7 @@ from hpipe import cpu_kernels
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "quantize_int8_blocks", "pack", "RowPaths",
-           "ROW_PATHS", "row_paths", "DenseGemm", "DENSE", "dense_gemm", "DENSE_PROMPT", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
+           "ROW_PATHS", "row_paths", "DenseGemm", "DENSE", "dense_gemm", "DENSE_PROMPT", "DENSE_TILE", "gemm_rows", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
            "torch_packs_blocked", "vnni_kernel", "kernels_on", "stage_weights", "scales_shape", "blocked_scales", "flat_scales",
            "super_pairs", "row_scaled",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
@@ -90,9 +90,15 @@ class DenseGemm:
 DENSE = {"bf16": DenseGemm("bfloat16", 1 << 20, {"int4": 192, "int8": 64}),
          "float32": DenseGemm("float32", 4 << 20, {"int4": 192, "int8": 192})}
 # --deterministic: a row's path is fixed by its own request, never by how many rows share the call
-# (each path alone gives a row the same bits for any number of rows; the two paths round apart).
+# (each path alone gives a row the same bits for any number of rows, the GEMM in calls of DENSE_TILE
+# rows; the two paths round apart).
 # Prompt rows of prompts this long take the dense GEMM, every other row the weight-only kernel.
 DENSE_PROMPT = max(r for d in DENSE.values() for r in d.from_rows.values())
+# --deterministic: the dense GEMM runs on calls of exactly this many rows (the last one padded).
+# oneDNN's bf16 GEMM picks its kernel and blocking by the row count: on an AMX Xeon (2026-12-01) a row
+# got other bits among 33-63 rows than alone, and among 256+ rows than among 64, padded or not; in
+# calls of a fixed count every row got the same bits at any place among 1 to 1,024 rows
+DENSE_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,20 @@ def row_paths(paths: RowPaths | None):
         yield
     finally:
         ROW_PATHS.reset(token)
+
+
+def gemm_rows(x2, b, tile: int | None):
+    """x2 @ b, or with `tile`, in calls of exactly `tile` rows of x2 (`DENSE_TILE`)."""
+    import torch
+
+    if tile is None:
+        return x2 @ b
+    n = x2.shape[0]
+    xp = torch.cat([x2, x2.new_zeros(-n % tile, x2.shape[1])]) if n % tile else x2
+    out = xp.new_empty(xp.shape[0], b.shape[1])
+    for a in range(0, xp.shape[0], tile):
+        torch.matmul(xp[a:a + tile], b, out=out[a:a + tile])
+    return out[:n]
 
 
 # --------------------------------------------------------------------------------------------

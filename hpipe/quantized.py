@@ -47,11 +47,11 @@ class WeightOnly(nn.Module):
 
     def _by_row(self, x2, paths: quant.RowPaths):
         if paths.kernel is None:
-            return self.dense(x2)
+            return self.dense(x2, quant.DENSE_TILE)
         if paths.dense is None:
             return self.mm(x2)
         y = x2.new_empty(x2.shape[0], self.out_features)
-        y[paths.dense] = self.dense(x2[paths.dense]).to(y.dtype)
+        y[paths.dense] = self.dense(x2[paths.dense], quant.DENSE_TILE).to(y.dtype)
         y[paths.kernel] = self.mm(x2[paths.kernel]).to(y.dtype)
         return y
 
@@ -92,10 +92,11 @@ class Int4Linear(WeightOnly):
             return x2.new_empty(0, self.out_features)
         return self._kernel(x2.to(torch.bfloat16), self.packed, self.group, self.scales_zeros)
 
-    def dense(self, x2):
+    def dense(self, x2, tile: int | None = None):
         """x2 @ W.T through GEMMs of `self.gemm`'s dtype, W dequantized (w = (u - 8) s + z,
         rounded to bf16) one chunk of 64-row blocks at a time, in the packing's own order: a
-        block's codes come out as W.T [K, 64] without a transposing copy of the whole matrix."""
+        block's codes come out as W.T [K, 64] without a transposing copy of the whole matrix.
+        tile: the GEMMs take this many rows of x2 a call (`quant.gemm_rows`)."""
         k, nb = self.in_features, self.out_features // 64
         x2 = x2.to(getattr(torch, self.gemm.dtype))
         step = max(1, min(nb, self.gemm.chunk_bytes // (2 * 64 * k)))
@@ -106,7 +107,7 @@ class Int4Linear(WeightOnly):
             m = min(step, nb - a)
             w = work[:m]
             self._dequantize(blocks, a, w)
-            outs.append(x2 @ w.transpose(0, 1).reshape(k, m * 64).to(x2.dtype))
+            outs.append(quant.gemm_rows(x2, w.transpose(0, 1).reshape(k, m * 64).to(x2.dtype), tile))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _torch_dequantize(self, blocks, a: int, w) -> None:
@@ -165,9 +166,9 @@ class Int8Linear(WeightOnly):
         y = torch.nn.functional.linear(x2.to(torch.bfloat16).float(), self.weight.float(), None)
         return (y * self.scales.float()).to(torch.bfloat16)
 
-    def dense(self, x2):
+    def dense(self, x2, tile: int | None = None):
         """x2 @ W.T through GEMMs of `self.gemm`'s dtype, W = code * row scale rounded to bf16
-        (the codes are exact in bf16), a chunk of rows at a time."""
+        (the codes are exact in bf16), a chunk of rows at a time; tile as `Int4Linear.dense`'s."""
         n, k = self.weight.shape
         x2 = x2.to(getattr(torch, self.gemm.dtype))
         step = max(64, self.gemm.chunk_bytes // (2 * k))
@@ -176,7 +177,7 @@ class Int8Linear(WeightOnly):
         for a in range(0, n, step):
             w = work[: min(step, n - a)]
             self._dequantize(a, w)
-            outs.append(x2 @ w.t().to(x2.dtype))
+            outs.append(quant.gemm_rows(x2, w.t().to(x2.dtype), tile))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _torch_dequantize(self, a: int, w) -> None:

@@ -459,6 +459,23 @@ def test_many_rows_go_through_dense_chunks_within_bf16_bounds(fmt):
 
 @pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no dense path on this CPU (neither hpipe's kernels "
                     "nor torch's blocked int4 packing with bf16 units)")
+@pytest.mark.parametrize("fmt", ["int4:32", "int8"])
+def test_a_deterministic_dense_row_has_its_own_bits_among_any_rows(fmt):
+    """--deterministic's rows on the dense GEMM (`quant.RowPaths`): each row's output is the bits it
+    gets alone, among 2 to 300 rows at any place (oneDNN's bf16 GEMM on an AMX Xeon rounds a row
+    by how many share the call: it took 33 rows there)."""
+    w = np.random.default_rng(6).normal(0, 0.05, (896, 576)).astype(np.float32)
+    module = quantized.linear_module(quant.pack(w, quant.WeightFormat.parse(fmt)), "cpu")
+    x = torch.randn(300, 576)
+    with quant.row_paths(quant.RowPaths(dense=torch.arange(300), kernel=None)):
+        alone = torch.cat([module(x[i:i + 1]) for i in range(300)])
+        for n in (2, 33, 46, 64, 65, 100, 255, 256, 300):
+            assert torch.equal(module(x[:n]), alone[:n]), f"{n} rows"
+            assert torch.equal(module(x[:n].flip(0)), alone[:n].flip(0)), f"{n} rows, reversed"
+
+
+@pytest.mark.skipif(not quant.dense_gemm("cpu"), reason="no dense path on this CPU (neither hpipe's kernels "
+                    "nor torch's blocked int4 packing with bf16 units)")
 def test_the_profile_measures_both_sides_of_every_path_switch():
     """`quant.path_switches` names the row counts where a real linear leaves the kernel for the
     dense GEMM (seen by which of the two it calls), and the profiler's grid holds each of them and

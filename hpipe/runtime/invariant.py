@@ -12,9 +12,9 @@ What varies otherwise, measured on this kind of CPU (tests/test_determinism.py k
   however the scheduler sliced it (its cuts and prefix hits fall on page boundaries);
 - float32 linears: MKL's GEMM rounds a row differently for other numbers of rows; padded to a
   multiple of `TILE` rows, a row gets the same bits for any count (`RowTiledLinear`);
-- quantized linears: the weight-only kernel and the dense bf16 GEMM each give a row the same bits
-  for any number of rows, but round apart; the path is chosen by the row's request, not by the
-  call's rows (`hpipe.quant.ROW_PATHS`: prompt rows of prompts of `DENSE_PROMPT` tokens or more
+- quantized linears: the weight-only kernel, and the dense bf16 GEMM called on exactly
+  `quant.DENSE_TILE` rows at a time, each give a row the same bits for any number of rows, but
+  round apart; the path is chosen by the row's request, not by the call's rows (`hpipe.quant.ROW_PATHS`: prompt rows of prompts of `DENSE_PROMPT` tokens or more
   take the dense GEMM, every other row the kernel);
 - RMSNorm, rotary embeddings and the MLP's elementwise products are row by row already.
 Decode steps run eagerly (no static path, no compiled halves: their kernels read padded keys).
