@@ -89,6 +89,25 @@ def pytest_generate_tests(metafunc):
                                         for d in TEST_DEVICES])
 
 
+def pytest_terminal_summary(terminalreporter):
+    """At the end of the run (`-q` included), the machine in one line, with a pure-Python probe: the suite's time is the tests' CPU over the
+    cores, and these machines' single-core speed varies by ~2x between sessions (docs/benchmarks.md
+    relates the probe to the suite's CPU)."""
+    import re
+    import time
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = sorted({f for f in info.split() if re.fullmatch(r"avx2|avx512f|avx512_bf16|amx_bf16", f)})
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        sum(range(10 ** 7))
+        best = min(best, time.perf_counter() - t)
+    terminalreporter.write_line(f"machine: {name}, {os.cpu_count()} cores, {' '.join(flags)}; pure-Python probe "
+                                f"(sum(range(10**7)), best of 5) {best * 1e3:.0f} ms")
+
+
 # The files with slow tests that took longest (docs/benchmarks.md, the suite test by test), longest
 # first: started last, the README's 250 s ran on alone at the end of the suite
 LONGEST = ("test_readme.py", "test_launch_local.py", "test_background_compile.py", "test_quant.py",
