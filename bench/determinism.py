@@ -14,7 +14,7 @@ Jobs through `hpipe launch` (`jobs`: the best of --repeats):
 - one 2,048-token prompt (prefill).
 Writes bench/results/determinism.json.
 
-    python bench/determinism.py [--repeats 2]
+    python bench/determinism.py [--repeats 2] [--out bench/results/determinism.json]
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 import on_path  # noqa: E402,F401  (bench/on_path.py: the repository and tests/ on sys.path, bench/ off it)
 
-from bench.common import bench_arguments  # noqa: E402
+from bench.common import bench_arguments, cpu_flags, cpu_name, results_path  # noqa: E402
 
 CASES = {"batch 1": (1, 512, 64), "batch 8": (8, 512, 64), "prefill 2048": (1, 2048, 1)}
 
@@ -94,8 +92,9 @@ def stage_steps(rounds: int) -> dict:
 def main() -> None:
     from bench.common import hpipe
 
-    args = bench_arguments(repeats=2, rounds=15)
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores (the stage takes them all)",
+    args = bench_arguments(repeats=2, rounds=15, out=results_path("determinism"))
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_name()}, {os.cpu_count()} CPU cores (the stage "
+                                                               f"takes them all)", "cpu_flags": cpu_flags(),
               "model": "SmolLM2-135M-Instruct Q4_1 (GGUF kept quantized), one local stage",
               "steps": stage_steps(args.rounds), "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="hpipe-bench-det-") as tmp:
@@ -120,7 +119,7 @@ def main() -> None:
             report["jobs"][name] = {"requests": n, "prompt_tokens": length, "new_tokens": new, **best,
                                      "on_over_off": cost}
             print(f"{name}: on/off {cost}", flush=True)
-    out = ROOT / "bench" / "results" / "determinism.json"
+    out = Path(args.out)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"steps": {k: v["on_over_off"] for k, v in report["steps"].items()},
                       "jobs": {k: v["on_over_off"] for k, v in report["jobs"].items()}}, indent=2))
