@@ -97,8 +97,10 @@ DENSE_PROMPT = max(r for d in DENSE.values() for r in d.from_rows.values())
 # --deterministic: the dense GEMM runs on calls of exactly this many rows (the last one padded).
 # oneDNN's bf16 GEMM picks its kernel and blocking by the row count: on an AMX Xeon (2026-12-01) a row
 # got other bits among 33-63 rows than alone, and among 256+ rows than among 64, padded or not; in
-# calls of a fixed count every row got the same bits at any place among 1 to 1,024 rows
-DENSE_TILE = 64
+# calls of a fixed count (64, 128 or 256) every row got the same bits at any place among 1 to 1,024
+# rows. 128: a deterministic stage's 512-token prefill there took 1.45x the time of the GEMM's own
+# calls in calls of 64, 1.17x in 128, 1.05x in 256, but a 272-token one 1.49x in 256 (its padding)
+DENSE_TILE = 128
 
 
 @dataclass(frozen=True)
