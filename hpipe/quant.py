@@ -134,17 +134,16 @@ def row_paths(paths: RowPaths | None):
 
 
 def gemm_rows(x2, b, tile: int | None):
-    """x2 @ b, or with `tile`, in calls of exactly `tile` rows of x2 (`DENSE_TILE`)."""
+    """x2 @ b, or with `tile`, in calls of exactly `tile` rows of x2 (`DENSE_TILE`; x2's rows a
+    multiple of it, padded once by the caller rather than once per weight chunk)."""
     import torch
 
     if tile is None:
         return x2 @ b
-    n = x2.shape[0]
-    xp = torch.cat([x2, x2.new_zeros(-n % tile, x2.shape[1])]) if n % tile else x2
-    out = xp.new_empty(xp.shape[0], b.shape[1])
-    for a in range(0, xp.shape[0], tile):
-        torch.matmul(xp[a:a + tile], b, out=out[a:a + tile])
-    return out[:n]
+    out = x2.new_empty(x2.shape[0], b.shape[1])
+    for a in range(0, x2.shape[0], tile):
+        torch.matmul(x2[a:a + tile], b, out=out[a:a + tile])
+    return out
 
 
 # --------------------------------------------------------------------------------------------

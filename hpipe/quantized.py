@@ -47,13 +47,20 @@ class WeightOnly(nn.Module):
 
     def _by_row(self, x2, paths: quant.RowPaths):
         if paths.kernel is None:
-            return self.dense(x2, quant.DENSE_TILE)
+            return self._dense_tiled(x2)
         if paths.dense is None:
             return self.mm(x2)
         y = x2.new_empty(x2.shape[0], self.out_features)
-        y[paths.dense] = self.dense(x2[paths.dense], quant.DENSE_TILE).to(y.dtype)
+        y[paths.dense] = self._dense_tiled(x2[paths.dense]).to(y.dtype)
         y[paths.kernel] = self.mm(x2[paths.kernel]).to(y.dtype)
         return y
+
+    def _dense_tiled(self, x2):
+        """`dense` in GEMM calls of exactly `quant.DENSE_TILE` rows (the rows padded once)."""
+        n, tile = x2.shape[0], quant.DENSE_TILE
+        if n % tile:
+            x2 = torch.cat([x2, x2.new_zeros(-n % tile, x2.shape[1])])
+        return self.dense(x2, tile)[:n]
 
 
 class Int4Linear(WeightOnly):
@@ -96,7 +103,7 @@ class Int4Linear(WeightOnly):
         """x2 @ W.T through GEMMs of `self.gemm`'s dtype, W dequantized (w = (u - 8) s + z,
         rounded to bf16) one chunk of 64-row blocks at a time, in the packing's own order: a
         block's codes come out as W.T [K, 64] without a transposing copy of the whole matrix.
-        tile: the GEMMs take this many rows of x2 a call (`quant.gemm_rows`)."""
+        tile: the GEMMs take this many rows of x2 a call (`quant.gemm_rows`; x2's rows a multiple of it)."""
         k, nb = self.in_features, self.out_features // 64
         x2 = x2.to(getattr(torch, self.gemm.dtype))
         step = max(1, min(nb, self.gemm.chunk_bytes // (2 * 64 * k)))
