@@ -177,7 +177,7 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
         assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
         return done
 
-    def launch(tag: str):
+    def launch(tag: str, prompts=prompts):
         out = tmp_path / f"{tag}.jsonl"
         done = hpipe("launch", str(plan), "--local", "--prompts", str(prompts), "--out", str(out),
                      "--max-new-tokens", "10", "--max-batch", "2")
@@ -196,6 +196,14 @@ def test_hpipe_warmup_makes_default_launches_run_compiled_graphs_with_the_eager_
     hint, compiled, tokens = launch("warm")
     assert compiled == (True, False) and not hint
     assert graphs() == before, "the warm launch compiled graphs the warmup had not"
+    # a short prompt alone: over 2 stages its slices are single tokens, the first attending to itself
+    # alone, a context no warm-up traces (a warm host's first short job compiled a graph a function)
+    short = tmp_path / "p-short.jsonl"
+    write_prompts(short, [list(range(70, 74))])
+    _, compiled, short_tokens = launch("short", short)
+    assert compiled == (True, False) and graphs() == before, "a 4-token prompt compiled graphs the warmup had not"
+    assert_greedy_equal(reference_models["llama"], list(range(70, 74)), short_tokens["p0"],
+                        reference_greedy(reference_models["llama"], list(range(70, 74)), 10, 2))
     for i, prompt in enumerate(prompt_ids):       # inductor's sums are not eager's bit for bit: near-ties aside
         assert_greedy_equal(reference_models["llama"], prompt, tokens[f"p{i}"], eager_tokens[f"p{i}"])
 
