@@ -349,10 +349,11 @@ class StageRunner:
         at a 300-token context, AVX-512, 2 threads); compiled, 1.7x. Not a step whose rows are all
         first tokens at position 0 (a short prompt's one-token slices: 4 tokens over 2 stages): the
         graphs' traces specialized their contexts to be longer than 1, so a warm host's first short
-        job compiled one more graph per function for it (~25 s a stage on 2 cores); it runs eagerly."""
+        job compiled one more graph per function for it (~25 s a stage on 2 cores); it runs eagerly
+        (inputs without segments take the graphs as before)."""
         rows, per_row = inputs.shape
         return inputs.layout == "rows" and (per_row == 1 or (rows == 1 and per_row <= self.step_tokens)) and \
-            max(s.end for s in inputs.segments) > 1
+            (not inputs.segments or any(s.end > 1 for s in inputs.segments))
 
     def _gather_blocks(self) -> dict[int, tuple[list[tuple], list[int]]]:
         """Each call of several units (by its first unit): its halves' modules, each (norm, module,
