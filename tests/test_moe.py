@@ -395,7 +395,7 @@ def test_speculative_steps_route_each_proposed_row_to_its_own_experts(moe_models
         assert float((got["logits"] - ref).abs().max()) < 1e-4
         assert_greedy_equal(reference, list(r.input_ids), got["output_ids"],
                             reference_greedy(reference, list(r.input_ids), 16, None))
-    assert sum(r["accepted"] for r in results.values()) > 0      # steps of several rows ran (20 of 24 here)
+    assert sum(r["accepted"] for r in results.values()) > 0      # steps of several rows ran
 
 
 def test_a_plan_keeps_each_device_within_its_memory_and_says_where_memory_moved_the_cuts(tmp_path, capsys):

@@ -34,12 +34,12 @@ HOT = dict(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.2, freque
 
 def brute_force_proposal(tokens: list[int], k: int) -> list[int]:
     """The longest suffix (NGRAM_MAX down to NGRAM_MIN tokens) with an earlier occurrence that a
-    token follows; what follows its latest such occurrence."""
+    token follows; what follows its latest such occurrence, at most k tokens and n - 1."""
     for n in range(min(NGRAM_MAX, len(tokens)), NGRAM_MIN - 1, -1):
         suffix = tokens[len(tokens) - n:]
         for end in range(len(tokens) - 2, n - 2, -1):
             if tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+                return tokens[end + 1:end + 1 + min(k, n - 1)]
     return []
 
 
@@ -212,13 +212,22 @@ def sampled_pairs(path, seeds, speculation, params) -> list[tuple[int, int]]:
     sampled where a proposal may be verified, the 3rd after an accepted one. With proposals each
     request runs alone (a micro-batch of several carries none); without, 32 at a time (a request's
     draws are its own generator's: the arm's distribution is the same, at a third of the time)."""
-    prompt = (0, 1, 2, 3, 4, 5) * 2 + (0, 1)     # every token occurs: every step proposes
+    prompt = every_pair(6)                         # every 2-token suffix occurred: every step proposes
     requests = [Request(i, f"s{s}", prompt, SamplingParams(**params, seed=s), max_new_tokens=3)
                 for i, s in enumerate(seeds)]
     n_units = models.num_units(models.load_config(path))
     out = run_inprocess(runners_for(path, [0, n_units]), requests, Slicing(count=1).slices_for,
                         max_batch=1 if speculation.on else 32, speculation=speculation)
     return [tuple(out[r.id]["output_ids"][1:3]) for r in requests]
+
+
+def every_pair(vocab: int) -> tuple[int, ...]:
+    """Tokens in which every pair of the vocabulary's tokens occurs, in order (a de Bruijn sequence
+    of order 2: the Lyndon words a and a b, b > a, in order; its cycle opened): a proposal needs a
+    2-token suffix seen before."""
+    cycle = [x for a in range(vocab) for x in [a] + [y for b in range(a + 1, vocab) for y in (a, b)]]
+    assert len({(x, y) for x, y in zip(cycle, cycle[1:] + cycle[:1])}) == vocab * vocab, cycle
+    return tuple(cycle + cycle[:1])
 
 
 def homogeneity_p(a: list, b: list) -> float:

@@ -12,8 +12,9 @@ lost. Stage 0 rolls the sequence back to the positions whose tokens were emitted
 
 Prompt lookup (vLLM's n-gram proposer, llama.cpp's lookup decoding): the longest suffix of the
 sequence's tokens (prompt and output, NGRAM_MAX down to NGRAM_MIN of them) that occurred before
-proposes the k tokens that followed its latest earlier occurrence. An index of every n-gram's latest
-position makes a proposal a few dictionary lookups, however long the prompt.
+proposes what followed its latest earlier occurrence: at most k tokens, and fewer than the suffix
+matched (a bet no longer than its evidence). An index of every n-gram's latest position makes a
+proposal a few dictionary lookups, however long the prompt.
 
 A proposer is chosen once, at start (`hpipe.runtime.draft.proposer_for`), and the scheduler asks it
 for every speculating sequence of a micro-batch at once (`propose`): a draft model runs them as one
@@ -28,7 +29,13 @@ from typing import Protocol
 
 __all__ = ["NGRAM_MAX", "NGRAM_MIN", "SPEC_ROWS", "SPEC_SEQUENCES", "NgramIndex", "NgramProposer", "Proposer", "next_k", "through_end"]
 
-NGRAM_MAX, NGRAM_MIN = 4, 1
+# The shortest suffix looked up is 2 tokens and a suffix of n proposes at most n - 1: one token
+# matched anywhere is weak evidence, and on a CPU every proposed token costs its step ~0.24 of a
+# one-token step (the compiled int4 default, 2 threads). On SmolLM2's greedy answers to 8 document
+# questions and 8 ShareGPT turns (bench/spec_policy.py replays them; bench/results/spec-policy.json),
+# against 1-to-4-token suffixes proposing k: 0.74 tokens proposed a step where 1.34 were (chat 0.41,
+# 0.89), 13-14 % fewer accepted, and a predicted 1.18x where 1.11x (chat 1.17x, 1.10x).
+NGRAM_MAX, NGRAM_MIN = 8, 2
 # The most decode rows (fed tokens and proposals) of a round, every decoding sequence's step once
 # (one micro-batch on one stage, a few on a pipeline): beyond it a step stops being bound by reading
 # the weights, and proposals that fail cost more than they save (a full batch decodes without them).
@@ -61,12 +68,13 @@ class NgramIndex:
                 self.latest[tuple(toks[end - n + 1:end + 1])] = end
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens: what followed the latest earlier occurrence of the longest suffix that has one."""
+        """What followed the latest earlier occurrence of the longest suffix that has one: up to k
+        tokens and fewer than the suffix's n."""
         toks = self.tokens
         for n in range(min(NGRAM_MAX, len(toks)), NGRAM_MIN - 1, -1):
             end = self.latest.get(tuple(toks[len(toks) - n:]))
             if end is not None:
-                return toks[end + 1:end + 1 + k]
+                return toks[end + 1:end + 1 + min(k, n - 1)]
         return []
 
 
