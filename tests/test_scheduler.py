@@ -350,3 +350,98 @@ def test_a_stage_takes_its_schedules_in_order_whoever_receives_them(flags, yield
     assert got == list(range(len(flags))) and not arriving
     inline = [yields and f for f in [False] + flags]
     assert [name != "hpipe-source" for name in by] == inline
+
+
+class OracleProposer:
+    """Proposes each sequence's true next tokens (`token_for`), one of them wrong where `miss` says:
+    accepted runs, mismatches and rejected tails all occur."""
+
+    def __init__(self, k: int, miss: int):
+        self.k, self.miss = k, miss
+
+    def propose(self, wants: list[tuple]) -> list[list[int]]:
+        out = []
+        for seq, n in wants:
+            step = len(seq.output)                  # the step's first sampled row is this token's
+            draft = [token_for(seq.index, step + j) for j in range(n)]
+            wrong = (seq.index * 5 + step * self.miss) % (n + 2)
+            if wrong < n:
+                draft[wrong] = 51 + draft[wrong] % 7     # never a true token (those are 0..50)
+            out.append(draft)
+        return out
+
+    def forget(self, index: int) -> None:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), n_stages=st.integers(1, 4),
+       max_batch=st.integers(1, 6), new_tokens=st.integers(1, 12), slice_len=st.integers(1, 25),
+       k=st.integers(1, 4), miss=st.integers(0, 6), lookahead=st.booleans())
+def test_speculation_with_lookahead_reads_only_tokens_that_were_accepted(lengths, n_stages, max_batch, new_tokens,
+                                                                        slice_len, k, miss, lookahead):
+    """Speculating sequences beside each other, with the asynchronous runtime's lookahead: when a
+    micro-batch enters stage 0, every position its segments read before their own holds its sequence's
+    true token (a rejected proposal's position rewritten first), proposals ride only beside at most
+    SPEC_SEQUENCES sequences' decode steps and never behind another step of theirs, and each sequence's
+    output is the one decoding without proposals gives."""
+    from hpipe.runtime.speculative import SPEC_SEQUENCES
+
+    requests = [Request(i, f"r{i}", tuple(range(1, n + 1)), max_new_tokens=new_tokens, eos_ids=frozenset([EOS]))
+                for i, n in enumerate(lengths)]
+    sched = Scheduler(requests, Slicing(lengths=(slice_len,) * 3).slices_for, n_stages, max_batch,
+                      lookahead=lookahead, prefix_caching="off", proposer=OracleProposer(k, miss))
+    truth = {r.index: list(r.input_ids) for r in requests}   # prompt, then every token sampled so far
+    kv: dict[int, dict[int, int]] = {r.index: {} for r in requests}    # position -> the token written there
+    committed: deque = deque()
+    pipe: deque = deque()
+    finished = {}
+    while not sched.done:
+        mb = sched.next_microbatch()
+        if mb is not None:
+            drafted = [s for s in mb.segments if s.draft]
+            decoding = [s for s in mb.segments if not s.prefill]     # (a prompt's slice may ride along)
+            assert not drafted or len(decoding) <= SPEC_SEQUENCES, "proposals beside other sequences' steps"
+            in_flight = {s.seq for m in list(committed) + list(pipe) for s in m.segments}
+            assert not {s.seq for s in drafted} & in_flight, "a proposal behind its sequence's own step"
+            committed.append(mb)
+            continue
+        if committed and (tokens := sched.input_ids(committed[0])) is not None:    # it enters stage 0
+            mb = committed.popleft()
+            at = 0
+            for seg in mb.segments:
+                if seg.seq not in finished:
+                    for p in range(seg.start):
+                        assert kv[seg.seq].get(p) == truth[seg.seq][p], f"r{seg.seq} reads position {p} unwritten or stale"
+                    for j in range(seg.length):
+                        kv[seg.seq][seg.start + j] = tokens[at + j]
+                at += seg.length
+            pipe.append(mb)
+            continue
+        assert pipe, "the scheduler stalled with nothing in flight"
+        done_mb = pipe.popleft()
+        ids = []
+        for seg in done_mb.segments:
+            if not seg.sample:
+                continue
+            rows = [-1] * seg.sampled_rows
+            if seg.seq not in finished:            # verification: sample on while the proposal matches
+                made = len(truth[seg.seq]) - len(requests[seg.seq].input_ids)
+                for j in range(seg.sampled_rows):
+                    rows[j] = token_for(seg.seq, made + j)
+                    if j >= len(seg.draft) or seg.draft[j] != rows[j] or rows[j] == EOS:
+                        break
+                taken = [t for t in rows if t >= 0][:new_tokens - made]
+                truth[seg.seq] += taken[:taken.index(EOS) + 1] if EOS in taken else taken
+            else:
+                rows[0] = 1
+            ids += rows
+        for state in sched.on_sampled(done_mb.id, ids):
+            finished[state.request.index] = state
+    for r in requests:
+        plain = []
+        for step in range(new_tokens):
+            plain.append(token_for(r.index, step))
+            if plain[-1] == EOS:
+                break
+        assert finished[r.index].output == plain == truth[r.index][len(r.input_ids):]

@@ -335,11 +335,17 @@ class Scheduler:
     def _decode_part(self) -> tuple[list[Segment], list[int] | None]:
         decoding = [s for s in self.active if s.decoding]
         ahead = 2 if self.lookahead else 1
-        # a speculating sequence's step waits for its previous token: its proposals follow from it
-        ready = sorted((s for s in decoding if s.in_flight < (1 if self._speculates(s) else ahead)
+        # a step goes ahead of its sequence's previous one unless that one carries proposals: how many
+        # of them are accepted decides where the next step starts
+        ready = sorted((s for s in decoding if s.in_flight < ahead and not s.drafting
                         and s.committed < s.request.max_new_tokens), key=lambda s: s.last_mb)
         cap = self.policy.decode_tokens(len(decoding), self.n_stages)
         ready = ready[:min(cap, self.max_tokens)]
+        if len(ready) <= SPEC_SEQUENCES:
+            # a step that may carry proposals waits for its sequence's previous token: they follow from
+            # it. Not in a micro-batch of more (they carry none): waiting there cost batch 8 on one stage
+            # 16 % of its tokens a second with --speculative, the lookahead lost (bench/speculative.py)
+            ready = [s for s in ready if not (self._speculates(s) and s.in_flight)]
         drafts = self._proposals(ready, len(decoding))
         segments, ids, known = [], [], True
         for seq, draft in zip(ready, drafts):
@@ -357,6 +363,7 @@ class Scheduler:
             seq.pos += 1 + len(draft)
             seq.in_flight += 1
             seq.committed += 1
+            seq.drafting = bool(draft)
         return segments, ids if known else None
 
     def _proposals(self, ready: list[Sequence], decoding: int) -> list[list[int]]:
@@ -399,6 +406,7 @@ class Scheduler:
         seq.proposed += len(seg.draft)
         seq.accepted += accepted
         seq.spec_k = next_k(seq.spec_k, len(seg.draft), accepted, self.proposer.k)
+        seq.drafting = False
         seq.pos = seq.fed = seg.start + len(emitted)
         keep = pages_needed(seq.pos, self.pool.page_size)
         if seq.status is not Status.PREEMPTED and len(seq.pages) > keep:

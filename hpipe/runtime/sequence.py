@@ -58,6 +58,7 @@ class Sequence:
     last_mb: int = -1                          # the micro-batch of its latest step (round-robin order)
     preemptions: int = 0
     spec_k: int = 0                            # speculating: its next step's most proposed tokens (adapts)
+    drafting: bool = False                     # a step carrying proposals is in flight (none goes after it)
     proposed: int = 0                          # tokens proposed for it, and of them accepted
     accepted: int = 0
     finish_reason: str | None = None
