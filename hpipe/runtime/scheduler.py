@@ -339,13 +339,13 @@ class Scheduler:
         # of them are accepted decides where the next step starts
         ready = sorted((s for s in decoding if s.in_flight < ahead and not s.drafting
                         and s.committed < s.request.max_new_tokens), key=lambda s: s.last_mb)
-        cap = self.policy.decode_tokens(len(decoding), self.n_stages)
-        ready = ready[:min(cap, self.max_tokens)]
-        if len(ready) <= SPEC_SEQUENCES:
+        take = min(self.policy.decode_tokens(len(decoding), self.n_stages), self.max_tokens)
+        if min(take, len(ready)) <= SPEC_SEQUENCES:
             # a step that may carry proposals waits for its sequence's previous token: they follow from
             # it. Not in a micro-batch of more (they carry none): waiting there cost batch 8 on one stage
             # 16 % of its tokens a second with --speculative, the lookahead lost (bench/speculative.py)
             ready = [s for s in ready if not (self._speculates(s) and s.in_flight)]
+        ready = ready[:take]
         drafts = self._proposals(ready, len(decoding))
         segments, ids, known = [], [], True
         for seq, draft in zip(ready, drafts):
