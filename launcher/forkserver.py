@@ -57,6 +57,12 @@ __all__ = ["Forked", "command_process", "spawn", "start"]
 # what the server imports before it forks: what every stage worker imports first
 PRELOAD = ("torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
            "hpipe.runtime.worker")
+# what a stage that loads compiled decode graphs imports next (~0.9 s of CPU on a 2-core EPYC): a
+# host's server, which outlives its launches, imports it once when no worker runs, so the stages
+# of every later launch find it imported; a launch's own server does not (its stages are forked at
+# once, and an eager job would pay it for nothing)
+IDLE_PRELOAD = ("torch._inductor.graph", "torch._inductor.decomposition",
+                "torch._functorch._aot_autograd.aot_autograd_result", "torch.utils.cpp_extension")
 # what each launch sets, and pytest's name for the test it runs now (it changes under a test
 # process at every test: a suite's local launches once started a server per test, ~4 s of imports each)
 PER_LAUNCH_ENV = ("HPIPE_JOB_TOKEN", "HPIPE_GROUP_TOKEN", PARENT_ENV, "PYTEST_CURRENT_TEST")
@@ -357,6 +363,7 @@ def serve(listener_fd: int, launcher: int | None, idle_s: float = float("inf")) 
     selector.register(wake_r, selectors.EVENT_READ)
     workers: dict[int, socket.socket] = {}       # pid -> the connection its exit code goes back on
     idle_since = time.monotonic()
+    preloaded_idle = False
     while (launcher is None or os.getppid() == launcher) and not (retiring and not workers):
         for key, _ in selector.select(POLL_S):
             if key.fileobj is listener and not retiring:
@@ -386,10 +393,22 @@ def serve(listener_fd: int, launcher: int | None, idle_s: float = float("inf")) 
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since > idle_s:
             break
+        elif launcher is None and not preloaded_idle:
+            preloaded_idle = _import_quietly(IDLE_PRELOAD)
     # retired with no worker left, idle long enough, or the launching process is gone: so are we
     # (and our workers, by their parent-death signal)
     _remove_socket(address, bound)
     os._exit(0)
+
+
+def _import_quietly(names: tuple[str, ...]) -> bool:
+    """Imports `names`; one that fails (another torch's layout) is left to the workers that need it."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:          # noqa: BLE001 - an optimization only: the worker imports it itself, or says why
+            pass
+    return True
 
 
 def _remove_socket(address: str, bound: int | None) -> None:

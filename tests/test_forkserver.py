@@ -28,6 +28,9 @@ PROBE = '''
 import json, os, sys, time
 
 def main(argv):
+    if argv[0] == "modules":
+        print(json.dumps({"server": os.getppid(), "imported": [n for n in argv[1:] if n in sys.modules]}), flush=True)
+        return
     if argv[0] == "sleep":
         print("ready", flush=True)
         time.sleep(600)
@@ -146,6 +149,38 @@ def test_nothing_outlives_the_launching_process(tmp_path):
         early.wait()
     assert _gone(int(server), within_s=60)
     assert not Path(socket_dir).exists()
+
+
+def test_a_hosts_server_imports_what_compiled_graphs_need_while_no_worker_runs(tmp_path):
+    """A host's server (started as `hpipe.ssh.remote_wrapper` starts it, outliving its launches)
+    forks the first worker as soon as its own imports are done, and imports what a stage loading
+    compiled graphs needs (`IDLE_PRELOAD`) once no worker runs: the workers of later launches find
+    it imported."""
+    from hpipe.ssh import remote_wrapper
+
+    env = _env(tmp_path, PROBE_TEST=str(tmp_path))     # a server of this test's own
+    names = list(forkserver.IDLE_PRELOAD)
+
+    def fork_probe() -> dict:
+        worker = remote_wrapper.ServedWorker(remote_wrapper.server_connection(env),
+                                             [sys.executable, "-m", "fs_probe", "modules", *names], env, str(tmp_path))
+        assert worker.wait(120) == 0, worker.stderr.read().decode()
+        return json.loads(worker.stdout.readline())
+
+    first = fork_probe()
+    try:
+        assert first["imported"] == [], "the first worker waited for the idle imports"
+        deadline, later = time.time() + 60, first
+        while later["imported"] != names and time.time() < deadline:
+            time.sleep(0.5)
+            later = fork_probe()
+        assert later["imported"] == names and later["server"] == first["server"], later
+    finally:
+        os.kill(first["server"], signal.SIGTERM)
+    deadline = time.time() + 10                          # our child (`server_connection` started it): reaped here
+    while os.waitpid(first["server"], os.WNOHANG) == (0, 0) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _gone(first["server"])
 
 
 def test_a_command_that_is_not_a_module_main_is_not_forked(tmp_path):
