@@ -394,21 +394,21 @@ def serve(listener_fd: int, launcher: int | None, idle_s: float = float("inf")) 
         elif time.monotonic() - idle_since > idle_s:
             break
         elif launcher is None and not preloaded_idle:
-            preloaded_idle = _import_quietly(IDLE_PRELOAD)
+            _import_quietly(IDLE_PRELOAD)
+            preloaded_idle = True
     # retired with no worker left, idle long enough, or the launching process is gone: so are we
     # (and our workers, by their parent-death signal)
     _remove_socket(address, bound)
     os._exit(0)
 
 
-def _import_quietly(names: tuple[str, ...]) -> bool:
+def _import_quietly(names: tuple[str, ...]) -> None:
     """Imports `names`; one that fails (another torch's layout) is left to the workers that need it."""
     for name in names:
         try:
             importlib.import_module(name)
         except Exception:          # noqa: BLE001 - an optimization only: the worker imports it itself, or says why
             pass
-    return True
 
 
 def _remove_socket(address: str, bound: int | None) -> None:
