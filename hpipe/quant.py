@@ -60,7 +60,7 @@ from hpipe import cpu_kernels
 from hpipe.errors import HpipeError
 
 __all__ = ["WeightFormat", "Affine", "read_gguf_tensor", "quantize_int4", "quantize_int8", "quantize_int8_blocks", "pack", "RowPaths",
-           "ROW_PATHS", "row_paths", "DenseGemm", "DENSE", "dense_gemm", "DENSE_PROMPT", "DENSE_TILE", "gemm_rows", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
+           "ROW_PATHS", "row_paths", "DenseGemm", "DENSE", "dense_gemm", "DENSE_PROMPT", "gemm_rows", "path_switches", "BLOCKED", "cpu_int4_layout", "pack_blocked", "unpack_blocked",
            "torch_packs_blocked", "vnni_kernel", "kernels_on", "stage_weights", "scales_shape", "blocked_scales", "flat_scales",
            "super_pairs", "row_scaled",
            "packed_bytes", "STACKED", "stacked_groups", "stack_rows", "int4_scales", "int8_weight"]
@@ -77,30 +77,46 @@ INT4_N_MULTIPLE = 16                    # the CPU packing wants output rows in m
 @dataclass(frozen=True)
 class DenseGemm:
     """How a CPU runs many-row linears: weights dequantized to bf16 `chunk_bytes` at a time, widened
-    to `dtype` and multiplied by its GEMM, from `from_rows[kind]` rows on (int4, int8)."""
+    to `dtype` and multiplied by its GEMM, from `from_rows[kind]` rows on (int4, int8). Under
+    --deterministic, rows padded to a multiple of `tile`, and with `tile_calls` each GEMM call
+    taking exactly `tile` of them (`gemm_rows`): what gives a row the same bits for any row count."""
     dtype: str
     chunk_bytes: int
     from_rows: dict
+    tile: int
+    tile_calls: bool
+
+    def tiled(self, dense, x2):
+        """dense(x2, tile) (`Int4Linear.dense`, `Int8Linear.dense`) on x2's rows padded to a multiple
+        of `tile` (padded once, not once per weight chunk)."""
+        import torch
+
+        n = x2.shape[0]
+        if n % self.tile:
+            x2 = torch.cat([x2, x2.new_zeros(-n % self.tile, x2.shape[1])])
+        return dense(x2, self.tile if self.tile_calls else None)[:n]
 
 
 # Measured on 2 cores (the module's docstring). bf16 units: int4 breaks even at 128 rows (dequantizing
 # one code costs what ~120 rows of the kernel's arithmetic on it cost), int8 at ~32; its chunk stays in
 # L2 while multiplied. float32 (AVX2): both break even between 128 and 256 rows, and the GEMM wants
-# wider chunks (16384x2048 at 512 rows: 338 ms with chunks of 1 MB, 293 with 4 MB, 434 with 16 MB)
-DENSE = {"bf16": DenseGemm("bfloat16", 1 << 20, {"int4": 192, "int8": 64}),
-         "float32": DenseGemm("float32", 4 << 20, {"int4": 192, "int8": 192})}
+# wider chunks (16384x2048 at 512 rows: 338 ms with chunks of 1 MB, 293 with 4 MB, 434 with 16 MB).
+# The tiles (--deterministic): oneDNN's bf16 GEMM picks its kernel and blocking by the row count: on
+# an AMX Xeon (2026-12-01) a row got other bits among 33-63 rows than alone, and among 256+ rows than
+# among 64, padded or not; in calls of a fixed count (64, 128 or 256) every row got the same bits at
+# any place among 1 to 1,024 rows. 128: a deterministic stage's 512-token prefill there took 1.45x
+# the time of the GEMM's own calls in calls of 64, 1.17x in 128, 1.05x in 256, but a 272-token one
+# 1.49x in 256 (its padding). MKL's float32 GEMM gives a row the same bits in one call of any multiple
+# of 16 rows (as `invariant.RowTiledLinear`'s; SmolLM2's shapes, 16-1,024 rows, 1 and 2 threads, an
+# AVX2 EPYC, 2026-12-02): the default model's deterministic launch of 8 prompts took 0.73x the time
+# of calls of exactly 128 rows.
+DENSE = {"bf16": DenseGemm("bfloat16", 1 << 20, {"int4": 192, "int8": 64}, tile=128, tile_calls=True),
+         "float32": DenseGemm("float32", 4 << 20, {"int4": 192, "int8": 192}, tile=16, tile_calls=False)}
 # --deterministic: a row's path is fixed by its own request, never by how many rows share the call
-# (each path alone gives a row the same bits for any number of rows, the GEMM in calls of DENSE_TILE
-# rows; the two paths round apart).
+# (each path alone gives a row the same bits for any number of rows, the GEMM tiled as its
+# `DenseGemm` says; the two paths round apart).
 # Prompt rows of prompts this long take the dense GEMM, every other row the weight-only kernel.
 DENSE_PROMPT = max(r for d in DENSE.values() for r in d.from_rows.values())
-# --deterministic: the dense GEMM runs on calls of exactly this many rows (the last one padded).
-# oneDNN's bf16 GEMM picks its kernel and blocking by the row count: on an AMX Xeon (2026-12-01) a row
-# got other bits among 33-63 rows than alone, and among 256+ rows than among 64, padded or not; in
-# calls of a fixed count (64, 128 or 256) every row got the same bits at any place among 1 to 1,024
-# rows. 128: a deterministic stage's 512-token prefill there took 1.45x the time of the GEMM's own
-# calls in calls of 64, 1.17x in 128, 1.05x in 256, but a 272-token one 1.49x in 256 (its padding)
-DENSE_TILE = 128
 
 
 @dataclass(frozen=True)
@@ -134,8 +150,8 @@ def row_paths(paths: RowPaths | None):
 
 
 def gemm_rows(x2, b, tile: int | None):
-    """x2 @ b, or with `tile`, in calls of exactly `tile` rows of x2 (`DENSE_TILE`; x2's rows a
-    multiple of it, padded once by the caller rather than once per weight chunk)."""
+    """x2 @ b, or with `tile`, in calls of exactly `tile` rows of x2 (`DenseGemm.tiled`: x2's rows a
+    multiple of it)."""
     import torch
 
     if tile is None:

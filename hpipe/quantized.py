@@ -47,20 +47,13 @@ class WeightOnly(nn.Module):
 
     def _by_row(self, x2, paths: quant.RowPaths):
         if paths.kernel is None:
-            return self._dense_tiled(x2)
+            return self.gemm.tiled(self.dense, x2)
         if paths.dense is None:
             return self.mm(x2)
         y = x2.new_empty(x2.shape[0], self.out_features)
-        y[paths.dense] = self._dense_tiled(x2[paths.dense]).to(y.dtype)
+        y[paths.dense] = self.gemm.tiled(self.dense, x2[paths.dense]).to(y.dtype)
         y[paths.kernel] = self.mm(x2[paths.kernel]).to(y.dtype)
         return y
-
-    def _dense_tiled(self, x2):
-        """`dense` in GEMM calls of exactly `quant.DENSE_TILE` rows (the rows padded once)."""
-        n, tile = x2.shape[0], quant.DENSE_TILE
-        if n % tile:
-            x2 = torch.cat([x2, x2.new_zeros(-n % tile, x2.shape[1])])
-        return self.dense(x2, tile)[:n]
 
 
 class Int4Linear(WeightOnly):
