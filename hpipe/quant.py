@@ -79,22 +79,13 @@ class DenseGemm:
     """How a CPU runs many-row linears: weights dequantized to bf16 `chunk_bytes` at a time, widened
     to `dtype` and multiplied by its GEMM, from `from_rows[kind]` rows on (int4, int8). Under
     --deterministic, rows padded to a multiple of `tile`, and with `tile_calls` each GEMM call
-    taking exactly `tile` of them (`gemm_rows`): what gives a row the same bits for any row count."""
+    taking exactly `tile` of them (`WeightOnly._dense_tiled`): what gives a row the same bits for
+    any row count."""
     dtype: str
     chunk_bytes: int
     from_rows: dict
     tile: int
     tile_calls: bool
-
-    def tiled(self, dense, x2):
-        """dense(x2, tile) (`Int4Linear.dense`, `Int8Linear.dense`) on x2's rows padded to a multiple
-        of `tile` (padded once, not once per weight chunk)."""
-        import torch
-
-        n = x2.shape[0]
-        if n % self.tile:
-            x2 = torch.cat([x2, x2.new_zeros(-n % self.tile, x2.shape[1])])
-        return dense(x2, self.tile if self.tile_calls else None)[:n]
 
 
 # Measured on 2 cores (the module's docstring). bf16 units: int4 breaks even at 128 rows (dequantizing
@@ -150,8 +141,8 @@ def row_paths(paths: RowPaths | None):
 
 
 def gemm_rows(x2, b, tile: int | None):
-    """x2 @ b, or with `tile`, in calls of exactly `tile` rows of x2 (`DenseGemm.tiled`: x2's rows a
-    multiple of it)."""
+    """x2 @ b, or with `tile`, in calls of exactly `tile` rows of x2 (`WeightOnly._dense_tiled`: x2's
+    rows a multiple of it)."""
     import torch
 
     if tile is None:

@@ -47,13 +47,21 @@ class WeightOnly(nn.Module):
 
     def _by_row(self, x2, paths: quant.RowPaths):
         if paths.kernel is None:
-            return self.gemm.tiled(self.dense, x2)
+            return self._dense_tiled(x2)
         if paths.dense is None:
             return self.mm(x2)
         y = x2.new_empty(x2.shape[0], self.out_features)
-        y[paths.dense] = self.gemm.tiled(self.dense, x2[paths.dense]).to(y.dtype)
+        y[paths.dense] = self._dense_tiled(x2[paths.dense]).to(y.dtype)
         y[paths.kernel] = self.mm(x2[paths.kernel]).to(y.dtype)
         return y
+
+    def _dense_tiled(self, x2):
+        """`dense` on x2's rows padded once to a multiple of the GEMM's tile, in calls of exactly
+        that many rows where its `tile_calls` says so (`quant.DenseGemm`)."""
+        n, tile = x2.shape[0], self.gemm.tile
+        if n % tile:
+            x2 = torch.cat([x2, x2.new_zeros(-n % tile, x2.shape[1])])
+        return self.dense(x2, tile if self.gemm.tile_calls else None)[:n]
 
 
 class Int4Linear(WeightOnly):

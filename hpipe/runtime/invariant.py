@@ -13,7 +13,8 @@ What varies otherwise, measured on this kind of CPU (tests/test_determinism.py k
 - float32 linears: MKL's GEMM rounds a row differently for other numbers of rows; padded to a
   multiple of `TILE` rows, a row gets the same bits for any count (`RowTiledLinear`);
 - quantized linears: the weight-only kernel, and the dense GEMM on rows tiled as its
-  `quant.DenseGemm` says (bf16: calls of exactly 128 rows; float32: one call, a multiple of 16), each give a row the same bits for any number of rows, but
+  `quant.DenseGemm` says (bf16: calls of exactly 128 rows; float32: one call, a multiple of 16),
+  each give a row the same bits for any number of rows, but
   round apart; the path is chosen by the row's request, not by the call's rows (`hpipe.quant.ROW_PATHS`: prompt rows of prompts of `DENSE_PROMPT` tokens or more
   take the dense GEMM, every other row the kernel);
 - RMSNorm, rotary embeddings and the MLP's elementwise products are row by row already.
