@@ -569,7 +569,7 @@ def _print_launch(summary: dict, out: str, hosts: StageHosts) -> None:
     if s.get("options", {}).get("compile_cold"):
         where = "" if hosts.cluster is None else f" --cluster {hosts.cluster}"
         typer.echo(f"decode ran eagerly: `hpipe warmup{where} --plan {hosts.plan_path}` compiles its steps once on "
-                   f"each host (about a minute; add the run's --speculative if it has one); runs then take about 0.7x "
+                   f"each host (1-3 minutes on 2 cores; add the run's --speculative if it has one); runs then take about 0.7x "
                    f"the time a token")
     if s.get("prefix_hit_tokens"):
         typer.echo(f"prefix cache: {s['prefix_hit_tokens']} of {s['prefix_query_tokens']} prompt tokens were cached "

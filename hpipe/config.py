@@ -134,7 +134,7 @@ class RuntimeConfig:
     compile: str = setting("auto", "--compile", "decode steps run their blocks through torch.compile (inductor), 4 "
                            "or 5 blocks a graph call, graphs shared by every call alike, their wrapper C++ (CPU stages "
                            "of llama-like models): 0.7x the time of an eager step on SmolLM2. on: compile at start "
-                           "(about a minute the first time on a host; later starts load the saved graphs in ~2 s a "
+                           "(1-3 minutes the first time on a 2-core host; later starts load the saved graphs in ~2 s a "
                            "stage); auto: where `hpipe warmup` has compiled the model's graphs on this host, else "
                            "eagerly (a server serves from its start and gets them beside it: loaded, or compiled first "
                            "at the lowest CPU priority on a cold host); off: eagerly. A failed compile leaves the run "

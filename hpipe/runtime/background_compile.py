@@ -76,7 +76,7 @@ class BackgroundCompile:
     def start(self) -> None:
         if self.cold:
             self.log(f"{self.name}: decode runs eagerly while its graphs compile in the background (no `hpipe "
-                     f"warmup` on this host yet: about a minute at the lowest CPU priority); steps then run them")
+                     f"warmup` on this host yet: 1-3 minutes on 2 cores, at the lowest CPU priority); steps then run them")
         self.thread.start()
 
     def _run(self) -> None:

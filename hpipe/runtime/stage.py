@@ -524,7 +524,7 @@ def compiled_halves_refused(runner, mode: str) -> str | None:
     if mode == "auto" and not warm_graphs(runner):
         speculative = " with the run's --speculative" if runner.step_tokens > 1 else ""
         return (f"{COLD} for {torch.get_num_threads()} threads: `hpipe warmup --plan PLAN`{speculative} compiles "
-                f"them once (about a minute; later starts load them in ~2 s a stage) and decode steps then take "
+                f"them once (1-3 minutes on 2 cores; later starts load them in ~2 s a stage) and decode steps then take "
                 f"about 0.7x the time")
     return None
 
