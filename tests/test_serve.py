@@ -33,6 +33,7 @@ NEW_TOKENS = 12
 # 2026-11-27: by up to 0.007 before their tokens part, torch's kernels by up to 0.39)
 QUANTIZED_TIE = 0.5
 COMPLETION = "The three primary colors are"
+RENDEZVOUS_S, IDLE_S = 20, 25
 CHAT = "Name a large animal."
 
 
@@ -88,8 +89,10 @@ def smollm2(tmp_path_factory):
 def server(smollm2):
     tmp, plan = smollm2[0], smollm2[1]
     # requests join the sampler process pool (SiPipe) as they come; the killed-stage test below
-    # serves with the default, the last stage sampling in its loop (a CPU stage)
-    proc, base, log = start_server(tmp, plan, "--max-queue", "4", "--sampling", "cpu", "--sampler-procs", "2")
+    # serves with the default, the last stage sampling in its loop (a CPU stage). The rendezvous
+    # timeout, 300 s by default, is what an idle server outlives (`IDLE_S`)
+    proc, base, log = start_server(tmp, plan, "--max-queue", "4", "--sampling", "cpu", "--sampler-procs", "2",
+                                   "--rendezvous-timeout", str(RENDEZVOUS_S))
     yield base
     stop_serve(proc)
     assert proc.returncode in (0, 130), log.read_text()
@@ -155,6 +158,17 @@ def test_greedy_text_equals_launch_and_transformers(server, smollm2):
     assert done.usage.prompt_tokens == len(tokenizer(COMPLETION)["input_ids"])
     assert done.usage.completion_tokens <= NEW_TOKENS and chat.choices[0].message.role == "assistant"
     assert done.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_idle_server_outlives_the_rendezvous_timeout(server):
+    """The stages wait for the next request as long as the server runs: with gloo's deadline at the
+    rendezvous timeout, every stage after the first gave up waiting for a schedule when no request
+    came for that long (300 s by default) and the server stopped."""
+    c = client(server)
+    before = c.completions.create(model="smollm2", prompt=COMPLETION, max_tokens=4, temperature=0)
+    time.sleep(IDLE_S)
+    after = c.completions.create(model="smollm2", prompt=COMPLETION, max_tokens=4, temperature=0)
+    assert after.choices[0].text == before.choices[0].text
 
 
 def test_streaming_gives_the_same_text(server):

@@ -132,10 +132,22 @@ def check_job_token(store, rank: int, job_token: str) -> None:
                             "address; refusing to join")
 
 
+# How long a gloo receive of the run waits: as long as the job lasts. An idle server's stages wait
+# for the next request's schedule for hours; with gloo's deadline at the rendezvous timeout every
+# follower's wait ended at 300 s and the server stopped ("Timed out waiting 300000ms for recv"), and
+# a timed-out gloo receive closes its pair, so a wait cannot be taken up again. The rendezvous stays
+# bounded (`init`'s timeout_s: the store's waits, the groups' creation, the first exchange); a dead
+# stage closes its connections, and a host that falls silent is the launcher's to find
+# (`--host-timeout`).
+RUN_TIMEOUT = datetime.timedelta(days=365)
+
+
 def init(rank: int, world: int, addr: str, port: int, job_token: str, devices: list[str],
          timeout_s: float = 300.0) -> Groups:
     """Joins the job. Every key of the rendezvous store is prefixed with the job token, so a worker
-    that does not present this launch's token never meets the others."""
+    that does not present this launch's token never meets the others. The run's gloo groups wait
+    without a deadline (`RUN_TIMEOUT`); NCCL's, whose operations are in flight only while a
+    micro-batch moves, keep timeout_s."""
     backend = choose_backend(devices)
     choose_gloo_interface(addr)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -146,10 +158,11 @@ def init(rank: int, world: int, addr: str, port: int, job_token: str, devices: l
         torch.cuda.set_device(torch.device(devices[rank]))
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=torch.device(devices[rank]))
-        ctrl = dist.new_group(backend="gloo", timeout=timeout)
+        ctrl = dist.new_group(backend="gloo", timeout=RUN_TIMEOUT)
         return Groups(backend, ctrl, dist.group.WORLD, torch.device(devices[rank]), rank)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    return Groups(backend, dist.group.WORLD, dist.group.WORLD, torch.device("cpu"), rank)
+    run = dist.new_group(backend="gloo", timeout=RUN_TIMEOUT)     # created through the store: bounded by timeout_s
+    return Groups(backend, run, run, torch.device("cpu"), rank)
 
 
 class Pending:
