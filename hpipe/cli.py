@@ -466,9 +466,10 @@ def launch(
                             presence_penalty=presence_penalty)
     settings = launcher.LaunchSettings(runtime=runtime, max_new_tokens=max_new_tokens, params=params, seed=seed,
                                        logits_out=logits_out, resume=resume, log_dir=_log_dir(log_dir))
+    files = launcher.read_job_files(prompts, out, settings)
     if hosts.inventory is None:
         launcher.prestart_local(hosts.plan_path)
-    job = launcher.prepare(hosts.plan_path, prompts, out, settings, model=model, progress=_note)
+    job = launcher.prepare(hosts.plan_path, prompts, out, settings, model=model, progress=_note, files=files)
     if job.skipped:
         _note(f"--resume: skipping {len(job.skipped)} prompts already in {out}")
     if job.plan.mode == "sidp":

@@ -8,7 +8,7 @@ from hpipe.launcher.cluster import (check_table, launch_cluster, plan_hosts, pre
                                     remote_model_spec, start_cluster, warm_hosts)
 from hpipe.launcher.jobs import (HEARTBEAT_TIMEOUT_S, TOLERANCE, Launch, LaunchSettings, PreparedJob, busy_fractions, decode_check, decode_check_lines,
                                  encode_prompt, plan_check,
-                                 prepare, prepare_model, write_run_summary)
+                                 prepare, prepare_model, read_job_files, write_run_summary)
 from hpipe.launcher.local import launch_local, prestart_local, start_local, threads_per_stage
 from hpipe.launcher.overheads import decode_terms
 from hpipe.launcher.replicas import ReplicaReport, check_replicas, launch_replicas, write_mode_trace
@@ -16,5 +16,5 @@ from hpipe.launcher.run_chart import check_timeline_out, predicted_timeline, wri
 from hpipe.launcher.service import check_listen, serve_http
 
 __all__ = ["HEARTBEAT_TIMEOUT_S", "TOLERANCE", "Launch", "LaunchSettings", "PreparedJob", "ReplicaReport", "check_replicas", "launch_replicas", "write_mode_trace", "busy_fractions", "check_listen", "check_table", "check_timeline_out", "decode_check", "decode_check_lines", "decode_terms", "encode_prompt",
-           "launch_cluster", "launch_local", "plan_check", "plan_hosts", "prestart_local", "predicted_timeline", "preflight", "prepare", "prepare_model",
+           "launch_cluster", "launch_local", "plan_check", "plan_hosts", "prestart_local", "predicted_timeline", "preflight", "prepare", "prepare_model", "read_job_files",
            "refuse_failed", "remote_model_spec", "serve_http", "start_cluster", "start_local", "threads_per_stage", "warm_hosts", "write_run_summary", "write_run_timeline"]

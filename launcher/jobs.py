@@ -87,17 +87,36 @@ def prepare_model(plan_path: str, settings: LaunchSettings, model: str | None = 
     return PreparedJob(plan, source, config, models.load_tokenizer(source.path), [], [])
 
 
-def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSettings,
-            model: str | None = None, progress=None) -> PreparedJob:
-    base = prepare_model(plan_path, settings, model, progress)
-    plan, source, config, tokenizer = base.plan, base.source, base.config, base.tokenizer
+@dataclass(frozen=True)
+class JobFiles:
+    """A batch job's own files, read before its model: the prompts, and the ids of those the results
+    file already holds (--resume)."""
+
+    prompts: list[formats.PromptRecord]
+    done_ids: frozenset[str]
+
+
+def read_job_files(prompts_path: str, out_path: str, settings: LaunchSettings) -> JobFiles:
+    """The job's settings and files checked first: a mistake in them is one line at once, where it
+    came after the model's loading (~6 s of a local launch's imports and its fork server's start)."""
+    check_settings(settings)
     prompts = formats.load_prompts(prompts_path)
-    done_ids: set[str] = set()
+    done_ids: frozenset[str] = frozenset()
     if os.path.exists(out_path) and os.path.getsize(out_path) > 0:
         if not settings.resume:
             raise HpipeError(f"{out_path}: results file already exists; pass --resume to skip the prompts "
                              f"it holds, or choose another --out")
-        done_ids = {r["id"] for r in formats.load_results(out_path)}
+        done_ids = frozenset(r["id"] for r in formats.load_results(out_path))
+    return JobFiles(prompts, done_ids)
+
+
+def prepare(plan_path: str, prompts_path: str, out_path: str, settings: LaunchSettings,
+            model: str | None = None, progress=None, files: JobFiles | None = None) -> PreparedJob:
+    """files: `read_job_files`' (the `hpipe` command reads them before it starts its fork server)."""
+    files = files or read_job_files(prompts_path, out_path, settings)
+    prompts, done_ids = files.prompts, files.done_ids
+    base = prepare_model(plan_path, settings, model, progress)
+    plan, source, config, tokenizer = base.plan, base.source, base.config, base.tokenizer
     eos = frozenset(models.eos_token_ids(source.path, config))
     ctx = models.max_model_len(settings.runtime.max_model_len, config)
     limit = "--max-model-len" if ctx < models.context_length(config) else "the model's context"
