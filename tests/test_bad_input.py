@@ -153,12 +153,12 @@ def test_existing_results_need_resume(capsys, llama_plan, tmp_path):
     one_error_line(err, "o.jsonl", "--resume")
     # the job's own files are read before its model (at once, not after the model's loading): the
     # same line where the model is not there at all
-    for argv in (["--out", str(tmp_path / "o.jsonl")], ["--prompts", str(tmp_path / "none.jsonl")]):
-        files = {"--prompts": str(tmp_path / "p.jsonl"), "--out": str(tmp_path / "new.jsonl"), **dict([argv])}
+    for prompts, out, needles in (("p.jsonl", "o.jsonl", ["o.jsonl", "--resume"]),
+                                  ("none.jsonl", "new.jsonl", ["none.jsonl", "not found"])):
         code, err = run_cli(capsys, "launch", str(llama_plan), "--local", "--model", str(tmp_path / "gone"),
-                            *[x for kv in files.items() for x in kv])
+                            "--prompts", str(tmp_path / prompts), "--out", str(tmp_path / out))
         assert code == 2
-        one_error_line(err, *(["o.jsonl", "--resume"] if argv[0] == "--out" else ["none.jsonl", "not found"]))
+        one_error_line(err, *needles)
 
 
 def test_a_log_dir_that_cannot_be_written(capsys, llama_plan, tmp_path):
