@@ -6,7 +6,8 @@
 Rank 0 and rank 1 each send messages of 8 B, 1 KB and 4x larger each time, up to 64 MB (`--quick`:
 16 MB, fewer repeats) or the first that takes `ENOUGH_S` (`QUICK_ENOUGH_S`), to the other and time
 the round trip with a one-element reply. rtt(n) = 2 alpha + n / beta (the reply costs one more latency): 2 alpha is the
-smallest message's round trip, beta the slope over the messages of 1 MB and more; the one-way points
+smallest message's round trip, beta the slope over the messages of 1 MB and more (each its fastest
+round trip; a small message its median); the one-way points
 kept in the profile are rtt(n) - alpha. Rank 0 reports `@@hpipe {"type": "link_profile", ...}` with
 both directions and the raw points.
 """
@@ -38,6 +39,12 @@ ENOUGH_S, QUICK_ENOUGH_S = 0.4, 0.1
 
 
 SMALL_BYTES = 4096      # messages whose time is the link's latency: a decode step's hidden state and less
+# messages whose time is the link's bandwidth: the slope's points. Each is the fastest of its round
+# trips, not their median: no round trip beats the wire, and a slower one is a host busy elsewhere
+# (a CI run's 1 Gbit/s link, with two other test workers on the same 2 cores, read 10.05 % slow by
+# the median of three 16 MB round trips, where alone it reads within 0.1 %). A small message keeps
+# its median: that is the latency a decode step's hop pays.
+BULK_BYTES = 1 << 20
 
 
 def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -46,12 +53,12 @@ def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
     them is a host answering late, not the link: on the emulated hosts the 100 Mbit/s link h1 -> h2
     answered its 8-byte round trip in 3.2 ms and its 1 and 4 KB ones in 0.15, and every decode hop
     over it was predicted 2.45 ms against 0.25-0.36 measured); beta
-    is the slope of a least-squares line through the messages of 1 MB and more (or the two
+    is the slope of a least-squares line through the messages of BULK_BYTES and more (or the two
     largest). Fitting the slope on the large messages alone keeps a noisy latency from bending the
     bandwidth."""
     pts = sorted(points)
     alpha = max(0.0, min(t for n, t in pts if n <= max(SMALL_BYTES, pts[0][0])))
-    big = [p for p in pts if p[0] >= 1 << 20]
+    big = [p for p in pts if p[0] >= BULK_BYTES]
     if len(big) < 2:
         big = pts[-2:]
     n = np.array([p[0] for p in big], dtype=float)
@@ -79,7 +86,8 @@ def measure(rank: int, groups, device, quick: bool) -> dict:
             reps = 3 if size >= 1 << 24 else (5 if quick else 10)
             times = _round_trips(rank == sender, peer, groups, buf, staged, reps)
             if rank == sender:
-                points.append((buf.numel() * 4, statistics.median(times)))
+                n = buf.numel() * 4
+                points.append((n, min(times) if n >= BULK_BYTES else statistics.median(times)))
             if not _next_size(rank == sender, peer, groups, dev, rank != sender or points[-1][1] < enough_s):
                 break
         if rank == sender:
