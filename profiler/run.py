@@ -298,8 +298,7 @@ def _remote_reports(conn, argv: list[str], env: dict, tail: list[str], device: s
 
 def _remote_free_port(conn) -> int:
 
-    code, out, err = ssh.run_python(conn, "import socket\ns = socket.socket()\ns.bind(('', 0))\n"
-                                          "print(s.getsockname()[1])", [])
+    code, out, err = ssh.run_python(conn, "from hpipe.net import free_port\nprint(free_port())", [])
     if code != 0:
         raise HpipeError(f"host {conn.host.name}: cannot pick a port: {err.strip()[-200:]}")
     return int(out.strip().splitlines()[-1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -44,6 +45,26 @@ PEER = textwrap.dedent("""
     except Exception as e:
         print(("lost" if comm.lost_peer(e) else "other") + "|" + comm.lost_peer_line(e) + "|" + repr(e)[:300])
 """)
+
+
+def test_a_rendezvous_port_is_one_no_connection_is_given_meanwhile():
+    """`free_port` picks outside the kernel's ephemeral range: a port `bind(("", 0))` returned went to
+    one of a run's gloo connections before this file's rendezvous bound it ("address already in
+    use"). With a hundred connections open, no pick is a port the kernel gives them, and each binds."""
+    low, high = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        clients = [socket.create_connection(server.getsockname()) for _ in range(100)]
+        try:
+            taken = {c.getsockname()[1] for c in clients}
+            assert all(low <= p <= high for p in taken)          # what the kernel gives a connection
+            picks = [free_port() for _ in range(300)]
+            assert not [p for p in picks if low <= p <= high or p in taken], picks
+            for p in picks[:20]:
+                with socket.create_server(("", p)):
+                    pass
+        finally:
+            for c in clients:
+                c.close()
 
 
 @pytest.mark.parametrize("what", ["recv", "send"])
