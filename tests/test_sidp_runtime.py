@@ -132,6 +132,13 @@ def test_replicas_give_the_pipelines_tokens_and_share_the_weights(tiny_models, r
         assert replica["weights_pss_bytes"] <= 0.55 * replica["weights_rss_bytes"]
 
 
+def replica_pids(plan: Path, replica: int) -> list[str]:
+    """The workers of `replica` that the launch of `plan` started (another test's may run beside it)."""
+    ps = subprocess.run(["pgrep", "-f", "--", f"--replica {replica} "], capture_output=True, text=True).stdout.split()
+    mine = f"--plan {plan} ".encode()
+    return [p for p in ps if mine in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]
+
+
 def test_a_replica_lost_mid_job_hands_its_requests_to_the_others(tiny_models, tmp_path):
     """Under CaS, where the replicas meet at every MLP half: the survivor falls with the killed
     replica, is started again on its own (WaS), and the job finishes without --resume, every id
@@ -147,7 +154,7 @@ def test_a_replica_lost_mid_job_hands_its_requests_to_the_others(tiny_models, tm
     while not (out.exists() and out.read_text().count("\n") >= 2):
         assert job.poll() is None and time.time() < deadline, job.communicate()
         time.sleep(0.2)
-    ps = subprocess.run(["pgrep", "-f", "--", "--replica 1 "], capture_output=True, text=True).stdout.split()
+    ps = replica_pids(sidp, 1)
     assert ps, "replica 1's worker is running"
     os.kill(int(ps[0]), signal.SIGKILL)
     _, err = job.communicate(timeout=300)
@@ -160,6 +167,32 @@ def test_a_replica_lost_mid_job_hands_its_requests_to_the_others(tiny_models, tm
                  "--max-new-tokens", "120", "--max-batch", "2", "--quiet"]) == 0
     theirs = results(reference)
     assert {r["id"]: r["output_ids"] for r in done} == {k: v["output_ids"] for k, v in theirs.items()}
+
+
+def test_a_replica_stalled_past_the_rendezvous_timeout_is_waited_for(tiny_models, tmp_path):
+    """Under CaS, replica 1 stopped (SIGSTOP) for longer than --rendezvous-timeout while replica 0
+    waits for it at a meeting: the group goes on in step when it resumes, none lost. The gloo
+    deadline of the group's operations was the rendezvous timeout: replica 0 fell after 8 s."""
+    sidp = fetching_plan(tiny_models["llama"], tmp_path, 0)
+    prompts, lines = prompts_file(tmp_path, 12, "sidp-stall")
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "hpipe", "launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out),
+           "--max-new-tokens", "60", "--max-batch", "2", "--quiet", "--sidp-mode", "cas", "--rendezvous-timeout", "8"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out.exists() and out.read_text().count("\n") >= 1):
+        assert job.poll() is None and time.time() < deadline, job.communicate()
+        time.sleep(0.2)
+    ps = replica_pids(sidp, 1)
+    assert ps, "replica 1's worker is running"
+    os.kill(int(ps[0]), signal.SIGSTOP)
+    time.sleep(11)
+    os.kill(int(ps[0]), signal.SIGCONT)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0 and "lost" not in err and "Traceback" not in err, err
+    assert sorted(r["id"] for r in results(out).values()) == sorted(x["id"] for x in lines)
+    steps = [r["sidp"]["steps"] for r in json.loads((tmp_path / "out.jsonl.summary.json").read_text())["replicas"]]
+    assert steps[0]["cas"] == steps[1]["cas"] > 0, steps        # in step throughout: neither ran on alone
 
 
 @pytest.fixture(scope="module")

@@ -46,10 +46,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from hpipe import formats
 from hpipe.errors import HpipeError
 from hpipe.runtime import was_sources
+from hpipe.runtime.comm import RUN_TIMEOUT
 from hpipe.runtime.pipeline import (Driver, Executors, Sampling, Work, _forward, _join, _prepare, _start_prepare,
                                     _thread, run_summary)
 from hpipe.runtime.was_sources import module_tensors
@@ -103,7 +105,12 @@ class Step:
 class GroupLink:
     """The replicas' own gloo group and store: a rendezvous on the launcher-chosen port, keys under
     the group's token (a replica of another launch never joins). The store also carries what the
-    replicas tell each other between meetings (batches, the epoch, the stops)."""
+    replicas tell each other between meetings (batches, the epoch, the stops).
+
+    The rendezvous is bounded by timeout_s; a meeting is not (`comm.RUN_TIMEOUT`, as the pipeline's
+    groups): a replica waits for one whose step runs long (a long prefill, a host busy elsewhere),
+    where the group's deadline had been the rendezvous timeout and both replicas fell. A lost
+    replica still closes its connections at once."""
 
     def __init__(self, seat: Seat, addr: str, port: int, token: str, timeout_s: float):
         self.rank, self.size = seat.member, seat.size
@@ -114,11 +121,14 @@ class GroupLink:
         self.store.set(f"batch/{self.rank}", "0")        # before the rendezvous: every key exists after it
         self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.size, timeout)
         self.published = 0
+        # the meetings' own deadline: a collective takes it in its options, a send or receive in its wait
+        self.gather_options = AllgatherOptions()
+        self.gather_options.timeout = RUN_TIMEOUT
 
     def gather(self, values: list[int]) -> list[list[int]]:
         mine = torch.tensor(values, dtype=torch.long)
         out = [torch.empty_like(mine) for _ in range(self.size)]
-        self.wait(self.pg.allgather([out], [mine]))
+        self.wait(self.pg.allgather([out], [mine], self.gather_options))
         return [o.tolist() for o in out]
 
     def send(self, x: torch.Tensor, to: int, tag: int):
@@ -131,7 +141,7 @@ class GroupLink:
     def wait(work) -> None:
         """A lost replica ends the others with one line (the launcher names the one that was lost)."""
         try:
-            work.wait()
+            work.wait(RUN_TIMEOUT)
         except RuntimeError as e:
             raise HpipeError(f"the SiDP group lost a replica ({_cause(e)})") from None
 
