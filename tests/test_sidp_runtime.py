@@ -132,11 +132,21 @@ def test_replicas_give_the_pipelines_tokens_and_share_the_weights(tiny_models, r
         assert replica["weights_pss_bytes"] <= 0.55 * replica["weights_rss_bytes"]
 
 
-def replica_pids(plan: Path, replica: int) -> list[str]:
-    """The workers of `replica` that the launch of `plan` started (another test's may run beside it)."""
-    ps = subprocess.run(["pgrep", "-f", "--", f"--replica {replica} "], capture_output=True, text=True).stdout.split()
-    mine = f"--plan {plan} ".encode()
-    return [p for p in ps if mine in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]
+def cas_job_under_way(sidp: Path, prompts: Path, out: Path, new_tokens: int, answered: int,
+                      *more: str) -> tuple[subprocess.Popen, int]:
+    """`hpipe launch` of `sidp` under CaS in the background, once `answered` results are written, and
+    the pid of replica 1's worker (found by this launch's plan: another test's may run beside it)."""
+    cmd = [sys.executable, "-m", "hpipe", "launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out),
+           "--max-new-tokens", str(new_tokens), "--max-batch", "2", "--quiet", "--sidp-mode", "cas", *more]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (out.exists() and out.read_text().count("\n") >= answered):
+        assert job.poll() is None and time.time() < deadline, job.communicate()
+        time.sleep(0.2)
+    ps = subprocess.run(["pgrep", "-f", "--", "--replica 1 "], capture_output=True, text=True).stdout.split()
+    mine = [p for p in ps if f"--plan {sidp} ".encode() in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]
+    assert mine, "replica 1's worker is running"
+    return job, int(mine[0])
 
 
 def test_a_replica_lost_mid_job_hands_its_requests_to_the_others(tiny_models, tmp_path):
@@ -147,16 +157,8 @@ def test_a_replica_lost_mid_job_hands_its_requests_to_the_others(tiny_models, tm
     sidp = fetching_plan(tiny_models["llama"], tmp_path, 0)
     prompts, lines = prompts_file(tmp_path, 24, "sidp-kill")
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "hpipe", "launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out),
-           "--max-new-tokens", "120", "--max-batch", "2", "--quiet", "--sidp-mode", "cas"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not (out.exists() and out.read_text().count("\n") >= 2):
-        assert job.poll() is None and time.time() < deadline, job.communicate()
-        time.sleep(0.2)
-    ps = replica_pids(sidp, 1)
-    assert ps, "replica 1's worker is running"
-    os.kill(int(ps[0]), signal.SIGKILL)
+    job, replica1 = cas_job_under_way(sidp, prompts, out, 120, 2)
+    os.kill(replica1, signal.SIGKILL)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 0, err
     assert "replica 1 (local/cpu) lost" in err and "starting it again on its own" in err and "Traceback" not in err, err
@@ -176,18 +178,10 @@ def test_a_replica_stalled_past_the_rendezvous_timeout_is_waited_for(tiny_models
     sidp = fetching_plan(tiny_models["llama"], tmp_path, 0)
     prompts, lines = prompts_file(tmp_path, 12, "sidp-stall")
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "hpipe", "launch", str(sidp), "--local", "--prompts", str(prompts), "--out", str(out),
-           "--max-new-tokens", "60", "--max-batch", "2", "--quiet", "--sidp-mode", "cas", "--rendezvous-timeout", "8"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while not (out.exists() and out.read_text().count("\n") >= 1):
-        assert job.poll() is None and time.time() < deadline, job.communicate()
-        time.sleep(0.2)
-    ps = replica_pids(sidp, 1)
-    assert ps, "replica 1's worker is running"
-    os.kill(int(ps[0]), signal.SIGSTOP)
+    job, replica1 = cas_job_under_way(sidp, prompts, out, 60, 1, "--rendezvous-timeout", "8")
+    os.kill(replica1, signal.SIGSTOP)
     time.sleep(11)
-    os.kill(int(ps[0]), signal.SIGCONT)
+    os.kill(replica1, signal.SIGCONT)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 0 and "lost" not in err and "Traceback" not in err, err
     assert sorted(r["id"] for r in results(out).values()) == sorted(x["id"] for x in lines)
