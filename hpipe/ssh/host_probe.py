@@ -3,8 +3,7 @@
 
 Prints one JSON line: interpreter, versions of hpipe/torch/transformers (None when missing; torch
 and transformers from their package metadata, without importing them), cores, available memory,
-with --cuda the CUDA devices with free memory (this imports torch), a free TCP port (for the rendezvous;
-where hpipe is installed),
+with --cuda the CUDA devices with free memory (this imports torch), a free TCP port (for the rendezvous),
 whether the model is there (without converting anything) and, with --sha256, the checksums of the
 given files (for `--push-model`). Standard library only at the top level, so that it reports a
 missing package instead of failing.
@@ -62,10 +61,14 @@ def main(argv):
             out["kernels"] = {d: quant.kernels_on(d)[1] for d in devices}
         except Exception as e:  # noqa: BLE001 - a finding, not a crash
             out["kernels"] = {"error": "%s: %s" % (type(e).__name__, str(e)[:200])}
-    if out["hpipe"] is not None:          # the rendezvous port, picked as every launch picks one
+    try:                                  # the rendezvous port, picked as every launch picks one
         from hpipe.net import free_port
 
         out["free_port"] = free_port()
+    except ImportError:                   # no hpipe here (the preflight says so): the kernel's pick
+        with socket.socket() as s:
+            s.bind(("", 0))
+            out["free_port"] = s.getsockname()[1]
     if "--model" in argv:
         spec = argv[argv.index("--model") + 1]
         if out["hpipe"] is None:
