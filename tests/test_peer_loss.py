@@ -205,3 +205,22 @@ def test_a_killed_stage_is_one_line_and_no_survivor_prints_a_traceback(three_sta
         # at most the one line (a survivor stopped by the launcher first has nothing to say)
         assert all(line.startswith(f"stage {rank}: lost a peer stage (") for line in survivor.splitlines()), \
             (rank, survivor)
+
+
+@pytest.mark.slow
+def test_a_stopped_stage_gives_back_its_sampler_pool_and_says_nothing(three_stages, tmp_path):
+    """The launcher stops a survivor with SIGTERM to its process group: the last stage, its sampler
+    pool at work, ends killed by SIGTERM as before, but its pool's named semaphores are given back
+    first; killed outright, multiprocessing's resource tracker (which ignores SIGTERM) removed them
+    after it and wrote a warning of "leaked semaphore objects" into the stage's log."""
+    proc, client, log = serve(tmp_path, three_stages, "--sampling", "cpu")
+    try:
+        decode(client)
+        os.killpg(os.getpgid(stage_pid(proc.pid, 2)), signal.SIGTERM)
+        assert proc.wait(timeout=90) == 2, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    errors = [line for line in log.read_text().splitlines() if line.startswith("hpipe: error:")]
+    assert len(errors) == 1 and "stage 2 " in errors[0] and "killed by SIGTERM" in errors[0], log.read_text()
+    assert (tmp_path / "stages" / "stage-2.log").read_text() == ""
