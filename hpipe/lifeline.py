@@ -1,6 +1,5 @@
-"""A process hpipe starts never outlives the process that started it, ends without the
-interpreter's teardown (`exit_now`), and, stopped by its launcher, gives back what it holds first
-(`clean_up_on_stop`).
+"""A process hpipe starts never outlives the process that started it, and ends without the
+interpreter's teardown (`exit_now`).
 
 Workers, profiler workers and sampler processes call `tie_to_parent()` first thing. Two mechanisms,
 because either alone has a hole:
@@ -25,7 +24,7 @@ import sys
 import threading
 import time
 
-__all__ = ["PARENT_ENV", "arm_parent_death_signal", "clean_up_on_stop", "exit_now", "tie_to_parent"]
+__all__ = ["PARENT_ENV", "arm_parent_death_signal", "exit_now", "tie_to_parent"]
 
 PARENT_ENV = "HPIPE_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
@@ -91,21 +90,3 @@ def exit_now(code: int, wait_for_threads: bool = True) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def clean_up_on_stop() -> None:
-    """SIGTERM (a launcher's stop) ends the process as before, killed by SIGTERM, but after atexit's
-    handlers: a stage killed outright left its sampler pool's named semaphores to multiprocessing's
-    resource tracker, which removed them and wrote "There appear to be 16 leaked semaphore objects"
-    into the stage's log. Python runs the handler in the main thread at its next instruction (a
-    receive blocked in gloo returns when its peer goes); the launcher's SIGKILL after its grace
-    stays the bound."""
-    def stop(signum, frame) -> None:
-        signal.signal(signum, signal.SIG_IGN)      # once
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, stop)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -92,11 +93,26 @@ def _sampler_main(index: int, n_procs: int, shared: dict, locks, done_sems, stop
         m += 1
 
 
+def _quiet_resource_tracker() -> None:
+    """The pool's locks, semaphores, event and queues are named POSIX semaphores that
+    multiprocessing's resource tracker (a process of its own, started with the first of them)
+    removes when the stage ends without removing them itself: killed, which is how a launcher stops
+    a stage (SIGTERM: a Python handler would wait for a receive blocked in gloo to return, and a
+    stage cut off from a lost host's link waited out the launcher's grace), or by a lost host. The
+    tracker then warned "There appear to be 16 leaked semaphore objects" into the stage's log. It
+    removes them all the same, silently: it takes this process's -W options, and the first pool
+    starts it."""
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet not in sys.warnoptions:
+        sys.warnoptions.append(quiet)
+
+
 class SamplerPool:
     def __init__(self, vocab_size: int, max_rows: int, max_batch: int, max_len: int, send, n_procs: int = 1,
                  n_cells: int = 4, threads: int = 1, errors: list | None = None, model_dir: str | None = None):
         """send(mb_id, ids) is called by the collector thread for every micro-batch, in order; a
         failure is also appended to `errors` (the stage's executors stop on it)."""
+        _quiet_resource_tracker()
         ctx = torch.multiprocessing.get_context("spawn")
         self.n_cells, self.n_procs, self.max_rows = n_cells, n_procs, max_rows
         self.shared = {

@@ -35,7 +35,7 @@ from hpipe import formats, memory, models, protocol, quant
 from hpipe.config import RuntimeConfig, Speculation
 from hpipe.errors import HpipeError
 from hpipe.grammar import GrammarVocabulary
-from hpipe.lifeline import clean_up_on_stop, exit_now, tie_to_parent
+from hpipe.lifeline import exit_now, tie_to_parent
 from hpipe.request import Request, read_requests
 from hpipe.runtime import comm, invariant
 from hpipe.runtime.background_compile import BackgroundCompile
@@ -89,7 +89,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     tie_to_parent("stage worker")
-    clean_up_on_stop()
     args = parse_args(argv)
     errors: list = []               # what the stage's threads raised (StageWorker's executors share it)
     threading.excepthook = lambda hook: errors.append(hook.exc_value)   # a thread outside the executors
