@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -266,8 +267,7 @@ atexit.register(shutil.rmtree, _MOE_FILES, True)
 
 def write_moe_gguf(path: Path, expert_types: list[tuple], **shape) -> Path:
     """`_write_moe_gguf`'s file at `path`, written once per session for each set of arguments (it is
-    seeded: the same arguments, the same bytes) and copied: each writing reads the default model's
-    file for its tokenizer and copies its 49,152 tokens through the gguf package's writer."""
+    seeded: the same arguments, the same bytes) and copied."""
     key = hashlib.sha256(repr((expert_types, sorted(shape.items()))).encode()).hexdigest()[:16]
     made = _MOE_FILES / f"{key}.gguf"
     if not made.exists():
@@ -277,6 +277,34 @@ def write_moe_gguf(path: Path, expert_types: list[tuple], **shape) -> Path:
     return Path(path)
 
 
+SMALL_VOCAB = 512
+
+
+@functools.lru_cache(maxsize=1)
+def small_tokenizer() -> tuple[dict, list, list, list]:
+    """The default model's GGUF tokenizer cut to its first `SMALL_VOCAB` tokens (its 17 special
+    tokens, its 256 byte symbols and the merges that make the rest): any text still encodes. The
+    whole one (49,152 tokens, 48,900 merges) made every reading of a test's GGUF file take ~5 s of
+    CPU in the gguf package's reader, and a file is read six or seven times (its config, its
+    tokenizer, its experts, the weights packed, a stage's own file, transformers' reference): a
+    sixth of the pytest workers' own time (py-spy, 2026-12-03). Its scalar fields as they are (ids,
+    chat template), and the arrays as lists."""
+    import gguf
+
+    from hpipe import models
+
+    source = gguf.GGUFReader(str(models.smollm2_gguf_path()))
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+    scalars = {key: (field.contents(), field.types[0]) for key, field in source.fields.items()
+               if key.startswith("tokenizer.") and key not in arrays}
+    tokens = source.fields["tokenizer.ggml.tokens"].contents()[:SMALL_VOCAB]
+    types = source.fields["tokenizer.ggml.token_type"].contents()[:SMALL_VOCAB]
+    kept = set(tokens)
+    merges = [m for m in source.fields["tokenizer.ggml.merges"].contents()
+              if "".join(m.split(" ")) in kept and all(part in kept for part in m.split(" "))]
+    return scalars, tokens, types, merges
+
+
 def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe", seed: int = 0, hidden: int = 256,
                    experts: int = 8, used: int = 2, ff: int = 256, heads: int = 4,
                    kv_heads: int = 2, head_dim: int = 64) -> Path:
@@ -284,17 +312,16 @@ def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe
     of every expert per block, the router `ffn_gate_inp`), written with the gguf package's own
     writer and quantizer (random blocks for the K-quants it cannot write, as tests/test_quant.py
     does): `arch` qwen3moe, or llama with experts (how llama.cpp writes Mixtral). The default
-    model's tokenizer; embedding and head in float16. `expert_types`: per block, the ggml types of its
-    gate, up and down."""
+    model's tokenizer cut to `SMALL_VOCAB` tokens; embedding and head in float16. `expert_types`: per
+    block, the ggml types of its gate, up and down."""
     import gguf
     import numpy as np
 
-    from hpipe import models
     from test_quant import file_blocks
 
     T = gguf.GGMLQuantizationType
-    source = gguf.GGUFReader(str(models.smollm2_gguf_path()))
-    vocab = int(source.fields["llama.vocab_size"].parts[-1][0])
+    scalars, tokens, types, merges = small_tokenizer()
+    vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random tiny {arch} with experts")
     w.add_context_length(512)
@@ -313,7 +340,11 @@ def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe
     w.add_expert_used_count(used)
     w.add_expert_feed_forward_length(ff)
     w.add_vocab_size(vocab)
-    models.copy_gguf_fields(source, w, lambda key: key.startswith("tokenizer."))   # SmolLM2's tokenizer, as it is
+    for key, (value, kind) in scalars.items():
+        w.add_key_value(key, value, kind)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
     rng = np.random.default_rng(seed)
 
     def mat(*shape, std=0.05):

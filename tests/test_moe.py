@@ -246,7 +246,8 @@ def test_a_gguf_files_experts_stay_in_their_blocks_and_give_the_files_numbers(tm
     assert "blk.1.attn_q.weight" not in kept and "blk.1.ffn_down_exps.weight" in kept and "output.weight" in kept
     assert all(bytes(kept[k].data) == bytes(whole[k].data) and kept[k].tensor_type == whole[k].tensor_type
                for k in kept)
-    assert part.stat().st_size < 0.6 * source.gguf.stat().st_size
+    dropped = sum(int(t.n_bytes) for name, t in whole.items() if name not in kept)       # not sent at all
+    assert dropped > 0 and part.stat().st_size <= source.gguf.stat().st_size - dropped + 4096   # padding aside
     hidden = torch.randn(1, 5, config.hidden_size)
     from hpipe.runtime.pages import Segment
 
