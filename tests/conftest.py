@@ -281,28 +281,25 @@ SMALL_VOCAB = 512
 
 
 @functools.lru_cache(maxsize=1)
-def small_tokenizer() -> tuple[dict, list, list, list]:
+def small_tokenizer() -> tuple:
     """The default model's GGUF tokenizer cut to its first `SMALL_VOCAB` tokens (its 17 special
-    tokens, its 256 byte symbols and the merges that make the rest): any text still encodes. The
-    whole one (49,152 tokens, 48,900 merges) made every reading of a test's GGUF file take ~5 s of
-    CPU in the gguf package's reader, and a file is read six or seven times (its config, its
-    tokenizer, its experts, the weights packed, a stage's own file, transformers' reference): a
-    sixth of the pytest workers' own time (py-spy, 2026-12-03). Its scalar fields as they are (ids,
-    chat template), and the arrays as lists."""
+    tokens, its 256 byte symbols and the merges among them): any text still encodes. The whole one
+    (49,152 tokens, 48,900 merges) made every reading of a test's GGUF file take ~5 s of CPU in the
+    gguf package's reader, and a file is read six or seven times (its config, its tokenizer, its
+    experts, the weights packed, a stage's own file, transformers' reference): a sixth of the pytest
+    workers' own time (py-spy, 2026-12-03). The file's reader (for its scalar fields, as they are)
+    and the arrays, cut."""
     import gguf
 
     from hpipe import models
 
     source = gguf.GGUFReader(str(models.smollm2_gguf_path()))
-    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
-    scalars = {key: (field.contents(), field.types[0]) for key, field in source.fields.items()
-               if key.startswith("tokenizer.") and key not in arrays}
     tokens = source.fields["tokenizer.ggml.tokens"].contents()[:SMALL_VOCAB]
     types = source.fields["tokenizer.ggml.token_type"].contents()[:SMALL_VOCAB]
     kept = set(tokens)
     merges = [m for m in source.fields["tokenizer.ggml.merges"].contents()
-              if "".join(m.split(" ")) in kept and all(part in kept for part in m.split(" "))]
-    return scalars, tokens, types, merges
+              if (parts := m.split(" ")) and "".join(parts) in kept and all(p in kept for p in parts)]
+    return source, tokens, types, merges
 
 
 def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe", seed: int = 0, hidden: int = 256,
@@ -317,10 +314,11 @@ def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe
     import gguf
     import numpy as np
 
+    from hpipe import models
     from test_quant import file_blocks
 
     T = gguf.GGMLQuantizationType
-    scalars, tokens, types, merges = small_tokenizer()
+    source, tokens, types, merges = small_tokenizer()
     vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"random tiny {arch} with experts")
@@ -340,8 +338,8 @@ def _write_moe_gguf(path: Path, expert_types: list[tuple], arch: str = "qwen3moe
     w.add_expert_used_count(used)
     w.add_expert_feed_forward_length(ff)
     w.add_vocab_size(vocab)
-    for key, (value, kind) in scalars.items():
-        w.add_key_value(key, value, kind)
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+    models.copy_gguf_fields(source, w, lambda key: key.startswith("tokenizer.") and key not in arrays)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
