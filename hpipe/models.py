@@ -265,10 +265,12 @@ def _convert_gguf_into(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from hpipe import quant
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        with _without_progress_bars():
+        with _without_progress_bars(), quant.one_gguf_name_map():
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
                                                          config=load_config(_gguf_dir(gguf)))
     except Exception as e:  # transformers raises many kinds for a bad or unsupported file

@@ -288,6 +288,46 @@ def test_processes_wanting_the_same_graph_at_once_compile_it_once(tmp_path):
     assert sorted(compiles) == [0, 1] and len(list(directory.glob("*.graph"))) == 1
 
 
+ISA_PROBE = """
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch._inductor import cpu_vec_isa
+
+from hpipe.runtime import graphs
+
+probes = []
+real = cpu_vec_isa.VecISA._probe_load
+cpu_vec_isa.VecISA._probe_load = lambda self, path: probes.append(path) or real(self, path)
+graph = graphs.Graph(lambda x: x * 2 + 1, Path(sys.argv[1]), {}, lambda args: nullcontext())
+with torch.inference_mode():
+    assert graph(torch.arange(4.0)).tolist() == [1.0, 3.0, 5.0, 7.0]
+print(len(probes), graphs.compiled(), cpu_vec_isa.pick_vec_isa(), sep="|")
+"""
+
+
+@pytest.mark.slow
+def test_a_hosts_second_process_takes_the_vector_check_of_its_first(tmp_path):
+    """Inductor's check that the compiler builds and loads vector code for this CPU (a Python process
+    that loads a probe library) is made by a host's first process alone: the second, with the same
+    inductor cache, loads the first one's graph (their cache keys agree), runs no probe, and picks the
+    same vector set."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+
+    def run() -> list[str]:
+        done = subprocess.run([sys.executable, "-c", ISA_PROBE, str(tmp_path / "graphs")], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().split("|")
+
+    first, second = run(), run()
+    assert int(first[0]) >= 1 and first[1] == "1", first        # the check's probe ran; the graph compiled
+    assert second == ["0", "0", first[2]], (first, second)
+
+
 def test_a_kv_dtype_hpipe_cannot_keep_is_refused_in_one_line(tiny_models, tmp_path, capsys):
     path = str(tiny_models["llama"])
     assert main(["plan", "--model", path, "--stages", "2", "--kv-dtype", "int8", "-o", str(tmp_path / "p.json")]) != 0

@@ -29,13 +29,15 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import platform
+import shutil
 import threading
 from functools import cache
 from pathlib import Path
 
 import torch
 
-__all__ = ["Graph", "compiled", "graph_dir", "source_hash"]
+__all__ = ["Graph", "compiled", "graph_dir", "remember_vector_checks", "source_hash"]
 
 _COMPILED = [0]              # graphs this process compiled (tests: a warm start compiles none)
 _LOCK = threading.Lock()
@@ -57,15 +59,58 @@ def source_hash() -> str:
     return digest.hexdigest()[:24]
 
 
+def _inductor_root() -> Path:
+    from hpipe.config import cache_dir
+
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_dir() / "inductor"))
+
+
 def graph_dir(text: str) -> Path:
     """The directory of the graphs whose function, modules and settings `text` describes."""
     import transformers
 
-    from hpipe.config import cache_dir
-
     full = repr((text, torch.__version__, transformers.__version__, source_hash()))
-    root = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_dir() / "inductor")) / "hpipe-graphs"
-    return root / hashlib.sha256(full.encode()).hexdigest()[:32]
+    return _inductor_root() / "hpipe-graphs" / hashlib.sha256(full.encode()).hexdigest()[:32]
+
+
+@cache
+def remember_vector_checks() -> None:
+    """Inductor's checks that this host's C++ compiler builds, and a process loads, vector code of
+    each set the CPU has (AVX2, AVX-512, its VNNI and BF16 parts, ...), made once a host rather than
+    once a process. Inductor makes them in every process that compiles or loads a CPU graph: a
+    compile of a probe (kept in its cache) and, each, a Python process that loads the result (3 of
+    them, ~0.7 s of CPU, on an AVX-512 host: the test suite's stage starts ran 216, 48 s). An answer
+    holds while the compiler and torch stay: the first check of a probe leaves it in inductor's cache
+    (`hpipe-vec-isa/`), a later process reads it. Inductor's settings are untouched, so are its cache
+    keys; where inductor no longer has the method, its own checks run."""
+    from torch._inductor import cpp_builder, cpu_vec_isa
+
+    check_build = getattr(cpu_vec_isa.VecISA, "check_build", None)
+    if check_build is None or getattr(check_build, "remembered", False):
+        return
+    try:
+        compiler = Path(shutil.which(cpp_builder.get_cpp_compiler()) or "").resolve()
+        identity = (torch.__version__, str(compiler), compiler.stat().st_mtime_ns, platform.machine(),
+                    cpu_vec_isa.x86_isa_checker())
+    except Exception:  # noqa: BLE001 - no compiler found: inductor says so itself when it compiles
+        return
+
+    def remembered(isa, code: str) -> bool:
+        text = repr((identity, str(isa), isa.build_arch_flags(), code))
+        mark = _inductor_root() / "hpipe-vec-isa" / hashlib.sha256(text.encode()).hexdigest()[:24]
+        with contextlib.suppress(OSError):
+            known = mark.read_text().split("\n", 1)[0]
+            if known in ("good", "bad"):
+                return known == "good"
+        good = check_build(isa, code)
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        tmp = mark.with_name(f".{mark.name}.{os.getpid()}")
+        tmp.write_text(f"{'good' if good else 'bad'}\n{text}\n")
+        os.replace(tmp, mark)
+        return good
+
+    remembered.remembered = True
+    cpu_vec_isa.VecISA.check_build = remembered
 
 
 def _kept_guards(entries) -> list[bool]:
@@ -95,6 +140,7 @@ class Graph:
     def __init__(self, fn, directory: Path, settings: dict[str, object], tracing):
         """settings: dynamo's (`stage.DYNAMO_SETTINGS`), set before a trace; tracing(args): the
         context a trace of these arguments runs in (the KV pool's marks)."""
+        remember_vector_checks()
         self.fn, self.dir, self.settings, self.tracing = fn, directory, settings, tracing
         self.graphs: list = []
         self.seen: set[str] = set()
