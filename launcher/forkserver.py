@@ -66,6 +66,11 @@ IDLE_PRELOAD = ("torch._inductor.graph", "torch._inductor.decomposition",
 # what each launch sets, and pytest's name for the test it runs now (it changes under a test
 # process at every test: a suite's local launches once started a server per test, ~4 s of imports each)
 PER_LAUNCH_ENV = ("HPIPE_JOB_TOKEN", "HPIPE_GROUP_TOKEN", PARENT_ENV, "PYTEST_CURRENT_TEST")
+# what a process's own libraries write into its environment as they run, each read at a call (which
+# in a forked worker sees the launch's environment), not at an import: a launching process that
+# ran a stage or loaded a compiled graph itself has them set, and each, changed, started a new
+# server (~4 s of CPU importing: the test suite's workers, which run stages in their own process)
+RUNTIME_ENV = ("TRANSFORMERS_SDPA_FORCE_GQA", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 POLL_S = 0.25
 REPLY_S = 300.0          # the longest a launcher waits for a pid (the first waits for the imports)
 REQUEST_S = 10.0         # the longest the server waits for a request's bytes after its connection
@@ -330,7 +335,7 @@ def _read_line(conn: socket.socket) -> str:
 
 
 def _env_key(env: dict[str, str]) -> tuple:
-    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH_ENV))
+    return tuple(sorted((k, v) for k, v in env.items() if k not in PER_LAUNCH_ENV and k not in RUNTIME_ENV))
 
 
 def _module_argv(cmd: list[str]) -> tuple[str | None, list[str]]:

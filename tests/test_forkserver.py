@@ -192,7 +192,8 @@ def test_local_launches_fork_their_stages_from_the_server_their_process_started_
                                                                                       monkeypatch):
     """`prestart_local` (what `hpipe launch --local` and `hpipe serve --local` call before preparing
     the job) starts the server; both stages of two launches are forked by it, and the second
-    launch gives the first one's tokens."""
+    launch gives the first one's tokens, though between them this process wrote into its environment
+    what its libraries write as they run a stage here (`forkserver.RUNTIME_ENV`)."""
     from hpipe.cli import main
     from hpipe.launcher import local, prestart_local
 
@@ -211,6 +212,8 @@ def test_local_launches_fork_their_stages_from_the_server_their_process_started_
         out = tmp_path / f"o{k}.jsonl"
         assert main(["launch", str(plan), "--local", "--prompts", str(prompts), "--out", str(out),
                      "--max-new-tokens", "6", "--quiet"]) == 0
+        for name in forkserver.RUNTIME_ENV:
+            monkeypatch.setenv(name, f"{name.lower()}-{k}")
         outputs.append(sorted((r["id"], r["output_ids"]) for r in map(json.loads, out.read_text().splitlines())))
     assert len(started) == 4 and all(isinstance(w, forkserver.Forked) for w in started)
     assert forkserver._SERVER is server
