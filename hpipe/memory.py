@@ -46,9 +46,10 @@ def unit_memory(unit_bytes: UnitBytes, kv_tokens: int) -> np.ndarray:
             + np.asarray(unit_bytes.kv_per_token_per_unit, dtype=float) * kv_tokens)
 
 
-def activation_bytes(unit_bytes: UnitBytes, microbatch_tokens: int) -> int:
-    """The activation buffers of any stage: the same bound wherever its cuts fall."""
-    return int(ACTIVATION_BUFFERS * microbatch_tokens * max(unit_bytes.activation_per_token_at_cut))
+def activation_bytes(activation_per_token_at_cut: tuple[int, ...], microbatch_tokens: int) -> int:
+    """The activation buffers of any stage (`UnitBytes.activation_per_token_at_cut`, or
+    `models.token_bytes`'s): the same bound wherever its cuts fall."""
+    return int(ACTIVATION_BUFFERS * microbatch_tokens * max(activation_per_token_at_cut))
 
 
 def stage_memory(unit_bytes: UnitBytes, units: range, kv_tokens: int, microbatch_tokens: int,
@@ -58,7 +59,7 @@ def stage_memory(unit_bytes: UnitBytes, units: range, kv_tokens: int, microbatch
     return StageMemory(
         weights=int(sum(unit_bytes.weights_per_unit[u] for u in units)) - host,
         kv=int(sum(unit_bytes.kv_per_token_per_unit[u] for u in units) * kv_tokens),
-        activations=activation_bytes(unit_bytes, microbatch_tokens), host=host)
+        activations=activation_bytes(unit_bytes.activation_per_token_at_cut, microbatch_tokens), host=host)
 
 
 def microbatch_tokens(slices: list[int], decode_batch: int = 1) -> int:

@@ -531,6 +531,7 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none",
         return p.numel() * elem
 
     weights_per_unit, experts_per_unit = [], []
+    kv, activation = token_bytes(config, dtype, kv_dtype)
     for u in range(n):
         seen = set()
         total = routed = 0
@@ -543,14 +544,24 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none",
                         routed += param_bytes(module, p) if p.dim() == 3 else 0
         weights_per_unit.append(total)
         experts_per_unit.append(routed)
+    return formats.UnitBytes(tuple(weights_per_unit), kv, activation, tuple(experts_per_unit))
+
+
+def token_bytes(config, dtype: str = "float32", kv_dtype: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`unit_bytes`' per-token parts, from the config alone: KV-cache bytes per token per unit (in
+    `kv_dtype`'s elements, else `dtype`'s) and activation bytes per token crossing each possible cut.
+    What a stage sizing its KV pool needs, without the model `unit_bytes` builds for the weights
+    (SmolLM2's 30 blocks on the meta device: ~0.5 s of a stage's start)."""
+    import torch
+
+    n = num_units(config)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     kv_elem = torch.tensor([], dtype=torch_dtype(kv_dtype or dtype)).element_size()
-    kv = [2 * kv_heads * head_dim * kv_elem if unit_kind(config, u) == "attn" else 0 for u in range(n)]
-    hidden = int(config.hidden_size) * elem
-    activation = [8] + [hidden] * (n - 1) + [8]
-    return formats.UnitBytes(tuple(weights_per_unit), tuple(kv), tuple(activation), tuple(experts_per_unit))
+    kv = tuple(2 * kv_heads * head_dim * kv_elem if unit_kind(config, u) == "attn" else 0 for u in range(n))
+    hidden = int(config.hidden_size) * torch.tensor([], dtype=torch_dtype(dtype)).element_size()
+    return kv, (8,) + (hidden,) * (n - 1) + (8,)
 
 
 def check_plan_matches(plan, config, model_name: str) -> None:

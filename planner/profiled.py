@@ -616,7 +616,7 @@ class _CutSearcher:
         self.sharing = cost.sharing
 
     def device_mem(self, slices) -> np.ndarray:
-        act = memory.activation_bytes(self.cost.bytes, memory.microbatch_tokens(slices))
+        act = memory.activation_bytes(self.cost.bytes.activation_per_token_at_cut, memory.microbatch_tokens(slices))
         return np.array([e.free_bytes * (1 - self.margin) - act for e in self.cost.entries])
 
     def partition(self, slices) -> Partition:

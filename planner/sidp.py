@@ -251,7 +251,7 @@ def plan_sidp(profile: formats.Profile, profile_path: str, name: str, config, de
     check_profile_matches(profile, config, name, profile_path)
     cost = CostModel(profile, config, devices, profile_path)
     unit_bytes = models.unit_bytes(config, dtype, weights, profile.kv_dtype)
-    reserve = activation_bytes(unit_bytes, max_batch)
+    reserve = activation_bytes(unit_bytes.activation_per_token_at_cut, max_batch)
     hosts: dict[str, list[int]] = {}
     for j, (host, _) in enumerate(devices):
         hosts.setdefault(host, []).append(j)

@@ -458,7 +458,7 @@ def test_a_gpu_that_cannot_hold_its_experts_keeps_the_fewest_blocks_of_them_in_i
     assert len(said) == 1 and f"stage 0 (gpu-box/cuda:0) {gpu.host_experts} MoE blocks" in said[0]
     table = models.unit_bytes(config, p.dtype, p.weights)
     free = pr.memory_free_bytes[0] * (1 - pr.margin) - \
-        memory.activation_bytes(table, memory.microbatch_tokens(pr.slices))
+        memory.activation_bytes(table.activation_per_token_at_cut, memory.microbatch_tokens(pr.slices))
     units = range(*gpu.units)
 
     def on_gpu(count):

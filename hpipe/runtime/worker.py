@@ -560,11 +560,11 @@ def kv_pool_pages(config: RuntimeConfig, plan, model_config, rank: int, runner, 
     less a 10 % margin (stages sharing a device share it), at most --kv-pages."""
     stage = plan.stages[rank]
     sharing = sum(1 for s in plan.stages if (s.host, s.device) == (stage.host, stage.device))
-    table = models.unit_bytes(model_config, plan.dtype, kv_dtype=plan.kv_dtype)
-    per_token = sum(table.kv_per_token_per_unit[u] for u in range(*stage.units))
+    kv_per_token_per_unit, activation_per_token_at_cut = models.token_bytes(model_config, plan.dtype, plan.kv_dtype)
+    per_token = sum(kv_per_token_per_unit[u] for u in range(*stage.units))
     if per_token == 0:
         return wanted if not config.kv_pages else min(wanted, config.kv_pages)
-    budget = 0.9 * free_memory_bytes(runner.device) / sharing - memory.activation_bytes(table, max_tokens)
+    budget = 0.9 * free_memory_bytes(runner.device) / sharing - memory.activation_bytes(activation_per_token_at_cut, max_tokens)
     pages = min(wanted, max(2, int(budget // (per_token * config.page_size))))
     return min(pages, config.kv_pages) if config.kv_pages else pages
 
