@@ -25,11 +25,12 @@ from hpipe.net import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = '''
-import json, os, sys, time
+import gc, json, os, sys, time
 
 def main(argv):
     if argv[0] == "modules":
-        print(json.dumps({"server": os.getppid(), "imported": [n for n in argv[1:] if n in sys.modules]}), flush=True)
+        print(json.dumps({"server": os.getppid(), "imported": [n for n in argv[1:] if n in sys.modules],
+                          "frozen": gc.get_freeze_count()}), flush=True)
         return
     if argv[0] == "sleep":
         print("ready", flush=True)
@@ -155,7 +156,8 @@ def test_a_hosts_server_imports_what_compiled_graphs_need_while_no_worker_runs(t
     """A host's server (started as `hpipe.ssh.remote_wrapper` starts it, outliving its launches)
     forks the first worker as soon as its own imports are done, and imports what a stage loading
     compiled graphs needs (`IDLE_PRELOAD`) once no worker runs: the workers of later launches find
-    it imported."""
+    it imported. What either import made is frozen (`gc.freeze`) before a fork: a worker's
+    collections walk its own objects, not the server's hundreds of thousands."""
     from hpipe.ssh import remote_wrapper
 
     env = _env(tmp_path, PROBE_TEST=str(tmp_path))     # a server of this test's own
@@ -175,6 +177,7 @@ def test_a_hosts_server_imports_what_compiled_graphs_need_while_no_worker_runs(t
             time.sleep(0.5)
             later = fork_probe()
         assert later["imported"] == names and later["server"] == first["server"], later
+        assert 100_000 < first["frozen"] < later["frozen"], (first, later)
     finally:
         os.kill(first["server"], signal.SIGTERM)
     deadline = time.time() + 10                          # our child (`server_connection` started it): reaped here
