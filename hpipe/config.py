@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hpipe.errors import HpipeError
 
-__all__ = ["cache_dir", "int_list", "DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
+__all__ = ["cache_dir", "inductor_cache_dir", "int_list", "DEFAULTS", "DEVICE_DEFAULTS", "POLICIES", "RuntimeConfig", "SETTINGS", "Setting", "Speculation", "cli_option",
            "from_cli"]
 
 
@@ -32,6 +32,12 @@ def cache_dir() -> Path:
     """Where a host keeps what hpipe builds once (converted models, packed weights, compiled graphs
     and kernels): HPIPE_CACHE, else ~/.cache/hpipe."""
     return Path(os.environ.get("HPIPE_CACHE", Path.home() / ".cache" / "hpipe"))
+
+
+def inductor_cache_dir() -> Path:
+    """Inductor's cache, where hpipe keeps its graphs, warm marks and vector checks beside
+    inductor's own files: TORCHINDUCTOR_CACHE_DIR, else hpipe's cache's `inductor/`."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_dir() / "inductor"))
 
 
 POLICIES = ("throttle", "sarathi")

@@ -550,8 +550,8 @@ def unit_bytes(config, dtype: str = "float32", weights: str = "none",
 def token_bytes(config, dtype: str = "float32", kv_dtype: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """`unit_bytes`' per-token parts, from the config alone: KV-cache bytes per token per unit (in
     `kv_dtype`'s elements, else `dtype`'s) and activation bytes per token crossing each possible cut.
-    What a stage sizing its KV pool needs, without the model `unit_bytes` builds for the weights
-    (SmolLM2's 30 blocks on the meta device: ~0.5 s of a stage's start)."""
+    What a stage sizing its KV pool needs, without the whole model `unit_bytes` builds on the meta
+    device for the weights."""
     import torch
 
     n = num_units(config)

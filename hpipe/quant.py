@@ -719,8 +719,8 @@ def gguf_architecture(reader) -> str:
 def one_gguf_name_map():
     """transformers' `get_gguf_hf_weights_map` builds llama.cpp's name map of every block again for
     each module it recurses into (397 maps for SmolLM2's 30 blocks, 5.4 s of CPU on a 2-core EPYC,
-    in each stage packing its weights the first time, and in a conversion to float32); within this context one map per (architecture,
-    blocks) serves them all (the map is only read)."""
+    in each stage packing its weights the first time, and in a conversion to float32); within this
+    context one map per (architecture, blocks) serves them all (the map is only read)."""
     import gguf
 
     build = gguf.get_tensor_name_map

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpipe.config import cache_dir
+from hpipe.config import inductor_cache_dir
 
 __all__ = ["COMPILED_SHARE", "COMPILE_S_PER_GRAPH", "CompileChoice", "choose", "record", "recorded"]
 
@@ -49,8 +49,7 @@ class CompileChoice:
 
 def _records() -> Path:
     """Beside the graphs' warm marks, in inductor's cache (hpipe's, unless the user set their own)."""
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_dir() / "inductor")) / "hpipe-warm" / \
-        "compile-costs.json"
+    return inductor_cache_dir() / "hpipe-warm" / "compile-costs.json"
 
 
 def _read() -> dict:

@@ -59,18 +59,14 @@ def source_hash() -> str:
     return digest.hexdigest()[:24]
 
 
-def _inductor_root() -> Path:
-    from hpipe.config import cache_dir
-
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_dir() / "inductor"))
-
-
 def graph_dir(text: str) -> Path:
     """The directory of the graphs whose function, modules and settings `text` describes."""
     import transformers
 
+    from hpipe.config import inductor_cache_dir
+
     full = repr((text, torch.__version__, transformers.__version__, source_hash()))
-    return _inductor_root() / "hpipe-graphs" / hashlib.sha256(full.encode()).hexdigest()[:32]
+    return inductor_cache_dir() / "hpipe-graphs" / hashlib.sha256(full.encode()).hexdigest()[:32]
 
 
 @cache
@@ -85,6 +81,8 @@ def remember_vector_checks() -> None:
     keys; where inductor no longer has the method, its own checks run."""
     from torch._inductor import cpp_builder, cpu_vec_isa
 
+    from hpipe.config import inductor_cache_dir
+
     check_build = getattr(cpu_vec_isa.VecISA, "check_build", None)
     if check_build is None or getattr(check_build, "remembered", False):
         return
@@ -97,7 +95,7 @@ def remember_vector_checks() -> None:
 
     def remembered(isa, code: str) -> bool:
         text = repr((identity, str(isa), isa.build_arch_flags(), code))
-        mark = _inductor_root() / "hpipe-vec-isa" / hashlib.sha256(text.encode()).hexdigest()[:24]
+        mark = inductor_cache_dir() / "hpipe-vec-isa" / hashlib.sha256(text.encode()).hexdigest()[:24]
         with contextlib.suppress(OSError):
             known = mark.read_text().split("\n", 1)[0]
             if known in ("good", "bad"):

@@ -564,7 +564,8 @@ def kv_pool_pages(config: RuntimeConfig, plan, model_config, rank: int, runner, 
     per_token = sum(kv_per_token_per_unit[u] for u in range(*stage.units))
     if per_token == 0:
         return wanted if not config.kv_pages else min(wanted, config.kv_pages)
-    budget = 0.9 * free_memory_bytes(runner.device) / sharing - memory.activation_bytes(activation_per_token_at_cut, max_tokens)
+    activations = memory.activation_bytes(activation_per_token_at_cut, max_tokens)
+    budget = 0.9 * free_memory_bytes(runner.device) / sharing - activations
     pages = min(wanted, max(2, int(budget // (per_token * config.page_size))))
     return min(pages, config.kv_pages) if config.kv_pages else pages
 
