@@ -101,10 +101,11 @@ def remember_vector_checks() -> None:
             if known in ("good", "bad"):
                 return known == "good"
         good = check_build(isa, code)
-        mark.parent.mkdir(parents=True, exist_ok=True)
-        tmp = mark.with_name(f".{mark.name}.{os.getpid()}")
-        tmp.write_text(f"{'good' if good else 'bad'}\n{text}\n")
-        os.replace(tmp, mark)
+        with contextlib.suppress(OSError):      # a cache we cannot write: the next process checks again
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            tmp = mark.with_name(f".{mark.name}.{os.getpid()}")
+            tmp.write_text(f"{'good' if good else 'bad'}\n{text}\n")
+            os.replace(tmp, mark)
         return good
 
     remembered.remembered = True
