@@ -499,7 +499,7 @@ def _launch_replicas(job, plan_path: str, out: str, settings, local: bool, quiet
 @stage_hosts_options
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0 opens it to the network)"),
-    port: int = typer.Option(8000, "--port"),
+    port: int = typer.Option(8000, "--port", help="0: any free port (the 'serving ... on' line names it)"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="HPIPE_API_KEY",
                                        help="require 'Authorization: Bearer KEY' on /v1 (or set HPIPE_API_KEY)"),
     served_model_name: str | None = typer.Option(None, "--served-model-name",
@@ -515,18 +515,20 @@ def serve(
     """Serve a plan behind an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     if max_queue < 0:
         raise HpipeError(f"--max-queue must be >= 0, got {max_queue}")
-    launcher.check_listen(host, port)
-    settings = launcher.LaunchSettings(runtime=runtime, serve=True, background_compile=True, log_dir=_log_dir(log_dir))
-    if hosts.inventory is None:
-        launcher.prestart_local(hosts.plan_path)
-    job = launcher.prepare_model(hosts.plan_path, settings, model=model, progress=_note)
-    if job.tokenizer is None:
-        raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")
-    client = PipelineClient(job, hosts.plan_path, settings, hosts.inventory, accept_new_keys=hosts.accept_new_keys,
-                            push=hosts.push, host_timeout_s=hosts.host_timeout_s, max_queue=max_queue, log=_note,
-                            quiet=quiet, recover=hosts.recover)
-    _note(f"starting {len(job.plan.stages)} stages of {job.plan.model.name} ...")
-    launcher.serve_http(client, served_model_name or job.plan.model.name, host, port, api_key, _note, hosts.cluster)
+    with launcher.listen_socket(host, port) as sock:      # the port is ours before the stages start
+        settings = launcher.LaunchSettings(runtime=runtime, serve=True, background_compile=True,
+                                           log_dir=_log_dir(log_dir))
+        if hosts.inventory is None:
+            launcher.prestart_local(hosts.plan_path)
+        job = launcher.prepare_model(hosts.plan_path, settings, model=model, progress=_note)
+        if job.tokenizer is None:
+            raise HpipeError(f"{job.source.name}: the model has no tokenizer files; hpipe serve needs one")
+        client = PipelineClient(job, hosts.plan_path, settings, hosts.inventory, accept_new_keys=hosts.accept_new_keys,
+                                push=hosts.push, host_timeout_s=hosts.host_timeout_s, max_queue=max_queue, log=_note,
+                                quiet=quiet, recover=hosts.recover)
+        _note(f"starting {len(job.plan.stages)} stages of {job.plan.model.name} ...")
+        launcher.serve_http(client, served_model_name or job.plan.model.name, host, sock, api_key, _note,
+                            hosts.cluster)
 
 
 def _print_replicas(report, out: str) -> None:

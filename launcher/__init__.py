@@ -13,8 +13,8 @@ from hpipe.launcher.local import launch_local, prestart_local, start_local, thre
 from hpipe.launcher.overheads import decode_terms
 from hpipe.launcher.replicas import ReplicaReport, check_replicas, launch_replicas, write_mode_trace
 from hpipe.launcher.run_chart import check_timeline_out, predicted_timeline, write_run_timeline
-from hpipe.launcher.service import check_listen, serve_http
+from hpipe.launcher.service import listen_socket, serve_http
 
-__all__ = ["HEARTBEAT_TIMEOUT_S", "TOLERANCE", "Launch", "LaunchSettings", "PreparedJob", "ReplicaReport", "check_replicas", "launch_replicas", "write_mode_trace", "busy_fractions", "check_listen", "check_table", "check_timeline_out", "decode_check", "decode_check_lines", "decode_terms", "encode_prompt",
+__all__ = ["HEARTBEAT_TIMEOUT_S", "TOLERANCE", "Launch", "LaunchSettings", "PreparedJob", "ReplicaReport", "check_replicas", "launch_replicas", "listen_socket", "write_mode_trace", "busy_fractions", "check_table", "check_timeline_out", "decode_check", "decode_check_lines", "decode_terms", "encode_prompt",
            "launch_cluster", "launch_local", "plan_check", "plan_hosts", "prestart_local", "predicted_timeline", "preflight", "prepare", "prepare_model", "read_job_files",
            "refuse_failed", "remote_model_spec", "serve_http", "start_cluster", "start_local", "threads_per_stage", "warm_hosts", "write_run_summary", "write_run_timeline"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import signal
 import subprocess
 import time
@@ -13,13 +14,31 @@ import urllib.request
 from pathlib import Path
 
 
-def start_serve(cmd: list[str], log: Path, port: int, *, within: float = 240, **popen) -> tuple[subprocess.Popen, str]:
-    """(the process, its base URL) once it is ready (`wait_ready`); `popen`: env, cwd."""
+def start_serve(cmd: list[str], log: Path, port: int | None = None, *, within: float = 240,
+                **popen) -> tuple[subprocess.Popen, str]:
+    """(the process, its base URL) once it is ready (`wait_ready`); `popen`: env, cwd. port None: the
+    command has `--port 0`, and the port is the one its "serving ... on" line names."""
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port if port is not None else served_port(proc, log, within)}"
     wait_ready(proc, base, log, within)
     return proc, base
+
+
+def served_port(proc: subprocess.Popen, log: Path, within: float = 240) -> int:
+    """The port an `hpipe serve --port 0` listens on, from its "serving ... on http://HOST:PORT/v1"
+    line (the port is the server's from its start: one picked free by the test and bound by the
+    server later had gone meanwhile to another process's pick)."""
+    deadline = time.time() + within
+    while time.time() < deadline:
+        found = re.search(r"^serving .* on http://[^ ]*:(\d+)/v1 ", log.read_text(), re.M)
+        if found:
+            return int(found.group(1))
+        if proc.poll() is not None:
+            raise AssertionError(f"hpipe serve exited {proc.returncode}: {log.read_text()[-3000:]}")
+        time.sleep(0.3)
+    stop_serve(proc, within=5)
+    raise AssertionError(f"hpipe serve named no port within {within:.0f} s: {log.read_text()[-3000:]}")
 
 
 def wait_ready(proc: subprocess.Popen, base: str, log: Path, within: float = 240) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from hpipe.launcher import forkserver
-from hpipe.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,9 +235,8 @@ def test_the_hpipe_command_forks_its_server_from_itself_and_nothing_outlives_it(
 
     plan = tmp_path / "plan.json"
     assert main(["plan", "--model", "smollm2", "--stages", "2", "-o", str(plan)]) == 0
-    port = free_port()
-    proc, base = start_serve([sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port)],
-                             tmp_path / "serve.log", port, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc, base = start_serve([sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", "0"],
+                             tmp_path / "serve.log", env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         body = json.dumps({"model": "smollm2", "prompt": [5, 6, 7], "max_tokens": 3}).encode()
         req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})

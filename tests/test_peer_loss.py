@@ -23,6 +23,7 @@ import pytest
 
 from hpipe.cli import main
 from hpipe.net import free_port
+from serving import served_port
 
 PEER = textwrap.dedent("""
     import os, sys, datetime, torch, torch.distributed as dist
@@ -123,12 +124,12 @@ def stage_pid(server: int, rank: int) -> int:
 
 
 def serve(tmp: Path, plan: Path, *extra: str) -> tuple[subprocess.Popen, openai.OpenAI, Path]:
-    port = free_port()
     log = tmp / "serve.log"
-    cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port), "--max-model-len",
+    cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", "0", "--max-model-len",
            "1024", "--max-batch", "4", "--log-dir", str(tmp / "stages"), "--compile", "off", *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    port = served_port(proc, log)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     deadline = time.time() + 240
     while True:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,6 @@ import torch
 from conftest import assert_greedy_equal
 from hpipe import models
 from hpipe.cli import main
-from hpipe.net import free_port
 from serving import start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
@@ -54,13 +54,12 @@ def start_server(tmp: Path, plan: Path, *extra: str, key: str | None = KEY,
                  compile: str = "off") -> tuple[subprocess.Popen, str, Path]:
     """compile: --compile; "off" unless a test is about it (on a host no `hpipe warmup` ran on,
     "auto" compiles in the background beside the server: tests/test_background_compile.py)."""
-    port = free_port()
-    log = tmp / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", str(port), "--max-model-len",
+    log = tmp / f"serve-{len(list(tmp.glob('serve-*.log')))}.log"
+    cmd = [sys.executable, "-m", "hpipe", "serve", str(plan), "--local", "--port", "0", "--max-model-len",
            "512", "--kv-pages", "80", "--max-batch", "8", "--compile", compile, *extra]
     if key:
         cmd += ["--api-key", key]
-    proc, base = start_serve(cmd, log, port)
+    proc, base = start_serve(cmd, log)
     return proc, base, log
 
 
@@ -343,3 +342,21 @@ def test_a_taken_port_is_one_line_before_any_stage_starts(smollm2, capsys):
         assert main(["serve", str(smollm2[1]), "--local", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "starting" not in err
+
+
+def test_a_servers_port_is_its_own_from_its_start():
+    """`hpipe serve` binds its port before the stages start and keeps it: a port checked free there and
+    bound a minute later, once the stages were up, had gone meanwhile to another process's pick of a
+    free port (`free_port`, as every local launch's rendezvous picks one). Port 0 takes any free one."""
+    from hpipe.errors import HpipeError
+    from hpipe.launcher import listen_socket
+
+    with listen_socket("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        assert port > 0
+        with socket.socket() as other, pytest.raises(OSError):   # what `free_port` tries on a port
+            other.bind(("", port))
+        with pytest.raises(HpipeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            listen_socket("127.0.0.1", port)
+    with pytest.raises(HpipeError, match="--port must be in 0..65535"):
+        listen_socket("127.0.0.1", 65536)

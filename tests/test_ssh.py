@@ -26,6 +26,7 @@ from browser import unavailable_reason as browser_missing
 from hpipe.cli import main
 from netns_hosts import (HostSpec, cpu_quota, elastic_profile, hpipe_processes, process_cmdline, namespace_pids, set_link, start_cluster,
                          stop_cluster, unavailable_reason, write_inventory)
+from serving import served_port
 
 ROOT = Path(__file__).resolve().parent.parent
 REASON = unavailable_reason()
@@ -642,7 +643,6 @@ def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, p
     server starts on two hosts; the third, added to its inventory, joins on SIGHUP."""
     import openai
 
-    from hpipe.net import free_port
     from hpipe import models
     plan, prompts = plan_and_prompts
     questions = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()[:2]]
@@ -658,13 +658,13 @@ def test_serve_on_hosts_answers_like_launch_and_ctrl_c_leaves_nothing(cluster, p
     slices = str(json.loads(Path(plan).read_text())["slicing"]["count"])
     hpipe("plan", "--model", "smollm2", "--cluster", inventory, "--num-slices", slices, "-o", two, cwd=tmp_path,
           check=True)
-    port = free_port()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(two), "--cluster",
-                             str(inventory), "--port", str(port), "--max-model-len", "512",
+                             str(inventory), "--port", "0", "--max-model-len", "512",
                              "--kv-pages", "64", "--compile", "off"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
     try:
+        port = served_port(proc, tmp_path / "serve.log")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
         deadline = time.time() + 240
         while True:
@@ -704,15 +704,15 @@ class Served:
     def __init__(self, cluster, plan: Path, tmp_path: Path, *extra: str):
         import openai
 
-        from hpipe.net import free_port
-        self.port, self.log = free_port(), tmp_path / "serve.log"
+        self.log = tmp_path / "serve.log"
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen([sys.executable, "-m", "hpipe", "serve", str(plan), "--cluster",
-                                          str(cluster.inventory_path), "--port", str(self.port), "--max-model-len",
+                                          str(cluster.inventory_path), "--port", "0", "--max-model-len",
                                           "512", "--kv-pages", "128", "--max-batch", "12", "--compile", "off",
                                           *extra],
                                          stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+        self.port = served_port(self.proc, self.log, 300)
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0,
                                     timeout=300)
         self.until(lambda: self.health()[0] == 200, 300, "the server never became ready")
